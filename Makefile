@@ -1,0 +1,24 @@
+# Two commands for a newcomer: `make lab` runs the main job, `make test` runs the test suite.
+# Each creates .venv and installs what it needs on first use (and again when pyproject.toml changes).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.jaxattn-installed
+
+.PHONY: lab test install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lab: $(STAMP)
+	$(PY) experiments/lab.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV) lab-output

@@ -1,0 +1,84 @@
+"""Boolean keep-masks: True means "this query may attend to this key".
+
+Masks are combined with ``logical_and`` (:func:`combine_masks`) and applied inside the softmax with a
+finite fill, so a row whose keys are all masked gives zero weights and zero output, never NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._checks import as_bool_array
+
+
+def _check_length(n: Any, name: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be a non-negative Python int, received {n!r}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, received {n}")
+    return int(n)
+
+
+def causal_mask(T: int, S: int | None = None, offset: int = 0) -> jax.Array:
+    """Causal keep-mask ``[T, S]``: query ``i`` may attend to key ``j`` iff ``j <= i + offset``.
+
+    ``offset=0`` aligns query 0 with key 0 (self-attention over one sequence, the convention of
+    ``jax.nn.dot_product_attention(is_causal=True)``). For queries that continue a cached prefix of
+    ``S - T`` keys, pass ``offset=S - T``.
+
+    Args:
+      T: number of queries.
+      S: number of keys; ``None`` means ``T``.
+      offset: how many keys past the diagonal each query may still see (may be negative).
+
+    Returns:
+      bool ``[T, S]``.
+    """
+    T = _check_length(T, "T")
+    S = T if S is None else _check_length(S, "S")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise TypeError(f"offset must be a Python int, received {offset!r}")
+    i = jnp.arange(T)[:, None]  # [T, 1]
+    j = jnp.arange(S)[None, :]  # [1, S]
+    return j <= i + int(offset)  # [T, S]
+
+
+def padding_mask(lengths: Any, S: int) -> jax.Array:
+    """Key-padding keep-mask: position ``j`` is kept iff ``j < length``.
+
+    Args:
+      lengths: integer array of any shape ``[...]`` (e.g. ``[B]``), the number of real keys.
+      S: padded key length.
+
+    Returns:
+      bool ``[..., S]``. For one example (a scalar length) this is ``[S]``, which broadcasts against
+      ``[T, S]`` and ``[N, T, S]`` as a mask for every query and head; ``vmap`` a batch of lengths.
+    """
+    S = _check_length(S, "S")
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"lengths must be an integer array, received dtype {lengths.dtype.name}")
+    return jnp.arange(S) < lengths[..., None]  # [..., S]
+
+
+def combine_masks(*masks: Any) -> jax.Array | None:
+    """``logical_and`` of the given keep-masks, broadcasting their shapes; ``None`` entries are skipped.
+
+    Returns ``None`` when every mask is ``None`` (attend everywhere).
+    """
+    kept = [as_bool_array(m, f"masks[{i}]") for i, m in enumerate(masks) if m is not None]
+    if not kept:
+        return None
+    try:
+        np.broadcast_shapes(*(tuple(m.shape) for m in kept))
+    except ValueError:
+        shapes = ", ".join(str(tuple(m.shape)) for m in kept)
+        raise ValueError(f"masks must broadcast against each other, received shapes {shapes}") from None
+    out = kept[0]
+    for m in kept[1:]:
+        out = jnp.logical_and(out, m)
+    return out

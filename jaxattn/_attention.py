@@ -403,7 +403,7 @@ _WEIGHT_KEYS = ("W_Q", "W_K", "W_V", "W_O")
 def _project(x: Array, params: dict, w: str, b: str) -> Array:
     y = x @ params[w]
     if params.get(b) is not None:
-        y = y + params[b]
+        y = y + params[b][None, :]  # [T, width]
     return y
 
 

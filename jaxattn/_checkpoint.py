@@ -425,6 +425,18 @@ class TextTokenizer:
         tok.decoder = decoders.ByteLevel()
         return cls(tok, **kwargs)
 
+    @classmethod
+    def train_byte_level_bpe(cls, texts: Sequence[str], vocab_size: int = 512, **kwargs: Any) -> "TextTokenizer":
+        """A GPT-2-style byte-level BPE trained on ``texts`` (for random models run offline; a real
+        model needs its own tokenizer). Its vocabulary has the 256 byte symbols, the merges learned
+        (up to ``vocab_size``) and ``<|endoftext|>``."""
+        from tokenizers import ByteLevelBPETokenizer
+
+        tok = ByteLevelBPETokenizer(add_prefix_space=False)
+        tok.train_from_iterator(list(texts), vocab_size=vocab_size, min_frequency=1,
+                                special_tokens=["<|endoftext|>"], show_progress=False)
+        return cls(tok._tokenizer, **kwargs)
+
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -23,6 +23,7 @@ The language-model head is tied to ``wte`` (``logits = h wteᵀ``), as in every 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,6 +37,7 @@ from jaxattn._checkpoint import (
     CheckpointError,
     ConfigSchema,
     TextTokenizer,
+    atomic_write,
     check_finite,
     check_shapes,
     flatten,
@@ -46,6 +48,7 @@ from jaxattn._checkpoint import (
     unflatten,
 )
 from jaxattn._checks import check_scale
+from jaxattn._trophy import RESOLUTION_PROMPT, RESOLUTIONS, SENTENCES, LabModel
 
 Array = jax.Array
 
@@ -188,6 +191,31 @@ def init_params(seed: int, config: GPT2Config) -> dict:
         else:
             flat[name] = np.zeros(shape, np.float32)
     return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+# The released GPT-2 shapes (vocabulary aside): layers, heads, width, positions.
+SIZES = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128),
+    "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),  # gpt2
+    "medium": dict(n_layer=24, n_head=16, n_embd=1024, n_positions=1024),  # gpt2-medium
+    "large": dict(n_layer=36, n_head=20, n_embd=1280, n_positions=1024),  # gpt2-large
+    "xl": dict(n_layer=48, n_head=25, n_embd=1600, n_positions=1024),  # gpt2-xl
+}
+
+
+def random_model(size: str = "small", *, seed: int = 0, texts: Any = None) -> tuple[dict, GPT2Config, TextTokenizer]:
+    """A RANDOM GPT-2 of a released size with a byte-level BPE trained on ``texts`` (default: the lab's
+    sentences): ``(params, config, tokenizer)`` like :func:`load`, for running the lab offline.
+
+    Its attention maps come from random weights (``N(0, 0.02²)``), not from a trained model.
+    """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, received {size!r}")
+    if texts is None:
+        texts = [t + RESOLUTION_PROMPT + r for t in SENTENCES.values() for r in RESOLUTIONS.values()]
+    tokenizer = TextTokenizer.train_byte_level_bpe(texts, vocab_size=512)
+    config = GPT2Config.make(vocab_size=tokenizer.vocab_size, **SIZES[size])
+    return init_params(seed, config), config, tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -461,6 +489,40 @@ def forward(
         params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(scale, jnp.float32), config=config,
         want_logits=return_attention_logits, want_qkv=return_qkv, want_hidden=return_hidden_states,
     )
+
+
+def lab_model(params: dict, config: GPT2Config, tokenizer: TextTokenizer, *, name: str = "gpt2") -> LabModel:
+    """GPT-2 as a :class:`~jaxattn._trophy.LabModel` for the lab's parts 3-4 (causal, with a scorer)."""
+
+    def tokenize(text: str) -> tuple[np.ndarray, list[str]]:
+        ids = tokenizer.encode(text)
+        return ids, tokenizer.labels(ids)
+
+    def attentions(ids: np.ndarray, scale: Any) -> np.ndarray:
+        return np.asarray(forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
+
+    def score(prefix: str, continuation: str) -> float:
+        p, c = tokenizer.encode(prefix), tokenizer.encode(continuation)
+        return float(log_prob(params, config, np.concatenate([p, c]), start=len(p)))
+
+    return LabModel(name=name, causal=True, tokenize=tokenize, attentions=attentions, score=score)
+
+
+def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: TextTokenizer | None = None) -> Path:
+    """Write a checkpoint :func:`load` reads: ``config.json``, ``flax_model.msgpack`` (Hugging Face Flax
+    layout) and, if given, ``tokenizer.json``; each file written atomically."""
+    from flax import serialization
+
+    check_params(params, config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **config._asdict()}
+    atomic_write(directory / "config.json", json.dumps(cfg, indent=2) + "\n")
+    flat = {k: np.asarray(v, np.float32) for k, v in flatten(params).items()}
+    atomic_write(directory / "flax_model.msgpack", serialization.msgpack_serialize(unflatten(flat)))
+    if tokenizer is not None:
+        atomic_write(directory / "tokenizer.json", tokenizer.backend.to_str())
+    return directory
 
 
 def log_prob(params: dict, config: GPT2Config, input_ids: Any, *, start: int, scale: Any = None) -> Array:

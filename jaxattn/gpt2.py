@@ -16,12 +16,16 @@ from jaxattn._gpt2 import (
     check_params,
     forward,
     init_params,
+    lab_model,
     load,
     log_prob,
     param_shapes,
     params_from_msgpack,
+    SIZES,
     params_from_safetensors,
+    random_model,
     read_gpt2_config,
+    save,
 )
 
 __all__ = [
@@ -32,10 +36,14 @@ __all__ = [
     "check_params",
     "forward",
     "init_params",
+    "lab_model",
     "load",
     "log_prob",
     "param_shapes",
     "params_from_msgpack",
     "params_from_safetensors",
+    "random_model",
     "read_gpt2_config",
+    "SIZES",
+    "save",
 ]

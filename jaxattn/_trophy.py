@@ -206,7 +206,7 @@ def png_grid(maps: SentenceMaps, *, dpi: int = 110) -> bytes:
                 ax.set_ylabel(f"L{layer}", fontsize=7)
     fig.suptitle(f"{maps.model}: {maps.text}\nrows = queries, columns = keys ({T} tokens)", fontsize=8)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
@@ -372,7 +372,8 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
                  f"{c.maps['small'].labels[c.first_difference]!r}); ' it' is token {c.it_index}")
     d = c.it_row_max_abs_diff
     lines.append(f"\n' it' row, max |A_big - A_small| per layer (max over heads):")
-    lines.append("  " + "  ".join(f"L{layer}:{d[layer].max():.3g}" for layer in range(L)))
+    cells = [f"L{layer}:{d[layer].max():.3g}" for layer in range(L)]
+    lines.extend("  " + "  ".join(cells[i:i + 12]) for i in range(0, L, 12))
     identical = bool(np.all(d == 0.0))
     lines.append(f"  over all {L * N} heads: max = {d.max():.3g}"
                  + ("  -> bit-identical (exactly 0)" if identical else ""))
@@ -388,7 +389,8 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
         lines.append(f"  heads whose preference changes sign the right way: {sign} of {L * N}; "
                      f"mean flip {f.mean():+.4f}")
     if c.log_probs is not None:
-        lines.append(f"\nwhat {c.model} predicts: log p(continuation | sentence + {RESOLUTION_PROMPT!r}) in nats")
+        lines.append(f"\nwhere it looks (attention, above) beside what it concludes (prediction): {c.model}'s "
+                     f"log p(continuation | sentence + {RESOLUTION_PROMPT!r}), nats")
         for k in ("big", "small"):
             lp = c.log_probs[k]
             pick = max(lp, key=lp.get)
@@ -396,7 +398,7 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
                          f"'the {pick}' (by {abs(lp['trophy'] - lp['suitcase']):.3f})")
         right = (c.log_probs["big"]["trophy"] > c.log_probs["big"]["suitcase"]
                  and c.log_probs["small"]["suitcase"] > c.log_probs["small"]["trophy"])
-        lines.append(f"  both resolutions right: {'yes' if right else 'no'} (where it looks is not what it concludes)")
+        lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
     e, m = c.entropy, c.max_weight
     lines.append(f"\nentropy of the attention rows ('too big' sentence), mean per layer, nats: "
                  f"scale=1/sqrt(d_k) vs scale=1.0")

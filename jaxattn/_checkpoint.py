@@ -350,7 +350,7 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
     def fetch(filename: str) -> Path:
         try:
             return Path(hf_hub_download(repo_id, filename))
-        except LocalEntryNotFoundError as e:  # a subclass of EntryNotFoundError: offline, nothing cached
+        except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: offline, nothing cached
             raise _Offline("no network access, or the hub cannot be reached") from None
 
     files: dict[str, Path] = {}

@@ -169,7 +169,7 @@ def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "")
                 c = LEVELS[min(int(w[i, j] * len(LEVELS)), len(LEVELS) - 1)]
                 cells.append(c * 2)
         lines.append(f"{i:>2d} {labels[i]!r:>{width}}  " + "".join(cells))
-    lines.append(f"scale: ' ' < 0.1 <= '.' < 0.2 ... '@' >= 0.9; ' ·' = weight exactly 0 (masked)")
+    lines.append("scale: ' ' < 0.1 <= '.' < 0.2 ... '@' >= 0.9; ' ·' = weight exactly 0 (masked)")
     return "\n".join(lines)
 
 
@@ -371,7 +371,7 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
     lines.append(f"first differing token: {c.first_difference} ({big.labels[c.first_difference]!r} vs "
                  f"{c.maps['small'].labels[c.first_difference]!r}); ' it' is token {c.it_index}")
     d = c.it_row_max_abs_diff
-    lines.append(f"\n' it' row, max |A_big - A_small| per layer (max over heads):")
+    lines.append("\n' it' row, max |A_big - A_small| per layer (max over heads):")
     cells = [f"L{layer}:{d[layer].max():.3g}" for layer in range(L)]
     lines.extend("  " + "  ".join(cells[i:i + 12]) for i in range(0, L, 12))
     identical = bool(np.all(d == 0.0))
@@ -400,8 +400,8 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
                  and c.log_probs["small"]["suitcase"] > c.log_probs["small"]["trophy"])
         lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
     e, m = c.entropy, c.max_weight
-    lines.append(f"\nentropy of the attention rows ('too big' sentence), mean per layer, nats: "
-                 f"scale=1/sqrt(d_k) vs scale=1.0")
+    lines.append("\nentropy of the attention rows ('too big' sentence), mean per layer, nats: "
+                 "scale=1/sqrt(d_k) vs scale=1.0")
     for layer in range(L):
         lines.append(f"  L{layer:<2} {e['scaled'][layer].mean():6.3f} -> {e['unscaled'][layer].mean():6.3f}   "
                      f"max weight {m['scaled'][layer].mean():.3f} -> {m['unscaled'][layer].mean():.3f}")

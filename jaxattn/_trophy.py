@@ -321,14 +321,17 @@ def compare(model: LabModel, sentences: dict[str, str] | None = None) -> Compari
     S = len(big.ids) if len(big.ids) == len(small.ids) else first_difference
     it_diff = np.abs(big.attentions[:, :, it, :S] - small.attentions[:, :, it, :S]).max(-1)  # [L, N]
 
+    def period(m: SentenceMaps) -> int:  # the last "." (an encoder may add [SEP] after it)
+        dots = [i for i, x in enumerate(m.labels) if _norm_label(x) == "."]
+        if not dots:
+            raise ValueError(f"the sentence must end with '.' as its own token, received labels {m.labels}")
+        return dots[-1]
+
     rows = {
         "it": lambda m: it,
-        "adjective": lambda m: len(m.labels) - 2,
-        "period": lambda m: len(m.labels) - 1,
+        "adjective": lambda m: period(m) - 1,  # the adjective's last token
+        "period": period,
     }
-    for m in (big, small):
-        if _norm_label(m.labels[-1]) != ".":
-            raise ValueError(f"the sentence must end with '.' as its own token, received labels {m.labels}")
     preference = {r: {k: _preference(m, f(m)) for k, m in maps.items()} for r, f in rows.items()}
     flip = {r: p["big"] - p["small"] for r, p in preference.items()}
 

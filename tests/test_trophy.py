@@ -97,11 +97,18 @@ def test_entropy_helper_closed_form():
     np.testing.assert_allclose(_entropy(p), [0.0, np.log(2), np.log(3)], rtol=1e-12)
 
 
-def _toy_bidirectional(scale_sharpens: bool = True) -> trophy.LabModel:
-    """A bidirectional toy: each query attends by similarity of made-up token vectors (no mask)."""
+def _toy_bidirectional() -> trophy.LabModel:
+    """A bidirectional toy, tokenized like an encoder ([CLS] ... [SEP]): each query attends by the
+    similarity of made-up token vectors, with no mask."""
     tok = TextTokenizer.train_byte_level_bpe(list(trophy.SENTENCES.values()), vocab_size=300)
     rng = np.random.default_rng(0)
-    emb = rng.standard_normal((tok.vocab_size, 8))
+    emb = rng.standard_normal((tok.vocab_size + 2, 8))
+
+    cls_id, sep_id = tok.vocab_size, tok.vocab_size + 1
+
+    def tokenize(text):
+        ids = tok.encode(text)
+        return np.concatenate([[cls_id], ids, [sep_id]]), ["[CLS]"] + tok.labels(ids) + ["[SEP]"]
 
     def attentions(ids, scale):
         x = emb[ids]  # [T, 8]
@@ -109,12 +116,13 @@ def _toy_bidirectional(scale_sharpens: bool = True) -> trophy.LabModel:
         w = np.exp(logits - logits.max(-1, keepdims=True))
         return (w / w.sum(-1, keepdims=True))[None, None]  # [1, 1, T, T]
 
-    return trophy.LabModel("toy", causal=False, tokenize=lambda t: (tok.encode(t), tok.labels(tok.encode(t))),
-                           attentions=attentions)
+    return trophy.LabModel("toy", causal=False, tokenize=tokenize, attentions=attentions)
 
 
 def test_bidirectional_model_it_row_may_change():
     c = trophy.compare(_toy_bidirectional())
+    labels = c.maps["big"].labels
+    assert labels[0] == "[CLS]" and labels[-1] == "[SEP]"
     assert c.it_row_max_abs_diff.max() > 0.0
     assert c.log_probs is None
     assert np.abs(c.flip["it"]).max() > 0.0

@@ -1,0 +1,467 @@
+"""Model-agnostic checkpoint loading: config files, weight files, hub resolution, tokenizers.
+
+Nothing here knows about a particular architecture. A model module (``_gpt2``, later an encoder) hands
+in a :class:`ConfigSchema` (which ``config.json`` fields it implements) and a table of expected weight
+shapes; these helpers read the files without PyTorch, refuse what the model does not implement and
+raise :class:`CheckpointError` naming the file and the key that is wrong.
+
+Weight files:
+  * ``model.safetensors`` through safetensors' NumPy API (no PyTorch), a flat ``{name: array}``;
+  * ``flax_model.msgpack`` through ``flax.serialization``, a nested dict flattened to ``"a/b/c"`` keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used: a file is missing, corrupt, or holds something the model refuses."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSchema:
+    """Which ``config.json`` fields a model implements.
+
+    Attributes:
+      required: fields that must be present, with the Python type(s) their value must have.
+      optional: fields that may be present: ``name -> (types, default)``.
+      fixed: fields that, when present, must hold one of the listed values (e.g. a feature the model
+        does not implement must be off): ``name -> (allowed values...)``.
+      ignored: fields known not to change the forward pass (training-only settings, metadata).
+    """
+
+    required: Mapping[str, Any]
+    optional: Mapping[str, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    fixed: Mapping[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    ignored: frozenset[str] = frozenset()
+
+
+def _type_ok(value: Any, types: Any) -> bool:
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool) and bool not in types:
+        return False  # JSON true is not an int
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        return True  # 1 is a fine float
+    return isinstance(value, types)
+
+
+def _type_name(types: Any) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+def read_config(path: str | os.PathLike, schema: ConfigSchema) -> dict[str, Any]:
+    """Read a ``config.json`` and check it against ``schema``.
+
+    Every field must be required, optional, fixed or ignored by the schema: an unknown field raises
+    (the model cannot promise to implement what it has never heard of).
+
+    Args:
+      path: the ``config.json`` file.
+      schema: what the model implements.
+
+    Returns:
+      ``{field: value}`` for the required and optional fields (defaults filled in) and the fixed ones.
+
+    Raises:
+      CheckpointError: missing or unreadable file, invalid JSON, a missing required field, a value of
+        the wrong type, a fixed field with an unsupported value, or an unknown field; the message names
+        the file and the key.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the config file ({e})") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+
+    out: dict[str, Any] = {}
+    for key, types in schema.required.items():
+        if key not in raw:
+            raise CheckpointError(f"{path}: required field '{key}' is missing")
+        if not _type_ok(raw[key], types):
+            raise CheckpointError(
+                f"{path}: field '{key}' must be {_type_name(types)}, found {raw[key]!r}"
+            )
+        out[key] = raw[key]
+    for key, (types, default) in schema.optional.items():
+        value = raw.get(key, default)
+        if key in raw and not _type_ok(value, types):
+            raise CheckpointError(f"{path}: field '{key}' must be {_type_name(types)}, found {value!r}")
+        out[key] = value
+    for key, allowed in schema.fixed.items():
+        if key in raw:
+            if raw[key] not in allowed:
+                raise CheckpointError(
+                    f"{path}: field '{key}' = {raw[key]!r} is not supported (supported: "
+                    f"{', '.join(repr(a) for a in allowed)})"
+                )
+            out[key] = raw[key]
+    known = set(schema.required) | set(schema.optional) | set(schema.fixed) | set(schema.ignored)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise CheckpointError(
+            f"{path}: unsupported config field '{unknown[0]}'"
+            + (f" (and {', '.join(repr(u) for u in unknown[1:])})" if len(unknown) > 1 else "")
+            + "; this model does not implement it, so its weights could be misread"
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weight files
+# ----------------------------------------------------------------------------------------------------
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a ``.safetensors`` file as NumPy arrays (no PyTorch), ``{name: array}``.
+
+    Raises:
+      CheckpointError: the file is missing, truncated or not a safetensors file (the message names it).
+    """
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weight file not found")
+    try:
+        return dict(load_file(str(path)))
+    except Exception as e:  # safetensors raises its own SafetensorError (not exported stably) or OSError
+        raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? ({e})") from None
+
+
+def read_msgpack(path: str | os.PathLike) -> dict[str, Any]:
+    """A Flax ``.msgpack`` checkpoint as a nested dict of NumPy arrays.
+
+    Raises:
+      CheckpointError: the file is missing, truncated or not a Flax msgpack file (the message names it).
+    """
+    from flax import serialization
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weight file not found")
+    data = path.read_bytes()
+    try:
+        tree = serialization.msgpack_restore(data)
+    except (ValueError, TypeError, KeyError) as e:  # msgpack's errors subclass ValueError
+        raise CheckpointError(f"{path}: cannot read Flax msgpack file, truncated or corrupt? ({e})") from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path}: expected a nested dict of arrays, found {type(tree).__name__}")
+    return tree
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict as ``{"a/b/c": leaf}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "/"))
+        else:
+            out[name] = value
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`flatten`."""
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = out
+        *parents, leaf = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def check_shapes(
+    arrays: Mapping[str, Any],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str | os.PathLike,
+    *,
+    kernel_layout: str = "",
+) -> None:
+    """Every expected key present with its exact shape, no unexpected key, every array floating.
+
+    Args:
+      arrays: ``{key: array}`` as read (keys already mapped to the model's names).
+      expected: ``{key: shape}``.
+      source: the file the arrays came from, named in the message.
+      kernel_layout: how this file stores 2-D kernels (e.g. ``"(out, in)"``), quoted when a kernel's
+        shape is the expected one reversed.
+
+    Raises:
+      CheckpointError: naming the file, the key, the expected and the found shape; a kernel whose shape
+        is the expected one reversed is reported as transposed.
+    """
+    missing = [k for k in expected if k not in arrays]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{source}: missing weight '{missing[0]}'{more}")
+    unexpected = [k for k in arrays if k not in expected]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{source}: unexpected weight '{unexpected[0]}'{more}, which this model does not use")
+    for key, shape in expected.items():
+        found = tuple(np.shape(arrays[key]))
+        if found != tuple(shape):
+            hint = ""
+            if len(found) == 2 and found == tuple(shape)[::-1]:
+                hint = " (it looks transposed" + (f"; this file stores kernels as {kernel_layout}" if kernel_layout else "") + ")"
+            raise CheckpointError(
+                f"{source}: weight '{key}' has shape {found}, expected {tuple(shape)}{hint}"
+            )
+        dtype = np.asarray(arrays[key]).dtype
+        if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
+            raise CheckpointError(f"{source}: weight '{key}' has dtype {dtype}, expected a floating dtype")
+
+
+def check_finite(arrays: Mapping[str, Any], source: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` naming the first weight holding NaN or Inf."""
+    for key, value in arrays.items():
+        if not np.all(np.isfinite(np.asarray(value, np.float32))):
+            raise CheckpointError(f"{source}: weight '{key}' holds NaN or Inf values; the file is corrupt")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resolving a hub id or a local directory
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedFiles:
+    """Local paths of a checkpoint's files: ``files[name] = path`` for each file found."""
+
+    source: str
+    directory: Path
+    files: Mapping[str, Path]
+
+
+def _option(opt: str | Sequence[str]) -> tuple[str, ...]:
+    return (opt,) if isinstance(opt, str) else tuple(opt)
+
+
+def _group_text(group: Sequence[str | Sequence[str]]) -> str:
+    return " or ".join(" + ".join(_option(o)) for o in group)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def _looks_like_path(name: str) -> bool:
+    """True for anything that cannot be a hub id (``gpt2``, ``owner/name``): ``./x``, ``/a/b/c``, ``~``."""
+    return not _HUB_ID.match(name)
+
+
+def resolve(
+    name_or_path: str | os.PathLike,
+    *,
+    required: Sequence[str],
+    any_of: Sequence[Sequence[str | Sequence[str]]] = (),
+) -> ResolvedFiles:
+    """Find a checkpoint's files in a local directory or on the Hugging Face hub (with its cache).
+
+    A local directory is used as is. Anything else is a hub repository id (``gpt2``,
+    ``openai-community/gpt2-medium``): each file is fetched with ``huggingface_hub.hf_hub_download``,
+    which shows a progress bar and caches, and works offline from the cache.
+
+    Args:
+      name_or_path: a local directory or a hub id.
+      required: file names that must all exist (e.g. ``["config.json"]``).
+      any_of: groups of options; from each group the first option whose files all exist is taken (e.g.
+        the weights, ``["model.safetensors", "flax_model.msgpack"]``, or a tokenizer,
+        ``["tokenizer.json", ("vocab.json", "merges.txt")]``); at least one option must exist.
+
+    Returns:
+      A :class:`ResolvedFiles`.
+
+    Raises:
+      CheckpointError: a missing directory or file; a hub id that cannot be fetched: offline with
+        nothing cached gives one message that says how to point at a local directory instead.
+    """
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        files: dict[str, Path] = {}
+        for f in required:
+            if not (path / f).is_file():
+                raise CheckpointError(f"{path / f}: file not found (the checkpoint directory needs {', '.join(required)})")
+            files[f] = path / f
+        for group in any_of:
+            found = [opt for opt in group if all((path / f).is_file() for f in _option(opt))]
+            if not found:
+                raise CheckpointError(
+                    f"{path}: none of {_group_text(group)} found in the checkpoint directory"
+                )
+            files.update({f: path / f for f in _option(found[0])})
+        return ResolvedFiles(name, path, files)
+    if path.exists():
+        raise CheckpointError(f"{name}: not a directory; pass a checkpoint directory or a hub id")
+    if _looks_like_path(name):
+        raise CheckpointError(f"{name}: no such directory; pass a checkpoint directory or a hub id")
+    return _resolve_hub(name, required, any_of)
+
+
+def _offline_message(repo_id: str, required: Sequence[str], any_of: Sequence[Sequence[str]], detail: str) -> str:
+    needs = list(required) + [_group_text(g) for g in any_of]
+    return (
+        f"cannot fetch '{repo_id}' from the Hugging Face hub and it is not in the local cache ({detail}). "
+        f"Without network access, point at a local directory instead: a folder holding {'; '.join(needs)} "
+        f"(e.g. copied from a machine that has `huggingface-cli download {repo_id}`), passed as the path "
+        f"in place of '{repo_id}'."
+    )
+
+
+class _Offline(Exception):
+    """Internal: the hub cannot be reached and the file is not cached."""
+
+
+def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequence[str]]) -> ResolvedFiles:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    def fetch(filename: str) -> Path:
+        try:
+            return Path(hf_hub_download(repo_id, filename))
+        except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: offline, nothing cached
+            raise _Offline("no network access, or the hub cannot be reached") from None
+
+    files: dict[str, Path] = {}
+    try:
+        for f in required:
+            try:
+                files[f] = fetch(f)
+            except EntryNotFoundError:
+                raise CheckpointError(f"hub repository '{repo_id}' has no file '{f}'") from None
+        for group in any_of:
+            for opt in group:
+                try:
+                    files.update({f: fetch(f) for f in _option(opt)})
+                    break
+                except EntryNotFoundError:
+                    continue
+            else:
+                raise CheckpointError(f"hub repository '{repo_id}' has none of {_group_text(group)}")
+    except _Offline as e:
+        raise CheckpointError(_offline_message(repo_id, required, any_of, str(e))) from None
+    except HFValidationError:
+        raise CheckpointError(
+            f"'{repo_id}' is neither a local directory nor a valid Hugging Face hub id"
+        ) from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(
+            f"'{repo_id}' is neither a local directory nor a hub repository that can be accessed"
+        ) from None
+    except HfHubHTTPError as e:  # reached the hub, which refused (gated repository, server error)
+        raise CheckpointError(f"the Hugging Face hub refused '{repo_id}': {str(e).splitlines()[0]}") from None
+    except OSError as e:  # requests' ConnectionError and timeouts subclass OSError
+        raise CheckpointError(_offline_message(repo_id, required, any_of, str(e).splitlines()[0])) from None
+    directory = next(iter(files.values())).parent
+    return ResolvedFiles(repo_id, directory, files)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizers (the `tokenizers` package; no transformers)
+# ----------------------------------------------------------------------------------------------------
+
+
+class TextTokenizer:
+    """A thin wrapper over ``tokenizers.Tokenizer``: text in, integer ids and readable labels out.
+
+    Built from a ``tokenizer.json`` (:meth:`from_file`) or, for byte-level BPE models such as GPT-2,
+    from ``vocab.json`` + ``merges.txt`` (:meth:`from_bpe_files`).
+    """
+
+    def __init__(self, tokenizer: Any, *, add_special_tokens: bool = True):
+        self.backend = tokenizer
+        self.add_special_tokens = add_special_tokens
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **kwargs: Any) -> "TextTokenizer":
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)), **kwargs)
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise CheckpointError(f"{path}: cannot read tokenizer file ({e})") from None
+
+    @classmethod
+    def from_bpe_files(cls, vocab: str | os.PathLike, merges: str | os.PathLike, **kwargs: Any) -> "TextTokenizer":
+        """GPT-2's byte-level BPE from ``vocab.json`` and ``merges.txt`` (no prefix space)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        try:
+            tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise CheckpointError(f"{vocab}, {merges}: cannot read the BPE vocabulary ({e})") from None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return cls(tok, **kwargs)
+
+    @classmethod
+    def train_byte_level_bpe(cls, texts: Sequence[str], vocab_size: int = 512, **kwargs: Any) -> "TextTokenizer":
+        """A GPT-2-style byte-level BPE trained on ``texts`` (for random models run offline; a real
+        model needs its own tokenizer). Its vocabulary has the 256 byte symbols, the merges learned
+        (up to ``vocab_size``) and ``<|endoftext|>``."""
+        from tokenizers import ByteLevelBPETokenizer
+
+        tok = ByteLevelBPETokenizer(add_prefix_space=False)
+        tok.train_from_iterator(list(texts), vocab_size=vocab_size, min_frequency=1,
+                                special_tokens=["<|endoftext|>"], show_progress=False)
+        return cls(tok._tokenizer, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids ``[T]`` (int32)."""
+        return np.asarray(self.backend.encode(text, add_special_tokens=self.add_special_tokens).ids, np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def labels(self, ids: Iterable[int]) -> list[str]:
+        """One readable label per token: its own decoded text (``" it"``), or its vocabulary entry."""
+        out = []
+        for i in ids:
+            text = self.backend.decode([int(i)], skip_special_tokens=False)
+            out.append(text if text else (self.backend.id_to_token(int(i)) or f"<{int(i)}>"))
+        return out
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    mode = "wb" if isinstance(data, bytes) else "w"
+    with open(tmp, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -1,0 +1,413 @@
+"""The lab's parts 3 and 4 on any model: the trophy sentence's attention, and the two sentences compared.
+
+Model-agnostic: a model enters through a :class:`LabModel` (a name, whether its attention is causal,
+text -> token ids and labels, ids -> every attention map, optionally a scorer of continuations), so
+GPT-2 (causal) and a BERT encoder (bidirectional) run through the same analysis. Functions return data;
+``render_*`` functions return strings (or PNG bytes); nothing here prints or writes files.
+
+Axis alphabet: L layers, N heads, T tokens (queries), S tokens (keys; S = T here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+SENTENCES = {
+    "big": "The trophy didn't fit in the suitcase because it was too big.",
+    "small": "The trophy didn't fit in the suitcase because it was too small.",
+}
+# How the model's own prediction is read: the log-probability of each resolution after the sentence.
+RESOLUTION_PROMPT = ' In that sentence, "it" refers to the'
+RESOLUTIONS = {"trophy": " trophy", "suitcase": " suitcase"}
+
+# Intensity characters for ASCII maps, from weight 0 (blank) to weight 1.
+LEVELS = " .:-=+*#%@"
+
+
+@dataclasses.dataclass(frozen=True)
+class LabModel:
+    """What the lab needs from a model.
+
+    Attributes:
+      name: shown in reports.
+      causal: True if query ``t`` can only see keys ``s <= t`` (GPT-2), False if bidirectional (BERT).
+      tokenize: ``text -> (ids [T] int, labels: T strings)``, the labels readable (``" it"``).
+      attentions: ``(ids [T], scale) -> [L, N, T, T]`` every layer's attention weights; ``scale=None``
+        is the model's own ``1/sqrt(d_k)``, ``scale=1.0`` the unscaled variant.
+      score: optional ``(prefix, continuation) -> log p(continuation | prefix)`` in nats (a causal LM).
+    """
+
+    name: str
+    causal: bool
+    tokenize: Callable[[str], tuple[np.ndarray, list[str]]]
+    attentions: Callable[[np.ndarray, Any], np.ndarray]
+    score: Callable[[str, str], float] | None = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _entropy(weights: np.ndarray) -> np.ndarray:
+    """Row entropy ``-Σ_s p_s log p_s`` in nats with ``0 log 0 = 0``: ``[..., S] -> [...]`` (float64).
+
+    Private stand-in for ``jaxattn.probes.entropy`` (same definition), used until that module lands.
+    """
+    p = np.asarray(weights, np.float64)
+    return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
+
+
+def _norm_label(label: str) -> str:
+    return label.replace("Ġ", " ").replace("##", "").strip().lower()
+
+
+def word_span(labels: Sequence[str], word: str, *, after: int = 0) -> tuple[int, int]:
+    """``(start, stop)``: the first run of tokens at or after ``after`` whose labels spell ``word``.
+
+    Labels are compared without spaces, BERT's ``##`` and case, so a word split into several tokens
+    (``" suit" + "case"``) is found as a span.
+
+    Raises:
+      ValueError: naming the word and the labels when it is not there.
+    """
+    target = word.strip().lower()
+    norm = [_norm_label(x) for x in labels]
+    for start in range(after, len(norm)):
+        text = ""
+        for stop in range(start, len(norm)):
+            if not norm[stop] and stop == start:
+                break
+            text += norm[stop]
+            if text == target:
+                return start, stop + 1
+            if not target.startswith(text):
+                break
+    raise ValueError(f"word {word!r} not found among the tokens {list(labels)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 3: the attention map of one sentence
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SentenceMaps:
+    """One sentence through one model: ``ids [T]``, ``labels`` (T strings), ``attentions [L, N, T, T]``."""
+
+    model: str
+    text: str
+    ids: np.ndarray
+    labels: list[str]
+    attentions: np.ndarray
+    scale: float | None = None
+
+
+def sentence_maps(model: LabModel, text: str, *, scale: Any = None, run_length: int | None = None) -> SentenceMaps:
+    """Run ``text`` through ``model`` and keep every attention map (float64 copies).
+
+    Args:
+      model: a :class:`LabModel`.
+      text: the sentence.
+      scale: the attention scale (``None``: the model's own).
+      run_length: causal models only: run the model on the ids padded at the end (repeating the last
+        token) to this many tokens, and keep the first T rows and columns. Under a causal mask no
+        position sees the padding, so the maps are the same; two sentences run at one length go
+        through one compiled program, so a shared prefix gives bit-identical numbers (two lengths
+        would be two programs, free to round differently).
+    """
+    ids, labels = model.tokenize(text)
+    ids = np.asarray(ids)
+    T = len(labels)
+    run = ids
+    if run_length is not None and run_length > T:
+        if not model.causal:
+            raise ValueError(f"{model.name} is not causal: padding would change its attention maps")
+        run = np.concatenate([ids, np.full(run_length - T, ids[-1], ids.dtype)])
+    att = np.asarray(model.attentions(run, scale), np.float64)[:, :, :T, :T]  # [L, N, T, T]
+    if att.ndim != 4 or att.shape[2:] != (T, T):
+        raise ValueError(f"{model.name}: attentions must have shape [L, N, T, T] with T={T}, received {att.shape}")
+    return SentenceMaps(model.name, text, ids, list(labels), att, scale)
+
+
+def focus_head(maps: SentenceMaps, row_word: str, col_words: Sequence[str]) -> tuple[int, int]:
+    """``(layer, head)`` whose ``row_word`` row puts the most weight on the ``col_words`` tokens."""
+    r = word_span(maps.labels, row_word)[1] - 1
+    cols = np.zeros(len(maps.labels), bool)
+    for w in col_words:
+        a, b = word_span(maps.labels, w)
+        cols[a:b] = True
+    mass = maps.attentions[:, :, r, :][..., cols].sum(-1)  # [L, N]
+    layer, head = np.unravel_index(int(np.argmax(mass)), mass.shape)
+    return int(layer), int(head)
+
+
+def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "") -> str:
+    """An attention map ``[T, S]`` as text: one row per query token, one 2-character cell per key.
+
+    The cell's character encodes the weight on an absolute scale, ``LEVELS[floor(w · 10)]`` from
+    ``" "`` (below 0.1) to ``"@"`` (0.9 and above). A weight of exactly 0 is drawn ``" ·"``: in a
+    causal map, the keys a query cannot see; so blank means "small", a dot means "cannot see".
+    Columns are numbered with the row indices.
+    """
+    w = np.asarray(weights, np.float64)
+    T, S = w.shape
+    width = max(len(repr(x)) for x in labels) if labels else 0
+    head = " " * (width + 5) + "".join(f"{j % 100:>2d}" for j in range(S))
+    lines = [title] if title else []
+    lines.append(head)
+    for i in range(T):
+        cells = []
+        for j in range(S):
+            if w[i, j] == 0.0:
+                cells.append(" ·")
+            else:
+                c = LEVELS[min(int(w[i, j] * len(LEVELS)), len(LEVELS) - 1)]
+                cells.append(c * 2)
+        lines.append(f"{i:>2d} {labels[i]!r:>{width}}  " + "".join(cells))
+    lines.append("scale: ' ' < 0.1 <= '.' < 0.2 ... '@' >= 0.9; ' ·' = weight exactly 0 (masked)")
+    return "\n".join(lines)
+
+
+def render_part3(maps: SentenceMaps, layer: int, head: int) -> str:
+    """Part 3 as text: the chosen head's map and the head-average of its layer."""
+    L, N = maps.attentions.shape[:2]
+    if not (0 <= layer < L and 0 <= head < N):
+        raise ValueError(f"layer/head must lie in [0, {L}) x [0, {N}), received ({layer}, {head})")
+    a = render_ascii(maps.attentions[layer, head], maps.labels,
+                     title=f"{maps.model}: layer {layer}, head {head}  ({maps.text!r})")
+    b = render_ascii(maps.attentions[layer].mean(0), maps.labels,
+                     title=f"{maps.model}: layer {layer}, averaged over its {N} heads")
+    return a + "\n\n" + b
+
+
+def png_grid(maps: SentenceMaps, *, dpi: int = 110) -> bytes:
+    """Every layer x head map of one sentence as one PNG (bytes; the caller writes the file)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L, N, T, _ = maps.attentions.shape
+    fig, axes = plt.subplots(L, N, figsize=(1.1 * N + 1.5, 1.1 * L + 1.0), squeeze=False)
+    for layer in range(L):
+        for head in range(N):
+            ax = axes[layer, head]
+            ax.imshow(maps.attentions[layer, head], cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if layer == 0:
+                ax.set_title(f"h{head}", fontsize=7)
+            if head == 0:
+                ax.set_ylabel(f"L{layer}", fontsize=7)
+    fig.suptitle(f"{maps.model}: {maps.text}\nrows = queries, columns = keys ({T} tokens)", fontsize=8)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 4: the two sentences compared
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Part 4's numbers. Arrays are ``[L, N]`` (per layer and head) unless noted.
+
+    Attributes:
+      model, causal: which model; whether its attention is causal.
+      maps: the two sentences' :class:`SentenceMaps` (keys ``"big"``, ``"small"``).
+      first_difference: the first token position where the two sentences' ids differ.
+      it_index: the row of " it" (the same position in both sentences).
+      it_row_max_abs_diff: ``max_s |A_big[l, n, it, s] - A_small[l, n, it, s]|`` over the keys both
+        sentences have at the same position. A causal model runs both sentences at one length (the
+        shorter padded at its end, where no earlier position can see it), so this is exactly 0.
+      preference: ``{row: {sentence: [L, N]}}``, the weight the row puts on " trophy" minus on
+        " suitcase", for rows ``"it"``, ``"adjective"`` and ``"period"`` (the final ".").
+      flip: ``{row: [L, N]}``, ``preference[big] - preference[small]``: positive when the head looks
+        more at the trophy in "too big" and more at the suitcase in "too small" (the right way).
+      log_probs: ``{sentence: {"trophy": lp, "suitcase": lp}}``, or ``None`` without a scorer.
+      entropy: ``{"scaled": [L, N], "unscaled": [L, N]}``, the mean row entropy (nats) of the "big"
+        sentence with the model's own scale and with ``scale=1.0``.
+      max_weight: the same for the mean of each row's largest weight.
+    """
+
+    model: str
+    causal: bool
+    maps: dict[str, SentenceMaps]
+    first_difference: int
+    it_index: int
+    it_row_max_abs_diff: np.ndarray
+    preference: dict[str, dict[str, np.ndarray]]
+    flip: dict[str, np.ndarray]
+    log_probs: dict[str, dict[str, float]] | None
+    entropy: dict[str, np.ndarray]
+    max_weight: dict[str, np.ndarray]
+
+    def ranking(self, row: str, top: int | None = None) -> list[dict[str, Any]]:
+        """Heads sorted by ``flip[row]``, largest first: ``[{layer, head, big, small, flip}, ...]``."""
+        f = self.flip[row]
+        order = np.argsort(-f, axis=None, kind="stable")
+        out = []
+        for idx in order[:top]:
+            layer, head = np.unravel_index(int(idx), f.shape)
+            out.append({
+                "layer": int(layer), "head": int(head),
+                "big": float(self.preference[row]["big"][layer, head]),
+                "small": float(self.preference[row]["small"][layer, head]),
+                "flip": float(f[layer, head]),
+            })
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain lists and floats, ready for ``json.dumps``."""
+        return {
+            "model": self.model,
+            "causal": self.causal,
+            "sentences": {k: {"text": m.text, "ids": m.ids.tolist(), "labels": m.labels} for k, m in self.maps.items()},
+            "first_difference": self.first_difference,
+            "it_index": self.it_index,
+            "it_row_max_abs_diff": self.it_row_max_abs_diff.tolist(),
+            "it_row_identical": bool(np.all(self.it_row_max_abs_diff == 0.0)),
+            "preference": {r: {s: v.tolist() for s, v in d.items()} for r, d in self.preference.items()},
+            "flip": {r: v.tolist() for r, v in self.flip.items()},
+            "ranking": {r: self.ranking(r) for r in self.flip},
+            "log_probs": self.log_probs,
+            "entropy": {k: v.tolist() for k, v in self.entropy.items()},
+            "max_weight": {k: v.tolist() for k, v in self.max_weight.items()},
+        }
+
+
+def _preference(maps: SentenceMaps, row: int) -> np.ndarray:
+    t0, t1 = word_span(maps.labels, "trophy")
+    s0, s1 = word_span(maps.labels, "suitcase")
+    a = maps.attentions[:, :, row, :]  # [L, N, S]
+    return a[..., t0:t1].sum(-1) - a[..., s0:s1].sum(-1)  # [L, N]
+
+
+def compare(model: LabModel, sentences: dict[str, str] | None = None) -> Comparison:
+    """Part 4: the "big" and "small" sentences through ``model``, compared per layer and head.
+
+    Args:
+      model: a :class:`LabModel`.
+      sentences: ``{"big": ..., "small": ...}``; default :data:`SENTENCES`. Each must contain the words
+        trophy, suitcase, it, and end with its adjective followed by ".".
+
+    Returns:
+      A :class:`Comparison`.
+    """
+    sentences = dict(SENTENCES if sentences is None else sentences)
+    if set(sentences) != {"big", "small"}:
+        raise ValueError(f"sentences must have the keys 'big' and 'small', received {sorted(sentences)}")
+    run_length = None
+    if model.causal:  # one length for both sentences: one compiled program (see sentence_maps)
+        run_length = max(len(model.tokenize(sentences[k])[0]) for k in ("big", "small"))
+    maps = {k: sentence_maps(model, sentences[k], run_length=run_length) for k in ("big", "small")}
+    big, small = maps["big"], maps["small"]
+    n = min(len(big.ids), len(small.ids))
+    diff = np.nonzero(big.ids[:n] != small.ids[:n])[0]
+    first_difference = int(diff[0]) if diff.size else n
+    it = word_span(big.labels, "it", after=word_span(big.labels, "because")[1])[1] - 1
+    if it != word_span(small.labels, "it", after=word_span(small.labels, "because")[1])[1] - 1:
+        raise ValueError("the token ' it' sits at different positions in the two sentences")
+    # Keys present at the same position in both: the whole row when the lengths agree, else the
+    # shared prefix (all a causal model's " it" can see either way).
+    S = len(big.ids) if len(big.ids) == len(small.ids) else first_difference
+    it_diff = np.abs(big.attentions[:, :, it, :S] - small.attentions[:, :, it, :S]).max(-1)  # [L, N]
+
+    def period(m: SentenceMaps) -> int:  # the last "." (an encoder may add [SEP] after it)
+        dots = [i for i, x in enumerate(m.labels) if _norm_label(x) == "."]
+        if not dots:
+            raise ValueError(f"the sentence must end with '.' as its own token, received labels {m.labels}")
+        return dots[-1]
+
+    rows = {
+        "it": lambda m: it,
+        "adjective": lambda m: period(m) - 1,  # the adjective's last token
+        "period": period,
+    }
+    preference = {r: {k: _preference(m, f(m)) for k, m in maps.items()} for r, f in rows.items()}
+    flip = {r: p["big"] - p["small"] for r, p in preference.items()}
+
+    log_probs = None
+    if model.score is not None:
+        log_probs = {
+            k: {res: float(model.score(sentences[k] + RESOLUTION_PROMPT, cont)) for res, cont in RESOLUTIONS.items()}
+            for k in ("big", "small")
+        }
+
+    unscaled = sentence_maps(model, sentences["big"], scale=1.0)
+    entropy = {"scaled": _entropy(big.attentions).mean(-1), "unscaled": _entropy(unscaled.attentions).mean(-1)}
+    max_weight = {"scaled": big.attentions.max(-1).mean(-1), "unscaled": unscaled.attentions.max(-1).mean(-1)}
+    return Comparison(model.name, model.causal, maps, first_difference, it, it_diff, preference, flip,
+                      log_probs, entropy, max_weight)
+
+
+def _why_it_row(c: Comparison) -> str:
+    if c.causal:
+        return (
+            f"Why: under the causal mask (chapter 04) query {c.it_index} (' it') sees only keys 0..{c.it_index}, "
+            f"and the sentences first differ at token {c.first_difference}, after ' it'. Every layer "
+            f"computes the same numbers for the shared prefix, so the row is identical in every head: "
+            f"when {c.model} reads ' it', it cannot know yet whether the thing was too big or too small. "
+            f"This is the uncomfortable result. Any resolution must happen later, at the adjective or "
+            f"the final '.', looking back."
+        )
+    return (
+        f"{c.model} is bidirectional: ' it' (token {c.it_index}) also sees the adjective at token "
+        f"{c.first_difference}, so its row may change between the sentences."
+    )
+
+
+def render_part4(c: Comparison, *, top: int = 5) -> str:
+    """Part 4 as text: the " it" row, the heads ranked by flip, the model's prediction, the entropy."""
+    L, N = c.it_row_max_abs_diff.shape
+    lines = [f"== Part 4: 'too big' vs 'too small' on {c.model} ({L} layers x {N} heads) =="]
+    big = c.maps["big"]
+    lines.append(f"tokens: {big.labels}")
+    lines.append(f"first differing token: {c.first_difference} ({big.labels[c.first_difference]!r} vs "
+                 f"{c.maps['small'].labels[c.first_difference]!r}); ' it' is token {c.it_index}")
+    d = c.it_row_max_abs_diff
+    lines.append("\n' it' row, max |A_big - A_small| per layer (max over heads):")
+    cells = [f"L{layer}:{d[layer].max():.3g}" for layer in range(L)]
+    lines.extend("  " + "  ".join(cells[i:i + 12]) for i in range(0, L, 12))
+    identical = bool(np.all(d == 0.0))
+    lines.append(f"  over all {L * N} heads: max = {d.max():.3g}"
+                 + ("  -> bit-identical (exactly 0)" if identical else ""))
+    lines.append("  " + _why_it_row(c))
+    for row in ("adjective", "period") + (() if c.causal else ("it",)):
+        lines.append(f"\nrow of the {row} token: weight on ' trophy' minus on ' suitcase'; heads ranked by "
+                     f"flip = pref(big) - pref(small) (positive = the right way round):")
+        lines.append(f"  {'layer':>5} {'head':>4} {'big':>8} {'small':>8} {'flip':>8}")
+        for r in c.ranking(row, top):
+            lines.append(f"  {r['layer']:>5} {r['head']:>4} {r['big']:>8.4f} {r['small']:>8.4f} {r['flip']:>8.4f}")
+        f = c.flip[row]
+        sign = int(np.sum((c.preference[row]['big'] > 0) & (c.preference[row]['small'] < 0)))
+        lines.append(f"  heads whose preference changes sign the right way: {sign} of {L * N}; "
+                     f"mean flip {f.mean():+.4f}")
+    if c.log_probs is not None:
+        lines.append(f"\nwhere it looks (attention, above) beside what it concludes (prediction): {c.model}'s "
+                     f"log p(continuation | sentence + {RESOLUTION_PROMPT!r}), nats")
+        for k in ("big", "small"):
+            lp = c.log_probs[k]
+            pick = max(lp, key=lp.get)
+            lines.append(f"  too {k:<5}: trophy {lp['trophy']:8.3f}  suitcase {lp['suitcase']:8.3f}  -> prefers "
+                         f"'the {pick}' (by {abs(lp['trophy'] - lp['suitcase']):.3f})")
+        right = (c.log_probs["big"]["trophy"] > c.log_probs["big"]["suitcase"]
+                 and c.log_probs["small"]["suitcase"] > c.log_probs["small"]["trophy"])
+        lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
+    e, m = c.entropy, c.max_weight
+    lines.append("\nentropy of the attention rows ('too big' sentence), mean per layer, nats: "
+                 "scale=1/sqrt(d_k) vs scale=1.0")
+    for layer in range(L):
+        lines.append(f"  L{layer:<2} {e['scaled'][layer].mean():6.3f} -> {e['unscaled'][layer].mean():6.3f}   "
+                     f"max weight {m['scaled'][layer].mean():.3f} -> {m['unscaled'][layer].mean():.3f}")
+    lines.append(f"  all heads: {e['scaled'].mean():.3f} -> {e['unscaled'].mean():.3f} nats; heads whose entropy "
+                 f"fell: {int(np.sum(e['unscaled'] < e['scaled']))} of {L * N}")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Lab parts 3-4: the " it" row under a causal mask, the trophy/suitcase flip, the renderers."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxattn import gpt2, trophy
+from jaxattn._checkpoint import TextTokenizer, flatten
+from jaxattn._trophy import _entropy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random tiny GPT-2 with a byte-level BPE trained here, saved and loaded back as a checkpoint."""
+    params, config, tokenizer = gpt2.random_model("tiny", seed=1)
+    directory = gpt2.save(tmp_path_factory.mktemp("tiny"), params, config, tokenizer)
+    loaded = gpt2.load(directory)
+    return gpt2.lab_model(*loaded, name="tiny"), loaded, (params, config, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def comparison(tiny):
+    return trophy.compare(tiny[0])
+
+
+def test_save_load_round_trip(tiny):
+    _, (params, config, tokenizer), (p0, c0, t0) = tiny
+    assert config == c0
+    flat, flat0 = flatten(params), flatten(p0)
+    assert flat.keys() == flat0.keys()
+    for key in flat0:
+        np.testing.assert_array_equal(flat[key], flat0[key])
+    text = trophy.SENTENCES["small"]
+    assert tokenizer.encode(text).tolist() == t0.encode(text).tolist()
+
+
+def test_it_row_is_bit_identical_under_the_causal_mask(comparison):
+    big, small = comparison.maps["big"], comparison.maps["small"]
+    it = comparison.it_index
+    assert big.labels[it] == " it" and small.labels[it] == " it"
+    assert comparison.first_difference > it  # the sentences differ only after " it"
+    assert comparison.it_row_max_abs_diff.shape == big.attentions.shape[:2]
+    assert np.all(comparison.it_row_max_abs_diff == 0.0)
+    np.testing.assert_array_equal(big.attentions[:, :, : it + 1], small.attentions[:, :, : it + 1])
+    # ...while rows that can see the adjective do change: the test can fail.
+    assert np.abs(comparison.flip["period"]).max() > 0.0
+    assert np.all(comparison.flip["it"] == 0.0)
+    assert comparison.to_json()["it_row_identical"] is True
+
+
+def test_shared_prefix_rows_identical_for_raw_ids():
+    """The same property without any tokenizer: ids that share a prefix, one length."""
+    config = gpt2.GPT2Config.make(vocab_size=50, n_positions=16, n_embd=16, n_layer=3, n_head=2)
+    params = gpt2.init_params(2, config)
+    a = np.array([3, 14, 15, 9, 2, 6, 5, 35], np.int32)
+    b = a.copy()
+    b[5:] = [49, 1, 0]
+    wa = np.asarray(gpt2.forward(params, config, a).attentions)
+    wb = np.asarray(gpt2.forward(params, config, b).attentions)
+    np.testing.assert_array_equal(wa[:, :, :5], wb[:, :, :5])
+    assert np.abs(wa[:, :, 5:] - wb[:, :, 5:]).max() > 0.0
+
+
+def test_preference_and_flip_are_what_they_say(comparison):
+    big = comparison.maps["big"]
+    t = trophy.word_span(big.labels, "trophy")
+    s = trophy.word_span(big.labels, "suitcase")
+    row = len(big.labels) - 1
+    expect = big.attentions[:, :, row, t[0]:t[1]].sum(-1) - big.attentions[:, :, row, s[0]:s[1]].sum(-1)
+    np.testing.assert_allclose(comparison.preference["period"]["big"], expect)
+    ranking = comparison.ranking("adjective")
+    flips = [r["flip"] for r in ranking]
+    assert flips == sorted(flips, reverse=True) and len(ranking) == big.attentions.shape[0] * big.attentions.shape[1]
+    top = ranking[0]
+    assert top["flip"] == pytest.approx(top["big"] - top["small"])
+
+
+def test_log_probs_are_the_models(tiny, comparison):
+    _, (params, config, tokenizer), _ = tiny
+    prefix = trophy.SENTENCES["small"] + trophy.RESOLUTION_PROMPT
+    p, c = tokenizer.encode(prefix), tokenizer.encode(" suitcase")
+    direct = gpt2.log_prob(params, config, np.concatenate([p, c]), start=len(p))
+    assert comparison.log_probs["small"]["suitcase"] == pytest.approx(float(direct), abs=1e-6)
+    assert all(v < 0 for d in comparison.log_probs.values() for v in d.values())
+
+
+def test_entropy_scaled_vs_unscaled(tiny, comparison):
+    model = tiny[0]
+    unscaled = trophy.sentence_maps(model, trophy.SENTENCES["big"], scale=1.0).attentions
+    np.testing.assert_allclose(comparison.entropy["unscaled"], _entropy(unscaled).mean(-1))
+    np.testing.assert_allclose(comparison.entropy["scaled"], _entropy(comparison.maps["big"].attentions).mean(-1))
+
+
+def test_entropy_helper_closed_form():
+    p = np.array([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
+    np.testing.assert_allclose(_entropy(p), [0.0, np.log(2), np.log(3)], rtol=1e-12)
+
+
+def _toy_bidirectional() -> trophy.LabModel:
+    """A bidirectional toy, tokenized like an encoder ([CLS] ... [SEP]): each query attends by the
+    similarity of made-up token vectors, with no mask."""
+    tok = TextTokenizer.train_byte_level_bpe(list(trophy.SENTENCES.values()), vocab_size=300)
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((tok.vocab_size + 2, 8))
+
+    cls_id, sep_id = tok.vocab_size, tok.vocab_size + 1
+
+    def tokenize(text):
+        ids = tok.encode(text)
+        return np.concatenate([[cls_id], ids, [sep_id]]), ["[CLS]"] + tok.labels(ids) + ["[SEP]"]
+
+    def attentions(ids, scale):
+        x = emb[ids]  # [T, 8]
+        logits = x @ x.T * (1 / np.sqrt(8) if scale is None else scale)  # [T, T]
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        return (w / w.sum(-1, keepdims=True))[None, None]  # [1, 1, T, T]
+
+    return trophy.LabModel("toy", causal=False, tokenize=tokenize, attentions=attentions)
+
+
+def test_bidirectional_model_it_row_may_change():
+    c = trophy.compare(_toy_bidirectional())
+    labels = c.maps["big"].labels
+    assert labels[0] == "[CLS]" and labels[-1] == "[SEP]"
+    assert c.it_row_max_abs_diff.max() > 0.0
+    assert c.log_probs is None
+    assert np.abs(c.flip["it"]).max() > 0.0
+    text = trophy.render_part4(c)
+    assert "bidirectional" in text and "row of the it token" in text
+    with pytest.raises(ValueError, match="not causal: padding would change"):
+        trophy.sentence_maps(_toy_bidirectional(), trophy.SENTENCES["big"], run_length=40)
+
+
+def test_render_ascii_closed_form():
+    w = np.array([[1.0, 0.0], [0.55, 0.45]])
+    text = trophy.render_ascii(w, ["a", "bb"], title="t")
+    assert text.splitlines()[:4] == [
+        "t",
+        "          0 1",
+        " 0  'a'  @@ ·",
+        " 1 'bb'  ++==",
+    ]
+
+
+def test_renderers_and_json(tiny, comparison):
+    maps = comparison.maps["big"]
+    layer, head = trophy.focus_head(maps, "it", ["trophy", "suitcase"])
+    text = trophy.render_part3(maps, layer, head)
+    assert f"layer {layer}, head {head}" in text and "' suitcase'" in text and "averaged over its 4 heads" in text
+    with pytest.raises(ValueError, match=r"layer/head must lie in \[0, 2\) x \[0, 4\), received \(2, 0\)"):
+        trophy.render_part3(maps, 2, 0)
+    part4 = trophy.render_part4(comparison)
+    assert "bit-identical (exactly 0)" in part4 and "causal mask" in part4
+    assert trophy.png_grid(maps).startswith(b"\x89PNG\r\n\x1a\n")
+    data = json.loads(json.dumps(comparison.to_json()))
+    assert data["it_row_max_abs_diff"] == [[0.0] * 4] * 2
+
+
+def test_word_span():
+    labels = ["The", " suit", "case", " it", " was", " it"]
+    assert trophy.word_span(labels, "suitcase") == (1, 3)
+    assert trophy.word_span(labels, "it") == (3, 4)
+    assert trophy.word_span(labels, "it", after=4) == (5, 6)
+    with pytest.raises(ValueError, match=r"word 'trophy' not found among the tokens"):
+        trophy.word_span(labels, "trophy")
+
+
+def test_experiment_script_on_a_local_checkpoint(tiny, tmp_path, capsys):
+    import runpy
+
+    _, (params, config, tokenizer), _ = tiny
+    directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
+    main = runpy.run_path("experiments/trophy.py")["main"]
+    assert main(["--model", str(directory), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "== Part 3" in out and "== Part 4" in out and "bit-identical" in out
+    data = json.loads((tmp_path / "out" / "trophy.json").read_text())
+    assert data["part4"]["it_row_identical"] is True
+    assert (tmp_path / "out" / "trophy_small.png").read_bytes().startswith(b"\x89PNG")

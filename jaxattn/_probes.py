@@ -239,8 +239,8 @@ def softmax_jacobian(logits: Any, mask: Any = None) -> Array:
     p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
     c, _ = _complement(p)  # [..., S]
     outer = -p[..., :, None] * p[..., None, :]  # [..., S, S]
-    eye = jnp.eye(p.shape[-1], dtype=jnp.bool_)  # [S, S]
-    return jnp.where(eye, (p * c)[..., None, :], outer)
+    eye = jnp.broadcast_to(jnp.eye(p.shape[-1], dtype=jnp.bool_), outer.shape)  # [..., S, S]
+    return jnp.where(eye, jnp.broadcast_to((p * c)[..., None, :], outer.shape), outer)
 
 
 def softmax_jacobian_norms(logits: Any, mask: Any = None) -> dict[str, Array]:
@@ -393,7 +393,8 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     """Monte Carlo ``Var(q·k)`` for ``q, k ~ N(0, I_{d_k})``: the chapter's claim is ``Var = d_k``.
 
     One compiled program: every ``d_k`` draws ``num_samples`` independent pairs of vectors padded to
-    ``max(head_dims)`` with zeros beyond ``d_k`` (zeros add exactly 0 to the dot product).
+    ``max(head_dims)`` with zeros beyond ``d_k`` (zeros add exactly 0 to the dot product), one ``d_k``
+    after the other (``lax.map``) to bound memory.
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -406,7 +407,7 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     """
     dims = _check_head_dims(head_dims)
     n = _check_count(num_samples, "num_samples", 2)
-    dots = _dots(_as_key(key), jnp.asarray(dims), max(dims), n)  # [P, n]
+    dots = _dots(_as_key(key), jnp.asarray(dims, jnp.int32), max(dims), n)  # [P, n]
     dots = np.asarray(dots, np.float64)
     var = dots.var(axis=1, ddof=1)
     d = np.asarray(dims, np.float64)
@@ -419,12 +420,13 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
 def _dots(key, dims, max_dim, n):
     def one(key, d):
         kq, kk = jax.random.split(key)
-        keep = jnp.arange(max_dim) < d  # [Hmax]
+        keep = (jnp.arange(max_dim) < d)[None, :]  # [1, Hmax]
         q = jax.random.normal(kq, (n, max_dim)) * keep  # [n, Hmax]
         k = jax.random.normal(kk, (n, max_dim)) * keep  # [n, Hmax]
         return jnp.einsum("nH,nH->n", q, k)  # [n]
 
-    return jax.vmap(one)(jax.random.split(key, dims.shape[0]), dims)  # [P, n]
+    # lax.map (one d_k at a time) keeps memory at n·Hmax per step; this probe is not a timed sweep.
+    return jax.lax.map(lambda a: one(*a), (jax.random.split(key, dims.shape[0]), dims))  # [P, n]
 
 
 _ROW_FIELDS = (
@@ -440,23 +442,27 @@ _ROW_FIELDS = (
 )
 
 
-def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
-    """One random trial at one ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+def _draw(key, head_dim, *, T, S, V, max_dim, dtype):
+    """One trial's ``q [T, Hmax]``, ``k [S, Hmax]`` (zero beyond ``d_k``), ``v [S, V]``, read-out ``r [T, V]``."""
     # One draw for everything (each separate draw costs seconds of XLA compile time under vmap).
     z = jax.random.normal(key, ((T + S) * (max_dim + V),))  # [(T+S)·(Hmax+V)]
     qk, vr = jnp.split(z.reshape(T + S, max_dim + V), [max_dim], axis=1)  # [T+S, Hmax], [T+S, V]
-    keep_dims = jnp.arange(max_dim) < head_dim  # [Hmax], the first d_k dimensions are used
+    keep_dims = (jnp.arange(max_dim) < head_dim)[None, :]  # [1, Hmax], the first d_k dimensions are used
     q = (qk[:T] * keep_dims).astype(dtype)  # [T, Hmax]
     k = (qk[T:] * keep_dims).astype(dtype)  # [S, Hmax]
     v = vr[T:].astype(dtype)  # [S, V]
     r = (vr[:T] / math.sqrt(V)).astype(dtype)  # [T, V], unit-variance read-out
-    acc = softmax_dtype(dtype)
-    scale = jnp.where(scaled, jax.lax.rsqrt(head_dim.astype(acc)), jnp.ones((), acc))  # traced scale
-    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), dtype), None, scale, False)
+    return q, k, v, r
+
+
+def _probe_rows(q, k, v, r, scale):
+    """Every per-row probe of one head for the read-out ``L = Σ r ⊙ attention(q, k, v; scale)``."""
+    T, S = q.shape[0], k.shape[0]
+    acc = softmax_dtype(jnp.result_type(q, k, v))
+    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), q.dtype), None, scale, False)
     norms = grad_norms(grads)
     logits = attention_logits(q, k, scale=scale)  # [T, S], the softmax's input (f32 or wider)
-    p = grads["weights"].astype(acc)  # [T, S], the map the output was computed from
-    stats = row_stats(p)
+    stats = row_stats(grads["weights"].astype(acc))  # the map the output was computed from
     jac = _jacobian_norms(_masked_softmax(logits, None))["frobenius"]  # [T]
     dots = logits / scale  # [T, S], q·k
     return {
@@ -473,6 +479,14 @@ def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
         "dot_sq": jnp.mean(dots * dots),  # E[(q·k)²] over this trial's T·S pairs (the mean is 0)
         "dot_mean": jnp.mean(dots),
     }
+
+
+def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
+    """One random trial at one ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+    q, k, v, r = _draw(key, head_dim, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
+    acc = softmax_dtype(dtype)
+    scale = jnp.where(scaled, jax.lax.rsqrt(head_dim.astype(acc)), jnp.ones((), acc))  # traced scale
+    return _probe_rows(q, k, v, r, scale)
 
 
 @functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype"))

@@ -489,15 +489,24 @@ def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
     return _probe_rows(q, k, v, r, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype"))
-def _sweep_program(keys, head_dims, *, T, S, V, max_dim, dtype):
-    """``[P, R]`` keys and ``[P]`` dims -> every probe ``[2, P, R, ...]`` in one compiled program."""
+@functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype", "batch"))
+def _sweep_program(keys, head_dims, *, T, S, V, max_dim, dtype, batch=None):
+    """``[P, R]`` keys and ``[P]`` dims -> every probe ``[2, P, R, ...]`` in one compiled program.
+
+    ``batch=None`` vmaps over all R trials at once; otherwise ``lax.map`` runs the vmapped program over
+    chunks of ``batch`` trials (the same numbers, memory bounded by the chunk).
+    """
     trial = functools.partial(_trial, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
     over_modes = jax.vmap(trial, in_axes=(None, None, 0))  # same draws scaled and unscaled (paired)
-    over_trials = jax.vmap(over_modes, in_axes=(0, None, None))
-    over_dims = jax.vmap(over_trials, in_axes=(0, 0, None))
-    out = over_dims(keys, head_dims, jnp.array([True, False]))  # [P, R, 2, ...]
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), out)  # [2, P, R, ...]
+    over_dims = jax.vmap(over_modes, in_axes=(0, 0, None))  # [P] keys -> [P, 2, ...]
+    modes = jnp.array([True, False])
+    one_trial = lambda keys_p: over_dims(keys_p, head_dims, modes)
+    keys_r = keys.T  # [R, P]
+    if batch is None:
+        out = jax.vmap(one_trial)(keys_r)  # [R, P, 2, ...]
+    else:
+        out = jax.lax.map(one_trial, keys_r, batch_size=batch)  # [R, P, 2, ...]
+    return jax.tree.map(lambda x: jnp.moveaxis(jnp.moveaxis(x, 2, 0), 1, 2), out)  # [2, P, R, ...]
 
 
 def sweep_trial_fn(*, num_queries: int = 16, num_keys: int = 16, value_dim: int = 16, max_dim: int = 4096, dtype: Any = jnp.float32):
@@ -521,6 +530,7 @@ def saturation_sweep(
     num_keys: int = 16,
     value_dim: int = 16,
     dtype: Any = jnp.float32,
+    trials_per_batch: int | None = None,
 ) -> dict[str, Any]:
     """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
 
@@ -538,6 +548,9 @@ def saturation_sweep(
       num_queries, num_keys, value_dim: T, S, V of each trial.
       dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
+      trials_per_batch: ``None`` (default) vmaps all trials at once; an int runs the same vmapped program
+        over chunks of that many trials with ``lax.map`` inside the one compiled program, bounding memory
+        for large runs (memory grows like P · R · (T + S) · max(head_dims)). Results are identical.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
@@ -551,8 +564,11 @@ def saturation_sweep(
     S = _check_count(num_keys, "num_keys", 2)
     V = _check_count(value_dim, "value_dim")
     dtype = _check_dtype(dtype)
+    batch = None if trials_per_batch is None else _check_count(trials_per_batch, "trials_per_batch")
+    if batch is not None and batch >= R:
+        batch = None
     keys = jax.random.split(_as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, jnp.asarray(dims, jnp.int32), T=T, S=S, V=V, max_dim=max(dims), dtype=dtype)
+    out = _sweep_program(keys, jnp.asarray(dims, jnp.int32), T=T, S=S, V=V, max_dim=max(dims), dtype=dtype, batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),
@@ -582,6 +598,7 @@ def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0
     """
     qs = np.asarray(quantiles, np.float64)
     summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
+    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype") if k in result})
     dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
     dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
     var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2

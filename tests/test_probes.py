@@ -388,3 +388,10 @@ def test_zero_gradient_fraction_law_per_dtype(dtype, head_dims, S):
     assert np.all(np.abs(zero[1] - predicted) < 4 * np.sqrt(predicted * (1 - predicted) / n) + 0.02), (zero[1], predicted)
     assert np.all(predicted > 0.15)
     assert np.all(zero[0] == 0)  # scaled: never
+
+
+def test_chunked_sweep_gives_the_same_numbers(small_sweep):
+    chunked = probes.saturation_sweep(7, trials_per_batch=3, **SMALL)
+    for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
+        np.testing.assert_allclose(chunked[name], small_sweep[name], rtol=5e-2, atol=1e-30)
+    np.testing.assert_allclose(chunked["entropy"][0], small_sweep["entropy"][0], rtol=1e-4)

@@ -267,17 +267,38 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
         "form": "(1 + m√d_k)·exp(-m√d_k)",
         "measured_over_predicted": (med("entropy") / ((1 + y) * np.exp(-y))).tolist(),
     }
-    b, c = probes.fit_stretched_exp(dims[use], 1 - np.asarray(summary["max_weight"]["median"][1])[use])
-    out["median_one_minus_max_weight"] = {"form": "c·exp(-b·√d_k)", "b": b, "c": c, "b_predicted": m, "c_predicted": 1.0}
+    gap = 1 - np.asarray(summary["max_weight"]["median"][1])[use]
+    if np.all(gap > 0):  # in float32, 1 - p_max rounds to 0 once p_2 < 6e-8
+        b, c = probes.fit_stretched_exp(dims[use], gap)
+        out["median_one_minus_max_weight"] = {"form": "c·exp(-b·√d_k)", "b": b, "c": c, "b_predicted": m, "c_predicted": 1.0}
     for name, key, c_pred in (
         ("jacobian_norm", "mean_jacobian", f0),
         ("entropy", "mean_entropy", math.pi**2 / 6 * f0),
         ("logit_grad_norm", "mean_logit_grad", math.sqrt(2 / math.pi) * f0),
     ):
         a, c = probes.fit_power_law(dims[use], mean(name))
-        out[f"mean_{name}"] = {"form": "c·d_k^a", "a": a, "c": c, "a_predicted": -0.5, "c_predicted": c_pred}
-    a, c = probes.fit_power_law(dims[use], 1 - np.asarray(summary["max_weight"]["mean"][1])[use])
-    out["mean_one_minus_max_weight"] = {"form": "c·d_k^a", "a": a, "c": c, "a_predicted": -0.5, "c_predicted": math.log(2) * f0}
+        c_inf, kappa = _fit_inverse_sqrt(dims[use], mean(name))
+        out[f"mean_{name}"] = {
+            "form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)",
+            "a": a,
+            "c": c,
+            "a_predicted": -0.5,
+            "c_predicted": c_pred,
+            "C": c_inf,
+            "kappa": kappa,
+        }
+    y = 1 - np.asarray(summary["max_weight"]["mean"][1])[use]
+    a, c = probes.fit_power_law(dims[use], y)
+    c_inf, kappa = _fit_inverse_sqrt(dims[use], y)
+    out["mean_one_minus_max_weight"] = {
+        "form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)",
+        "a": a,
+        "c": c,
+        "a_predicted": -0.5,
+        "c_predicted": math.log(2) * f0,
+        "C": c_inf,
+        "kappa": kappa,
+    }
     a, c = probes.fit_power_law(dims[use], mean("q_grad_norm"))
     out["mean_q_grad_norm"] = {
         "form": "c·d_k^a -> constant",
@@ -288,6 +309,14 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
         "at_largest_d_k": float(mean("q_grad_norm")[-1]),
     }
     return out
+
+
+def _fit_inverse_sqrt(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares ``y·√d = C + Cκ/√d`` (the law with its first correction); returns ``(C, κ)``."""
+    d = np.asarray(d, np.float64)
+    A = np.stack([np.ones_like(d), 1 / np.sqrt(d)], axis=1)
+    (c0, c1), *_ = np.linalg.lstsq(A, np.asarray(y, np.float64) * np.sqrt(d), rcond=None)
+    return float(c0), float(c1 / c0)
 
 
 def zero_fractions(sweep_data: dict[str, Any]) -> dict[str, Any]:
@@ -323,6 +352,9 @@ def render_laws(laws: dict[str, Any]) -> str:
         f"f_D(0) = {L['gap_density_at_zero']:.4f}):"
     ]
     for key in ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_one_minus_max_weight"):
+        if key not in L:
+            lines.append(f"  {key:30s} not fitted: it rounds to 0 in {L['dtype']}")
+            continue
         f = L[key]
         pred_c = "" if f["c_predicted"] is None else f", predicted c = {f['c_predicted']:.3g}"
         lines.append(f"  {key:30s} {f['form']}: b = {f['b']:.4f} (predicted {f['b_predicted']:.4f}), c = {f['c']:.3g}{pred_c}")
@@ -330,7 +362,10 @@ def render_laws(laws: dict[str, Any]) -> str:
     lines.append(f"  {'median_entropy':30s} {L['median_entropy']['form']}: measured/predicted = " + " ".join(f"{r:.2f}" for r in ratio))
     for key in ("mean_jacobian_norm", "mean_entropy", "mean_logit_grad_norm", "mean_one_minus_max_weight"):
         f = L[key]
-        lines.append(f"  {key:30s} {f['form']}: a = {f['a']:.3f} (predicted -0.5), c = {f['c']:.3f} (predicted {f['c_predicted']:.3f})")
+        lines.append(
+            f"  {key:30s} c·d_k^a: a = {f['a']:.3f} (predicted -0.5), c = {f['c']:.3f}; "
+            f"C/√d_k·(1+κ/√d_k): C = {f['C']:.3f} (predicted {f['c_predicted']:.3f}), κ = {f['kappa']:.2f}"
+        )
     f = L["mean_q_grad_norm"]
     lines.append(
         f"  {'mean_q_grad_norm':30s} tends to a constant: a = {f['a']:.3f}, at the largest d_k {f['at_largest_d_k']:.3f} "
@@ -370,7 +405,7 @@ def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, 
         ax.loglog(d, summary["entropy"]["mean"][mode], "o" + style, label=f"mean, {tag}")
         ax.loglog(d, summary["entropy"]["median"][mode], "s" + style, label=f"median, {tag}")
     ax.loglog(d, laws["mean_entropy"], "k:", lw=1, label="(π²/6) f_D(0)/√d_k")
-    ax.loglog(d, laws["median_entropy"], "k-.", lw=1, label="(1+m√d_k) e^{-m√d_k}")
+    ax.loglog(d, laws["median_entropy"], "k-.", lw=1, label="(1+m√d_k)·exp(-m√d_k)")
     ax.set_title("row entropy (nats)")
     ax.set_xlabel("d_k")
     ax.legend(fontsize=7)
@@ -385,7 +420,7 @@ def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, 
         ax.loglog(d, j["median"][mode], "s-", color=color, label=f"median ‖J‖_F, {tag}")
         ax.loglog(d, j["mean"][mode], "o--", color=color, label=f"mean ‖J‖_F, {tag}")
     ax.loglog(d, laws["mean_jacobian"], "k:", lw=1, label="f_D(0)/√d_k")
-    ax.loglog(d, laws["median_jacobian"], "k-.", lw=1, label="2 e^{-m√d_k}")
+    ax.loglog(d, laws["median_jacobian"], "k-.", lw=1, label="2·exp(-m√d_k)")
     ax.set_title("softmax Jacobian norm (band: 10–90%)")
     ax.set_xlabel("d_k")
     ax.legend(fontsize=7)
@@ -435,6 +470,7 @@ def _atomic(path: str, write) -> str:
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -735,8 +735,15 @@ def predicted_laws(head_dims: Sequence[int], num_keys: int, *, gap_threshold: fl
     return laws
 
 
+def _check_positive(y: Any) -> None:
+    y = np.asarray(y, np.float64)
+    if not np.all(np.isfinite(y) & (y > 0)):
+        raise ValueError(f"y must be finite and > 0 to fit in log space (an underflowed statistic?), received {y}")
+
+
 def fit_power_law(x: Any, y: Any) -> tuple[float, float]:
     """Least-squares ``y ≈ c · x^a`` in log-log (float64); returns ``(a, c)``."""
+    _check_positive(y)
     lx, ly = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
     a, b = np.polyfit(lx, ly, 1)
     return float(a), float(np.exp(b))
@@ -744,6 +751,7 @@ def fit_power_law(x: Any, y: Any) -> tuple[float, float]:
 
 def fit_stretched_exp(x: Any, y: Any) -> tuple[float, float]:
     """Least-squares ``y ≈ c · exp(-b √x)`` (``ln y`` linear in ``√x``, float64); returns ``(b, c)``."""
+    _check_positive(y)
     sx, ly = np.sqrt(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
     slope, intercept = np.polyfit(sx, ly, 1)
     return float(-slope), float(np.exp(intercept))

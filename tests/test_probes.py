@@ -230,13 +230,14 @@ def test_grad_norms_flag_rows_whose_gradient_underflows_per_dtype():
     k = np.array([[0.0, 0.0], [-20.0, 0.0], [-120.0, 0.0]])  # gaps 20 (row alive in f32) and 120
     v = np.array([[1.0], [-1.0], [0.5]])
     r = np.ones((2, 1))
+    grads = jax.jit(probes.attention_grads, static_argnames="scale")
     for dtype, zero in [(np.float32, False), (np.float16, True)]:
-        g = probes.attention_grads(*(x.astype(dtype) for x in (q, k, v, r)), scale=1.0)
+        g = grads(*(x.astype(dtype) for x in (q, k, v, r)), scale=1.0)
         assert g["logits"].dtype == dtype
         norms = probes.grad_norms(g)
         assert np.asarray(norms["logits_zero"]).tolist() == [zero, zero]
     kk = np.array([[0.0, 0.0], [-100.0, 0.0]])  # gap 100 > 87.3: exactly zero in float32 too
-    g = probes.attention_grads(*(x.astype(np.float32) for x in (q, kk, v[:2], r)), scale=1.0)
+    g = grads(*(x.astype(np.float32) for x in (q, kk, v[:2], r)), scale=1.0)
     assert np.asarray(probes.grad_norms(g)["logits_zero"]).tolist() == [True, True]
 
 
@@ -381,17 +382,18 @@ def test_mean_law_power_minus_one_half(law_sweep):
     [(jnp.float16, (256, 1024), 4), (jnp.float32, (2048, 4096), 2), (jnp.bfloat16, (2048, 4096), 2)],
 )
 def test_zero_gradient_fraction_law_per_dtype(dtype, head_dims, S):
-    res = probes.saturation_sweep(5, head_dims=head_dims, num_trials=8, num_queries=64, num_keys=S, value_dim=4, dtype=dtype)
+    res = probes.saturation_sweep(5, head_dims=head_dims, num_trials=4, num_queries=96, num_keys=S, value_dim=2, dtype=dtype)
     zero = probes.summarize_sweep(res)["zero_fraction"]["logit_grad"]
     predicted = probes.predicted_laws(head_dims, S, gap_threshold=probes.underflow_gap(dtype))["zero_fraction"]
-    n = 8 * 64
+    n = 4 * 96
     assert np.all(np.abs(zero[1] - predicted) < 4 * np.sqrt(predicted * (1 - predicted) / n) + 0.02), (zero[1], predicted)
     assert np.all(predicted > 0.15)
     assert np.all(zero[0] == 0)  # scaled: never
 
 
-def test_chunked_sweep_gives_the_same_numbers(small_sweep):
-    chunked = probes.saturation_sweep(7, trials_per_batch=3, **SMALL)
+def test_chunked_sweep_gives_the_same_numbers():
+    config = dict(head_dims=(8, 64), num_trials=5, num_queries=4, num_keys=8, value_dim=2)
+    whole = probes.saturation_sweep(7, **config)
+    chunked = probes.saturation_sweep(7, trials_per_batch=2, **config)
     for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
-        np.testing.assert_allclose(chunked[name], small_sweep[name], rtol=5e-2, atol=1e-30)
-    np.testing.assert_allclose(chunked["entropy"][0], small_sweep["entropy"][0], rtol=1e-4)
+        np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-3, atol=1e-30)

@@ -1,7 +1,10 @@
-"""The chapter's lab, parts 3-4: GPT-2's real attention on the trophy sentence, and "too big" vs "too small".
+"""The chapter's lab, parts 3-4: real attention on the trophy sentence, and "too big" vs "too small".
 
-    python experiments/trophy.py                       # the hub's gpt2 (downloaded once, then cached)
+    python experiments/trophy.py                       # the hub's gpt2; if the hub cannot be reached and
+                                                       # nothing is cached: the bundled encoder, said so
+    python experiments/trophy.py --model gpt2          # GPT-2 or fail (hub id or local GPT-2 directory)
     python experiments/trophy.py --model DIR           # any local GPT-2 checkpoint directory
+    python experiments/trophy.py --model minilm        # the bundled all-MiniLM-L6-v2 encoder (offline)
     python experiments/trophy.py --random-gpt2 small   # offline: a RANDOM GPT-2-small, tokenizer trained here
 
 Prints part 3 (ASCII maps) and part 4 (the comparison); writes trophy.json, part3.txt, part4.txt and one
@@ -16,13 +19,43 @@ import sys
 import time
 from pathlib import Path
 
-from jaxattn import gpt2, trophy
-from jaxattn._checkpoint import atomic_write
+from jaxattn import bert, gpt2, trophy
+from jaxattn._checkpoint import CheckpointError, HubUnavailableError, atomic_write
+
+DEFAULT_GPT2 = "gpt2"
+ENCODER = "minilm"  # --model value for the bundled all-MiniLM-L6-v2
+
+
+def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
+    """``(lab model, description line)``. ``model=None``: GPT-2 from the hub, or, when the hub cannot be
+    reached and nothing is cached, the bundled encoder (one line on screen says so). An explicit model
+    never falls back: its error propagates."""
+    t0 = time.perf_counter()
+    if model is None:
+        try:
+            return load_model(DEFAULT_GPT2)
+        except HubUnavailableError:
+            print(f"GPT-2 unavailable (offline, not cached): running parts 3-4 on the bundled "
+                  f"{bert.BUNDLED_NAME}; pass --model to choose")
+            model = ENCODER
+    if model == ENCODER:
+        params, config, tokenizer = bert.load()
+        line = (f"model: {bert.BUNDLED_NAME} (bundled BERT encoder, bidirectional): {config.num_hidden_layers} "
+                f"layers x {config.num_attention_heads} heads, d_model={config.hidden_size}, d_k={config.head_dim}")
+        lab = bert.lab_model(params, config, tokenizer)
+    else:
+        params, config, tokenizer = gpt2.load(model)
+        line = (f"model: {model} (GPT-2, causal): {config.n_layer} layers x {config.n_head} heads, "
+                f"d_model={config.n_embd}, d_k={config.head_dim}")
+        lab = gpt2.lab_model(params, config, tokenizer, name=str(model))
+    return lab, f"{line} (loaded in {time.perf_counter() - t0:.1f} s)"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2", help="hub id or local checkpoint directory (default: gpt2)")
+    parser.add_argument("--model", default=None,
+                        help=f"'{ENCODER}' (the bundled all-MiniLM-L6-v2), or a GPT-2 hub id or local checkpoint "
+                             f"directory; default: '{DEFAULT_GPT2}', or {ENCODER} when the hub cannot be reached")
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None,
                         help="run on a RANDOM GPT-2 of this size instead (offline; not a trained model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random GPT-2 (with --random-gpt2)")
@@ -32,23 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="lab-output/trophy", help="output folder")
     args = parser.parse_args(argv)
 
-    t0 = time.perf_counter()
+    seed = None
     if args.random_gpt2:
+        t0 = time.perf_counter()
         params, config, tokenizer = gpt2.random_model(args.random_gpt2, seed=args.seed)
         name = f"random-gpt2-{args.random_gpt2}"
+        seed = args.seed
         print(f"NOTE: {name} is a RANDOM, untrained GPT-2-{args.random_gpt2} (seed {args.seed}) with a byte-level "
               f"BPE trained on the lab's sentences: its maps show the machinery, not what GPT-2 learned.")
+        print(f"model: {name}: {config.n_layer} layers x {config.n_head} heads, d_model={config.n_embd}, "
+              f"d_k={config.head_dim} (loaded in {time.perf_counter() - t0:.1f} s)")
+        model = gpt2.lab_model(params, config, tokenizer, name=name)
     else:
         try:
-            params, config, tokenizer = gpt2.load(args.model)
-        except gpt2.CheckpointError as e:
+            model, line = load_model(args.model)
+        except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
-            print("(or run offline on a random model: --random-gpt2 small)", file=sys.stderr)
+            print(f"(offline: --model {ENCODER} runs on the bundled encoder; --random-gpt2 small on a random GPT-2)",
+                  file=sys.stderr)
             return 2
-        name = str(args.model)
-    print(f"model: {name}: {config.n_layer} layers x {config.n_head} heads, d_model={config.n_embd}, "
-          f"d_k={config.head_dim} (loaded in {time.perf_counter() - t0:.1f} s)")
-    model = gpt2.lab_model(params, config, tokenizer, name=name)
+        print(line)
+        print("seed: none (real weights, deterministic forward passes)")
+    name = model.name
 
     maps = trophy.sentence_maps(model, trophy.SENTENCES["big"])
     focus = trophy.focus_head(maps, "it", ["trophy", "suitcase"])
@@ -66,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"model": name, "seed": args.seed if args.random_gpt2 else None,
+    result = {"model": name, "seed": seed,
               "part3": {"layer": layer, "head": head, "focus_head": list(focus)},
               "part4": comparison.to_json()}
     atomic_write(out / "trophy.json", json.dumps(result, indent=1) + "\n")

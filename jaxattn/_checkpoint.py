@@ -26,6 +26,15 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be used: a file is missing, corrupt, or holds something the model refuses."""
 
 
+class HubUnavailableError(CheckpointError):
+    """A hub id could not be fetched because the hub cannot be reached and nothing is cached.
+
+    A subclass of :class:`CheckpointError`, so callers that need not care catch both alike; a caller
+    that can run on something else instead (the lab's bundled encoder) catches only this one, and a
+    corrupt or refused checkpoint still fails loudly.
+    """
+
+
 # ----------------------------------------------------------------------------------------------------
 # config.json
 # ----------------------------------------------------------------------------------------------------
@@ -298,7 +307,8 @@ def resolve(
 
     Raises:
       CheckpointError: a missing directory or file; a hub id that cannot be fetched: offline with
-        nothing cached gives one message that says how to point at a local directory instead.
+        nothing cached gives one :class:`HubUnavailableError` whose message says how to point at a
+        local directory instead.
     """
     name = os.fspath(name_or_path)
     path = Path(name).expanduser()
@@ -370,7 +380,7 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
             else:
                 raise CheckpointError(f"hub repository '{repo_id}' has none of {_group_text(group)}")
     except _Offline as e:
-        raise CheckpointError(_offline_message(repo_id, required, any_of, str(e))) from None
+        raise HubUnavailableError(_offline_message(repo_id, required, any_of, str(e))) from None
     except HFValidationError:
         raise CheckpointError(
             f"'{repo_id}' is neither a local directory nor a valid Hugging Face hub id"
@@ -382,7 +392,7 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
     except HfHubHTTPError as e:  # reached the hub, which refused (gated repository, server error)
         raise CheckpointError(f"the Hugging Face hub refused '{repo_id}': {str(e).splitlines()[0]}") from None
     except OSError as e:  # requests' ConnectionError and timeouts subclass OSError
-        raise CheckpointError(_offline_message(repo_id, required, any_of, str(e).splitlines()[0])) from None
+        raise HubUnavailableError(_offline_message(repo_id, required, any_of, str(e).splitlines()[0])) from None
     directory = next(iter(files.values())).parent
     return ResolvedFiles(repo_id, directory, files)
 

@@ -378,10 +378,21 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
     cells = [f"L{layer}:{d[layer].max():.3g}" for layer in range(L)]
     lines.extend("  " + "  ".join(cells[i:i + 12]) for i in range(0, L, 12))
     identical = bool(np.all(d == 0.0))
+    where = np.unravel_index(int(np.argmax(d)), d.shape)
     lines.append(f"  over all {L * N} heads: max = {d.max():.3g}"
-                 + ("  -> bit-identical (exactly 0)" if identical else ""))
+                 + ("  -> bit-identical (exactly 0)" if identical else f" (layer {where[0]}, head {where[1]})"))
     lines.append("  " + _why_it_row(c))
-    for row in ("adjective", "period") + (() if c.causal else ("it",)):
+    if not identical:  # the row changes: show every head, and how much ' it' looks at the adjective itself
+        lines.append("  per head (rows: layers, columns: heads):")
+        lines.append("  " + " " * 5 + "".join(f"{f'h{n}':>7}" for n in range(N)))
+        lines.extend(f"  L{layer:<3} " + "".join(f"{v:7.4f}" for v in d[layer]) for layer in range(L))
+        adj = c.first_difference
+        if adj < min(len(big.ids), len(c.maps["small"].ids)):
+            w = {k: m.attentions[:, :, c.it_index, adj] for k, m in c.maps.items()}  # [L, N] each
+            lines.append(f"  weight of ' it' on the adjective (token {adj}), mean over heads: "
+                         f"{big.labels[adj]!r} {w['big'].mean():.4f}, {c.maps['small'].labels[adj]!r} "
+                         f"{w['small'].mean():.4f}; the largest single head: {max(w['big'].max(), w['small'].max()):.4f}")
+    for row in (() if c.causal else ("it",)) + ("adjective", "period"):
         lines.append(f"\nrow of the {row} token: weight on ' trophy' minus on ' suitcase'; heads ranked by "
                      f"flip = pref(big) - pref(small) (positive = the right way round):")
         lines.append(f"  {'layer':>5} {'head':>4} {'big':>8} {'small':>8} {'flip':>8}")
@@ -402,9 +413,15 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
         right = (c.log_probs["big"]["trophy"] > c.log_probs["big"]["suitcase"]
                  and c.log_probs["small"]["suitcase"] > c.log_probs["small"]["trophy"])
         lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
+    else:
+        lines.append(f"\nwhat it concludes (prediction): not reported. {c.model} has no scorer (no language-model "
+                     f"head), so it gives no probability to 'the trophy' vs 'the suitcase'; only where it looks "
+                     f"(attention, above) is measured.")
     e, m = c.entropy, c.max_weight
-    lines.append("\nentropy of the attention rows ('too big' sentence), mean per layer, nats: "
-                 "scale=1/sqrt(d_k) vs scale=1.0")
+    T = len(big.labels)
+    uniform = "" if c.causal else f" (uniform over all T={T} tokens: {np.log(T):.3f})"  # causal rows see fewer
+    lines.append(f"\nentropy of the attention rows ('too big' sentence), mean per layer, nats: "
+                 f"scale=1/sqrt(d_k) vs scale=1.0{uniform}")
     for layer in range(L):
         lines.append(f"  L{layer:<2} {e['scaled'][layer].mean():6.3f} -> {e['unscaled'][layer].mean():6.3f}   "
                      f"max weight {m['scaled'][layer].mean():.3f} -> {m['unscaled'][layer].mean():.3f}")

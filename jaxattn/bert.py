@@ -9,18 +9,23 @@ out = bert.forward(params, config, batch["input_ids"][0], attention_mask=batch["
 out.last_hidden_state   # [T, D]
 out.attentions          # [L, N, T, T], every layer's and head's softmax weights
 bert.embed(params, config, tokenizer, ["a sentence", "another"])  # [B, D], unit-norm sentence embeddings
+trophy.compare(bert.lab_model())  # the lab's part 4 on the encoder (see jaxattn.trophy)
 ```
+
+``CheckpointError`` is the package's one checkpoint error (:mod:`jaxattn._checkpoint`), shared with GPT-2.
 
 See :mod:`jaxattn._bert` for the params layout and the axis alphabet.
 """
 
 from jaxattn._bert import (
+    BUNDLED_NAME,
     BertConfig,
     BertOutput,
     CheckpointError,
     bundled_model_dir,
     embed,
     forward,
+    lab_model,
     load,
     mean_pool,
     normalize,
@@ -28,12 +33,14 @@ from jaxattn._bert import (
 )
 
 __all__ = [
+    "BUNDLED_NAME",
     "BertConfig",
     "BertOutput",
     "CheckpointError",
     "bundled_model_dir",
     "embed",
     "forward",
+    "lab_model",
     "load",
     "mean_pool",
     "normalize",

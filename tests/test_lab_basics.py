@@ -110,3 +110,19 @@ def test_lab_script_runs_part1_and_rejects_missing_parts(tmp_path, capsys):
         assert "not available" in capsys.readouterr().err
     finally:
         sys.argv = argv
+
+
+def test_lab_script_runs_parts_3_and_4_once_on_a_random_gpt2(tmp_path, capsys):
+    import runpy
+    import sys
+
+    argv = sys.argv
+    try:
+        sys.argv = ["lab.py", "--parts", "3,4", "--random-gpt2", "tiny", "--out", str(tmp_path)]
+        runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "experiments", "lab.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert out.count("== Part 3") == 1 and out.count("== Part 4") == 1 and "RANDOM" in out
+    data = json.loads((tmp_path / "trophy" / "trophy.json").read_text())
+    assert data["model"] == "random-gpt2-tiny" and data["part4"]

@@ -392,9 +392,8 @@ def _check_dtype(dtype: Any) -> Any:
 def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS, *, num_samples: int = 4096) -> dict:
     """Monte Carlo ``Var(q·k)`` for ``q, k ~ N(0, I_{d_k})``: the chapter's claim is ``Var = d_k``.
 
-    One compiled program: every ``d_k`` draws ``num_samples`` independent pairs of vectors padded to
-    ``max(head_dims)`` with zeros beyond ``d_k`` (zeros add exactly 0 to the dot product), one ``d_k``
-    after the other (``lax.map``) to bound memory.
+    One compiled program and one draw: ``num_samples`` rows of independent N(0, 1) pairs, cut into
+    disjoint blocks of ``d_k`` columns, one block per ``d_k`` (so every ``d_k`` has its own vectors).
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -407,7 +406,7 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     """
     dims = _check_head_dims(head_dims)
     n = _check_count(num_samples, "num_samples", 2)
-    dots = _dots(_as_key(key), jnp.asarray(dims, jnp.int32), max(dims), n)  # [P, n]
+    dots = _dots(_as_key(key), dims, n)  # [P, n]
     dots = np.asarray(dots, np.float64)
     var = dots.var(axis=1, ddof=1)
     d = np.asarray(dims, np.float64)
@@ -416,17 +415,13 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     return {"head_dims": np.asarray(dims), "variance": var, "ratio": var / d, "std_error": np.sqrt((m4 - var**2) / n) / d}
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _dots(key, dims, max_dim, n):
-    def one(key, d):
-        kq, kk = jax.random.split(key)
-        keep = (jnp.arange(max_dim) < d)[None, :]  # [1, Hmax]
-        q = jax.random.normal(kq, (n, max_dim)) * keep  # [n, Hmax]
-        k = jax.random.normal(kk, (n, max_dim)) * keep  # [n, Hmax]
-        return jnp.einsum("nH,nH->n", q, k)  # [n]
-
-    # lax.map (one d_k at a time) keeps memory at n·Hmax per step; this probe is not a timed sweep.
-    return jax.lax.map(lambda a: one(*a), (jax.random.split(key, dims.shape[0]), dims))  # [P, n]
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _dots(key, dims, n):
+    # One draw for all d_k (one RNG op to compile), cut into disjoint column blocks of width d_k each.
+    z = jax.random.normal(key, (2, n, sum(dims)))  # q, k: [2, n, ΣH]
+    prod = z[0] * z[1]  # [n, ΣH]
+    offsets = np.cumsum((0,) + dims)
+    return jnp.stack([jnp.sum(prod[:, a:b], axis=-1) for a, b in zip(offsets[:-1], offsets[1:])])  # [P, n]
 
 
 _ROW_FIELDS = (
@@ -442,14 +437,13 @@ _ROW_FIELDS = (
 )
 
 
-def _draw(key, head_dim, *, T, S, V, max_dim, dtype):
-    """One trial's ``q [T, Hmax]``, ``k [S, Hmax]`` (zero beyond ``d_k``), ``v [S, V]``, read-out ``r [T, V]``."""
-    # One draw for everything (each separate draw costs seconds of XLA compile time under vmap).
-    z = jax.random.normal(key, ((T + S) * (max_dim + V),))  # [(T+S)·(Hmax+V)]
-    qk, vr = jnp.split(z.reshape(T + S, max_dim + V), [max_dim], axis=1)  # [T+S, Hmax], [T+S, V]
-    keep_dims = (jnp.arange(max_dim) < head_dim)[None, :]  # [1, Hmax], the first d_k dimensions are used
-    q = (qk[:T] * keep_dims).astype(dtype)  # [T, Hmax]
-    k = (qk[T:] * keep_dims).astype(dtype)  # [S, Hmax]
+def _draw(key, *, head_dim, T, S, V, dtype):
+    """One trial's ``q [T, H]``, ``k [S, H]``, ``v [S, V]`` with N(0, 1) entries and read-out ``r [T, V]`` (N(0, 1/V))."""
+    # One draw for everything (each separate draw costs XLA compile time, once per d_k in the sweep).
+    z = jax.random.normal(key, ((T + S) * (head_dim + V),))  # [(T+S)·(H+V)]
+    qk, vr = jnp.split(z.reshape(T + S, head_dim + V), [head_dim], axis=1)  # [T+S, H], [T+S, V]
+    q = qk[:T].astype(dtype)  # [T, H]
+    k = qk[T:].astype(dtype)  # [S, H]
     v = vr[T:].astype(dtype)  # [S, V]
     r = (vr[:T] / math.sqrt(V)).astype(dtype)  # [T, V], unit-variance read-out
     return q, k, v, r
@@ -457,68 +451,106 @@ def _draw(key, head_dim, *, T, S, V, max_dim, dtype):
 
 def _probe_rows(q, k, v, r, scale):
     """Every per-row probe of one head for the read-out ``L = Σ r ⊙ attention(q, k, v; scale)``."""
+    return _row_probes(**_width_probes(q, k, v, r, scale))
+
+
+def _width_probes(q, k, v, r, scale):
+    """The part of :func:`_probe_rows` that sees ``d_k``: the core attention's gradients, reduced to rows.
+
+    Returns ``[T, S]`` arrays (``logits``, ``weights``, ``logit_grad``), whose shapes do not depend on
+    ``d_k``, and the ``‖∂L/∂q‖``, ``‖∂L/∂k‖`` and ``q·k`` moments, already reduced.
+    """
     T, S = q.shape[0], k.shape[0]
     acc = softmax_dtype(jnp.result_type(q, k, v))
     grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), q.dtype), None, scale, False)
-    norms = grad_norms(grads)
     logits = attention_logits(q, k, scale=scale)  # [T, S], the softmax's input (f32 or wider)
-    stats = row_stats(grads["weights"].astype(acc))  # the map the output was computed from
-    jac = _jacobian_norms(_masked_softmax(logits, None))["frobenius"]  # [T]
     dots = logits / scale  # [T, S], q·k
     return {
-        "entropy": stats["entropy"],
-        "normalized_entropy": stats["normalized_entropy"],
-        "max_weight": stats["max_weight"],
-        "jacobian_norm": jac,
-        "logit_grad_norm": norms["logits"],
-        "q_grad_norm": norms["q"],
-        "k_grad_norm": norms["k"],
-        "logit_grad_zero": norms["logits_zero"],
-        "q_grad_zero": norms["q_zero"],
-        "jacobian_zero": jac == 0,
+        "logits": logits,
+        "weights": grads["weights"].astype(acc),  # [T, S], the map the output was computed from
+        "logit_grad": grads["logits"],  # [T, S], ∂L/∂logits in the input dtype
+        "q_grad_norm": jnp.linalg.norm(grads["q"].astype(acc), axis=-1),  # [T]
+        "k_grad_norm": jnp.linalg.norm(grads["k"].astype(acc), axis=-1),  # [S]
+        "q_grad_zero": jnp.all(grads["q"] == 0, axis=-1),  # [T]
         "dot_sq": jnp.mean(dots * dots),  # E[(q·k)²] over this trial's T·S pairs (the mean is 0)
         "dot_mean": jnp.mean(dots),
     }
 
 
-def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
-    """One random trial at one ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
-    q, k, v, r = _draw(key, head_dim, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
+def _row_probes(logits, weights, logit_grad, **reduced):
+    """The rest of :func:`_probe_rows`, on ``[..., T, S]`` rows: any leading axes (the sweep stacks all d_k)."""
+    stats = row_stats(weights)
+    jac = _jacobian_norms(_masked_softmax(logits, None))["frobenius"]  # [..., T]
+    return {
+        "entropy": stats["entropy"],
+        "normalized_entropy": stats["normalized_entropy"],
+        "max_weight": stats["max_weight"],
+        "jacobian_norm": jac,
+        "logit_grad_norm": jnp.linalg.norm(logit_grad.astype(softmax_dtype(logit_grad.dtype)), axis=-1),
+        "logit_grad_zero": jnp.all(logit_grad == 0, axis=-1),
+        "jacobian_zero": jac == 0,
+        **reduced,
+    }
+
+
+def _trial_widths(key, scaled, *, head_dim, T, S, V, dtype):
+    """One random trial at one static ``d_k`` and one scale mode, up to the ``d_k``-independent row probes."""
+    q, k, v, r = _draw(key, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
     acc = softmax_dtype(dtype)
-    scale = jnp.where(scaled, jax.lax.rsqrt(head_dim.astype(acc)), jnp.ones((), acc))  # traced scale
-    return _probe_rows(q, k, v, r, scale)
+    scale = jnp.where(scaled, jnp.asarray(1.0 / math.sqrt(head_dim), acc), jnp.ones((), acc))  # traced scale
+    return _width_probes(q, k, v, r, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype", "batch"))
-def _sweep_program(keys, head_dims, *, T, S, V, max_dim, dtype, batch=None):
-    """``[P, R]`` keys and ``[P]`` dims -> every probe ``[2, P, R, ...]`` in one compiled program.
+def _trial(key, scaled, *, head_dim, T, S, V, dtype):
+    """One random trial at one static ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+    return _row_probes(**_trial_widths(key, scaled, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
 
-    ``batch=None`` vmaps over all R trials at once; otherwise ``lax.map`` runs the vmapped program over
-    chunks of ``batch`` trials (the same numbers, memory bounded by the chunk).
+
+@functools.partial(jax.jit, static_argnames=("head_dims", "T", "S", "V", "dtype", "batch"))
+def _sweep_program(keys, *, head_dims, T, S, V, dtype, batch=None):
+    """``[P, R]`` keys -> every probe ``[2, P, R, ...]`` in one compiled program.
+
+    The tuple of ``head_dims`` is static: the trace unrolls over it, and each ``d_k`` runs at its own
+    width, vmapped over its R trials and over the two scale modes (which share each trial's draw), as
+    far as the ``[T, S]`` logits, weights and ``∂L/∂logits``; those are stacked over ``d_k`` and the row
+    probes that do not see ``d_k`` run once on the stack (one copy to compile instead of P). This is
+    :func:`_trial` for every key and mode. ``batch=None`` vmaps over all R trials at once; otherwise
+    ``lax.map`` runs the vmapped trial over chunks of ``batch`` trials (the same numbers, memory bounded
+    by the chunk).
     """
-    trial = functools.partial(_trial, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
-    over_modes = jax.vmap(trial, in_axes=(None, None, 0))  # same draws scaled and unscaled (paired)
-    over_dims = jax.vmap(over_modes, in_axes=(0, 0, None))  # [P] keys -> [P, 2, ...]
     modes = jnp.array([True, False])
-    one_trial = lambda keys_p: over_dims(keys_p, head_dims, modes)
-    keys_r = keys.T  # [R, P]
-    if batch is None:
-        out = jax.vmap(one_trial)(keys_r)  # [R, P, 2, ...]
-    else:
-        out = jax.lax.map(one_trial, keys_r, batch_size=batch)  # [R, P, 2, ...]
-    return jax.tree.map(lambda x: jnp.moveaxis(jnp.moveaxis(x, 2, 0), 1, 2), out)  # [2, P, R, ...]
+    per_dim = []
+    for p, head_dim in enumerate(head_dims):
+        trial = functools.partial(_trial_widths, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
+        both = lambda key, trial=trial: jax.vmap(trial, in_axes=(None, 0))(key, modes)  # key -> [2, ...]
+        if batch is None:
+            per_dim.append(jax.vmap(both)(keys[p]))  # [R, 2, ...]
+        else:
+            per_dim.append(jax.lax.map(both, keys[p], batch_size=batch))  # [R, 2, ...]
+    stacked = jax.tree.map(lambda *xs: jnp.moveaxis(jnp.stack(xs), 2, 0), *per_dim)  # [2, P, R, ...]
+    return _row_probes(**stacked)
 
 
-def sweep_trial_fn(*, num_queries: int = 16, num_keys: int = 16, value_dim: int = 16, max_dim: int = 4096, dtype: Any = jnp.float32):
-    """The jitted single-trial function the sweep vmaps: ``f(key, head_dim, scaled) -> dict``.
+@functools.lru_cache(maxsize=None)
+def _trial_fn(head_dim, T, S, V, dtype):
+    return jax.jit(functools.partial(_trial, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
 
-    For benchmarks (a Python loop over it against :func:`saturation_sweep`) and for debugging one trial.
-    ``head_dim`` is a traced int32 scalar ``<= max_dim``, ``scaled`` a traced bool.
+
+def sweep_trial_fn(head_dim: int, *, num_queries: int = 16, num_keys: int = 16, value_dim: int = 16, dtype: Any = jnp.float32):
+    """The jitted single-trial function the sweep vmaps at one ``d_k``: ``f(key, scaled) -> dict``.
+
+    ``f(key, scaled)`` draws one trial at ``d_k = head_dim`` from ``key`` exactly as
+    :func:`saturation_sweep` does and returns its per-row probes (the sweep's fields without the leading
+    ``[2, P, R]`` axes); ``scaled`` is a (traced) bool. The same arguments return the same compiled
+    function. For benchmarks (a Python loop over it against :func:`saturation_sweep`) and for debugging
+    one trial: the sweep's trial ``r`` at ``head_dims[p]`` used the key
+    ``jax.random.split(key, (P, R))[p, r]``.
     """
-    dtype = _check_dtype(dtype)
-    return jax.jit(
-        functools.partial(_trial, T=num_queries, S=num_keys, V=value_dim, max_dim=max_dim, dtype=dtype)
-    )
+    (head_dim,) = _check_head_dims((head_dim,))
+    T = _check_count(num_queries, "num_queries")
+    S = _check_count(num_keys, "num_keys", 2)
+    V = _check_count(value_dim, "value_dim")
+    return _trial_fn(head_dim, T, S, V, _check_dtype(dtype))
 
 
 def saturation_sweep(
@@ -538,8 +570,8 @@ def saturation_sweep(
     ``r [T, V]`` with N(0, 1/V) entries, runs the core :func:`jaxattn.attention` with ``scale=1/sqrt(d_k)``
     and ``scale=1`` on the same draws, and records per query row: entropy, normalised entropy, max
     weight, the Frobenius norm of the softmax Jacobian, ``‖∂L/∂logits‖`` and ``‖∂L/∂q‖`` for
-    ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``. Vectors are
-    padded to ``max(head_dims)`` with zeros, so every ``d_k`` shares one program.
+    ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``. One compiled
+    program holds every ``d_k``, each at its own shape (no padding), vmapped over trials and modes.
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -550,7 +582,7 @@ def saturation_sweep(
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
       trials_per_batch: ``None`` (default) vmaps all trials at once; an int runs the same vmapped program
         over chunks of that many trials with ``lax.map`` inside the one compiled program, bounding memory
-        for large runs (memory grows like P · R · (T + S) · max(head_dims)). Results are identical.
+        for large runs (memory grows like R · (T + S) · max(head_dims)). Results are identical.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
@@ -568,7 +600,7 @@ def saturation_sweep(
     if batch is not None and batch >= R:
         batch = None
     keys = jax.random.split(_as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, jnp.asarray(dims, jnp.int32), T=T, S=S, V=V, max_dim=max(dims), dtype=dtype, batch=batch)
+    out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),

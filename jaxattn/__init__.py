@@ -14,6 +14,7 @@ from jaxattn._attention import (
     multi_head_attention,
     split_heads,
 )
+from jaxattn._blockwise import blockwise_attention, multi_head_blockwise_attention, weights_from_lse
 from jaxattn._masks import causal_mask, combine_masks, padding_mask
 
 __version__ = "0.1.0"
@@ -23,11 +24,14 @@ __all__ = [
     "attention_layer",
     "attention_logits",
     "attention_weights",
+    "blockwise_attention",
     "causal_mask",
     "combine_masks",
     "init_attention_params",
     "merge_heads",
     "multi_head_attention",
+    "multi_head_blockwise_attention",
     "padding_mask",
     "split_heads",
+    "weights_from_lse",
 ]

@@ -16,6 +16,7 @@ from jaxattn._attention import (
 )
 from jaxattn._blockwise import blockwise_attention, multi_head_blockwise_attention, weights_from_lse
 from jaxattn._masks import causal_mask, combine_masks, padding_mask
+from jaxattn._ring import ring_attention, sharded_attention
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,8 @@ __all__ = [
     "multi_head_attention",
     "multi_head_blockwise_attention",
     "padding_mask",
+    "ring_attention",
+    "sharded_attention",
     "split_heads",
     "weights_from_lse",
 ]

@@ -324,8 +324,12 @@ def _derived(report: dict) -> list[str]:
     out = []
     cfgs = report["configs"]
 
-    def sec(key, impl):
-        return cfgs.get(key, {}).get("results", {}).get(impl, {}).get("seconds")
+    def sec(key, impl, field="seconds"):
+        return cfgs.get(key, {}).get("results", {}).get(impl, {}).get(field)
+
+    def cpu_note(key_a, key_b):  # across configurations (timed apart), CPU seconds are steadier on a busy machine
+        a, b = sec(key_a, "blockwise", "cpu_seconds"), sec(key_b, "blockwise", "cpu_seconds")
+        return f" [CPU-time ratio {a / b:.2f}]" if a and b else ""
 
     for key, rec in cfgs.items():
         r = rec.get("ratios", {})
@@ -342,11 +346,13 @@ def _derived(report: dict) -> list[str]:
             full = key.replace("-causal-", "-full-")
             a, b = sec(key, "blockwise"), sec(full, "blockwise")
             if a and b:
-                out.append(f"blockwise causal/non-causal time at {full.replace('-full', '')}: {a / b:.2f} (target <= 0.6 at T >= 8k)")
+                out.append(f"blockwise causal/non-causal time at {full.replace('-full', '')}: {a / b:.2f}"
+                           f"{cpu_note(key, full)} (target <= 0.6 at T >= 8k)")
         if key.endswith("-fwd+bwd"):
             a, b = sec(key, "blockwise"), sec(key[: -len("+bwd")], "blockwise")
             if a and b:
-                out.append(f"blockwise (fwd+bwd)/fwd time at {key[: -len('-fwd+bwd')]}: {a / b:.2f} (target <= 3)")
+                out.append(f"blockwise (fwd+bwd)/fwd time at {key[: -len('-fwd+bwd')]}: {a / b:.2f}"
+                           f"{cpu_note(key, key[: -len('+bwd')])} (target <= 3)")
             mem = cfgs[key].get("memory", {}).get("blockwise", {})
             if "peak_rss_bytes" in mem and "-T65536-" in key:
                 out.append(f"blockwise fwd+bwd peak resident memory at {key}: {mem['peak_rss_bytes'] / GIB:.2f} GiB (target <= 1 GiB)")

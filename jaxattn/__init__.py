@@ -14,8 +14,10 @@ from jaxattn._attention import (
     multi_head_attention,
     split_heads,
 )
+from jaxattn._blockwise import blockwise_attention, multi_head_blockwise_attention, weights_from_lse
 from jaxattn._masks import causal_mask, combine_masks, padding_mask
 from jaxattn import probes  # jaxattn.probes.entropy, ... (saturation and gradient probes)
+from jaxattn._ring import ring_attention, sharded_attention
 
 __version__ = "0.1.0"
 
@@ -24,12 +26,17 @@ __all__ = [
     "attention_layer",
     "attention_logits",
     "attention_weights",
+    "blockwise_attention",
     "causal_mask",
     "combine_masks",
     "init_attention_params",
     "merge_heads",
     "multi_head_attention",
+    "multi_head_blockwise_attention",
     "padding_mask",
     "probes",
+    "ring_attention",
+    "sharded_attention",
     "split_heads",
+    "weights_from_lse",
 ]

@@ -1,0 +1,464 @@
+"""Benchmark: dense attention, blockwise attention, jax.nn.dot_product_attention and the chapter's naive version.
+
+Configurations: GPT-2 shapes (T=S=1024, N=12, H=64) and long single-head sequences (N=1, H=64, T=S=4k..64k),
+forward and forward+backward, causal and not. For each configuration every implementation is compiled,
+then timed in interleaved rounds in ONE process (so that the ratios compare like with like), next to
+the same process's large-matmul throughput (the machine's ceiling). Peak memory is measured for each
+(configuration, implementation) in its own subprocess. On a GPU (``--gpu``, or detected) everything
+runs in bfloat16 and ``jax.nn.dot_product_attention(..., implementation='cudnn')`` joins.
+
+FLOP count: 4·T·S·H per head for the forward (two matmuls), halved for causal; forward+backward counts
+3.5× that (the backward's five matmuls, FlashAttention-2's convention).
+
+Results: ``<out>/bench_attention.json`` (every measurement, written after each configuration, so an
+interrupted run resumes with ``--resume``) and ``<out>/bench_attention.md`` (the tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+GIB = 1024**3
+IMPLS_CPU = ("xla", "dense", "naive", "blockwise")
+IMPLS_GPU = ("cudnn", "xla", "dense", "naive", "blockwise")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The implementations, all with one signature: q [T, N, H], k [S, N, H], v [S, N, V] -> out [T, N, V].
+# ----------------------------------------------------------------------------------------------------
+
+
+def _implementations(causal: bool, block_q: int, block_k: int):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxattn
+
+    def naive(q, k, v):
+        """The chapter's four lines (§6), per head, in JAX: scores, scale, softmax, weighted sum."""
+
+        def one_head(Q, K, V):
+            d_k = Q.shape[-1]
+            scores = Q @ K.T  # [T, S], every query against every key
+            scores = scores / math.sqrt(d_k)  # keep the softmax out of saturation
+            if causal:
+                scores = jnp.where(jaxattn.causal_mask(*scores.shape), scores, -jnp.inf)  # [T, S]
+            A = jax.nn.softmax(scores, axis=-1)  # [T, S], rows sum to 1
+            return A @ V  # [T, V]
+
+        return jax.vmap(one_head, in_axes=1, out_axes=1)(q, k, v)
+
+    return {
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=causal)[0],
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q[None], k[None], v[None], is_causal=causal, implementation="cudnn"
+        )[0],
+        "dense": lambda q, k, v: jaxattn.multi_head_attention(q, k, v, is_causal=causal)[0],
+        "naive": naive,
+        "blockwise": lambda q, k, v: jaxattn.multi_head_blockwise_attention(
+            q, k, v, is_causal=causal, block_q=block_q, block_k=block_k
+        )[0],
+    }
+
+
+def _program(impl: str, cfg: dict):
+    """The jitted function to time: forward, or forward+backward (gradients of sum(out) w.r.t. q, k, v)."""
+    import jax
+    import jax.numpy as jnp
+
+    f = _implementations(cfg["causal"], cfg["block_q"], cfg["block_k"])[impl]
+    if cfg["mode"] == "fwd":
+        return jax.jit(f)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+
+def _inputs(cfg: dict, seed: int):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    shape = (cfg["T"], cfg["N"], cfg["H"])
+    return [jnp.asarray(rng.standard_normal(shape, dtype=np.float32), cfg["dtype"]) for _ in range(3)]
+
+
+def _flops(cfg: dict) -> float:
+    fwd = 4.0 * cfg["T"] * cfg["T"] * cfg["H"] * cfg["N"] / (2 if cfg["causal"] else 1)
+    return fwd * (1.0 if cfg["mode"] == "fwd" else 3.5)
+
+
+def _quadratic_bytes(cfg: dict, impl: str) -> float:
+    """Rough memory the [T, S] buffers of the materialising implementations need (0 for blockwise/cudnn)."""
+    if impl in ("blockwise", "cudnn"):
+        return 0.0
+    buffers = 4 if cfg["mode"] == "fwd" else 8  # logits, weights, temporaries; the backward keeps more
+    return buffers * 4.0 * cfg["T"] * cfg["T"] * cfg["N"]
+
+
+def _key(cfg: dict) -> str:
+    c = "causal" if cfg["causal"] else "full"
+    return f"{cfg['group']}-T{cfg['T']}-N{cfg['N']}-H{cfg['H']}-{c}-{cfg['mode']}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measurements.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _call(fn, args) -> tuple[float, float]:
+    import jax
+
+    w, c = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def _matmul_gflops(dtype, n: int, rounds: int = 3) -> float:
+    """The same process's large-matmul throughput (n×n @ n×n), best of ``rounds``."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32), dtype)
+    mm = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(mm(a))
+    best = min(_call(mm, (a,))[0] for _ in range(rounds))
+    return 2.0 * n**3 / best / 1e9
+
+
+def _available_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def _time_config(cfg: dict, impls: list[str], args, seed: int) -> dict:
+    """Compile every implementation, then time them in interleaved rounds; wall and CPU seconds."""
+    import jax
+
+    q, k, v = _inputs(cfg, seed)
+    programs, first, results = {}, {}, {}
+    for impl in impls:
+        try:
+            programs[impl] = _program(impl, cfg).lower(q, k, v).compile()
+            first[impl] = _call(programs[impl], (q, k, v))[0]  # warm-up: first touch of every buffer
+        except Exception as e:  # e.g. out of memory, or cuDNN refusing a shape: recorded, not fatal
+            results[impl] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            programs.pop(impl, None)
+    slowest = max(first.values(), default=0.0)
+    per_round = max(slowest * len(first), 1e-9)
+    rounds = max(args.min_rounds, min(args.max_rounds, int(args.seconds_per_config / per_round)))
+    if per_round > 3 * args.seconds_per_config:
+        rounds = 1  # very long configurations (T = 64k): one timed round after the warm-up
+    wall = {impl: [] for impl in programs}
+    cpu = {impl: [] for impl in programs}
+    ceiling = [_matmul_gflops(cfg["dtype"], args.matmul_n)]
+    for _ in range(rounds):
+        for impl, fn in programs.items():
+            w, c = _call(fn, (q, k, v))
+            wall[impl].append(w)
+            cpu[impl].append(c)
+    ceiling.append(_matmul_gflops(cfg["dtype"], args.matmul_n))
+    flops = _flops(cfg)
+    for impl in programs:
+        best = min(wall[impl])
+        results[impl] = dict(
+            seconds=best,
+            seconds_median=float(np.median(wall[impl])),
+            cpu_seconds=min(cpu[impl]),
+            gflops=flops / best / 1e9,
+            rounds=rounds,
+        )
+    del programs, q, k, v
+    jax.clear_caches()
+    return dict(results=results, matmul_gflops=max(ceiling), rounds=rounds)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes: VmHWM (ru_maxrss would include the parent's, as
+    Linux carries it across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_memory_child(cfg: dict, impl: str, seed: int) -> dict:
+    """Run in a fresh process: build inputs, compile, run once; report the process's peak memory."""
+    import jax
+
+    base_rss = _peak_rss()
+    q, k, v = _inputs(cfg, seed)
+    jax.block_until_ready(_program(impl, cfg)(q, k, v))
+    out = dict(peak_rss_bytes=_peak_rss(), import_rss_bytes=base_rss)
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        out["device_peak_bytes"] = stats.get("peak_bytes_in_use")
+    return out
+
+
+def _peak_memory(cfg: dict, impl: str, seed: int, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(dict(cfg=cfg, impl=impl, seed=seed))]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"memory subprocess exceeded {timeout:.0f} s")
+    for line in proc.stdout.splitlines()[::-1]:
+        if line.startswith("{"):
+            return json.loads(line)
+    if proc.returncode < 0:
+        return dict(error=f"killed by signal {-proc.returncode} (likely out of memory)")
+    return dict(error=f"exit code {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else ''}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configurations, files and rendering.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _configs(args, dtype: str) -> list[dict]:
+    base = dict(H=64, dtype=dtype, block_q=args.block_q, block_k=args.block_k)
+    shapes = [("gpt2", args.gpt2_T, 12)] + [("long", T, 1) for T in args.long_T]
+    configs = []
+    for group, T, N in shapes:
+        for mode in ("fwd", "fwd+bwd"):
+            for causal in (False, True):
+                configs.append(dict(base, group=group, T=T, N=N, mode=mode, causal=causal))
+    return configs
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _fmt_time(entry: dict | None) -> str:
+    if not entry:
+        return "–"
+    if "skipped" in entry:
+        return "skipped"
+    if "error" in entry:
+        return "failed"
+    s = entry["seconds"]
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _ratios(record: dict, impls: list[str]) -> dict:
+    res = record["results"]
+    out = {}
+    ref = res.get("xla", {}).get("seconds")
+    for impl in impls:
+        s = res.get(impl, {}).get("seconds")
+        if s and ref and impl != "xla":
+            out[f"{impl}/xla"] = s / ref
+    return out
+
+
+def _render(report: dict, impls: list[str]) -> str:
+    meta = report["meta"]
+    lines = [
+        "# Attention benchmark",
+        "",
+        f"Machine: {meta['machine']}; backend {meta['backend']} ({meta['device']}), dtype {meta['dtype']}; "
+        f"jax {meta['jax']}; GLIBC_TUNABLES={meta['glibc_tunables'] or '(unset)'}.",
+        f"Command: `{meta['command']}`",
+        "",
+        "Time = best of the interleaved rounds (wall clock). GFLOP/s counts 4·T·S·H per head forward "
+        "(halved for causal), ×3.5 for forward+backward. `ceiling` = the same process's "
+        f"{meta['matmul_n']}² matmul GFLOP/s. Ratios are time / time of `xla` "
+        "(jax.nn.dot_product_attention). Peak = the whole process's peak resident memory (its own process).",
+        "",
+        "| config | " + " | ".join(impls) + " | ceiling GFLOP/s | blockwise GFLOP/s (% of ceiling) | "
+        + " | ".join(f"{i}/xla" for i in impls if i != "xla") + " | peak MiB " + " / ".join(impls) + " |",
+        "|" + "---|" * (len(impls) * 2 + 3) ,
+    ]
+    for key, rec in report["configs"].items():
+        res = rec["results"]
+        ratios = rec.get("ratios", {})
+        bw = res.get("blockwise", {})
+        bw_g = f"{bw['gflops']:.1f} ({100 * bw['gflops'] / rec['matmul_gflops']:.0f}%)" if "gflops" in bw else "–"
+        peaks = []
+        for impl in impls:
+            mem = rec.get("memory", {}).get(impl, {})
+            peaks.append(f"{mem['peak_rss_bytes'] / 2**20:.0f}" if "peak_rss_bytes" in mem else ("oom" if "error" in mem else "–"))
+        lines.append(
+            f"| {key} | "
+            + " | ".join(_fmt_time(res.get(i)) for i in impls)
+            + f" | {rec.get('matmul_gflops', float('nan')):.0f} | {bw_g} | "
+            + " | ".join(f"{ratios[f'{i}/xla']:.2f}" if f"{i}/xla" in ratios else "–" for i in impls if i != "xla")
+            + " | " + " / ".join(peaks) + " |"
+        )
+    notes = [f"- {key} {impl}: {entry['skipped']}" for key, rec in report["configs"].items()
+             for impl, entry in rec["results"].items() if "skipped" in entry]
+    notes += [f"- {key} {impl}: {entry['error']}" for key, rec in report["configs"].items()
+              for impl, entry in rec["results"].items() if "error" in entry]
+    if notes:
+        lines += ["", "Notes:"] + notes
+    lines += ["", "Derived (targets of issue 5):"] + [f"- {line}" for line in report.get("derived", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _derived(report: dict) -> list[str]:
+    """The issue's target quantities, computed from the measured records."""
+    out = []
+    cfgs = report["configs"]
+
+    def sec(key, impl, field="seconds"):
+        return cfgs.get(key, {}).get("results", {}).get(impl, {}).get(field)
+
+    def cpu_note(key_a, key_b):  # across configurations (timed apart), CPU seconds are steadier on a busy machine
+        a, b = sec(key_a, "blockwise", "cpu_seconds"), sec(key_b, "blockwise", "cpu_seconds")
+        return f" [CPU-time ratio {a / b:.2f}]" if a and b else ""
+
+    for key, rec in cfgs.items():
+        r = rec.get("ratios", {})
+        if key.startswith("gpt2") and "dense/xla" in r:
+            out.append(f"dense/xla at {key}: {r['dense/xla']:.2f} (target <= 1.05)")
+        if "blockwise/xla" in r:
+            out.append(f"blockwise/xla at {key}: {r['blockwise/xla']:.2f} (target <= 0.5)")
+        bw = rec["results"].get("blockwise", {})
+        if key.startswith("long") and key.endswith("-fwd") and "gflops" in bw:
+            out.append(f"blockwise forward at {key}: {bw['gflops']:.1f} GFLOP/s = "
+                       f"{100 * bw['gflops'] / rec['matmul_gflops']:.0f}% of the {rec['matmul_gflops']:.0f} GFLOP/s matmul (target >= 80% at T >= 4k)")
+    for key in cfgs:
+        if "-causal-" in key:
+            full = key.replace("-causal-", "-full-")
+            a, b = sec(key, "blockwise"), sec(full, "blockwise")
+            if a and b:
+                out.append(f"blockwise causal/non-causal time at {full.replace('-full', '')}: {a / b:.2f}"
+                           f"{cpu_note(key, full)} (target <= 0.6 at T >= 8k)")
+        if key.endswith("-fwd+bwd"):
+            a, b = sec(key, "blockwise"), sec(key[: -len("+bwd")], "blockwise")
+            if a and b:
+                out.append(f"blockwise (fwd+bwd)/fwd time at {key[: -len('-fwd+bwd')]}: {a / b:.2f}"
+                           f"{cpu_note(key, key[: -len('+bwd')])} (target <= 3)")
+            mem = cfgs[key].get("memory", {}).get("blockwise", {})
+            if "peak_rss_bytes" in mem and "-T65536-" in key:
+                out.append(f"blockwise fwd+bwd peak resident memory at {key}: {mem['peak_rss_bytes'] / GIB:.2f} GiB (target <= 1 GiB)")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-output", help="output folder (default: bench-output)")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few rounds (a smoke run of a minute or two)")
+    parser.add_argument("--gpu", action="store_true", help="require a GPU (bf16, adds cuDNN); detected automatically otherwise")
+    parser.add_argument("--resume", action="store_true", help="keep configurations already in the JSON file")
+    parser.add_argument("--only", default="", help="run only configurations whose key contains this text")
+    parser.add_argument("--gpt2-T", type=int, default=1024)
+    parser.add_argument("--long-T", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--block-q", type=int, default=512)
+    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--matmul-n", type=int, default=2048, help="side of the ceiling matmul")
+    parser.add_argument("--min-rounds", type=int, default=2)
+    parser.add_argument("--max-rounds", type=int, default=7)
+    parser.add_argument("--seconds-per-config", type=float, default=12.0, help="time budget for the timed rounds")
+    parser.add_argument("--memory-fraction", type=float, default=0.5,
+                        help="skip a materialising implementation whose [T, S] buffers need more than this "
+                             "fraction of the available memory")
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak-memory subprocesses")
+    parser.add_argument("--memory-timeout", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(_peak_memory_child(spec["cfg"], spec["impl"], spec["seed"])), flush=True)
+        return
+
+    import jax
+
+    backend = jax.default_backend()
+    on_gpu = backend == "gpu"
+    if args.gpu and not on_gpu:
+        raise SystemExit(f"--gpu given but jax's default backend is {backend!r}")
+    impls = list(IMPLS_GPU if on_gpu else IMPLS_CPU)
+    dtype = "bfloat16" if on_gpu else "float32"
+    if args.quick:
+        args.gpt2_T, args.long_T = 256, [2048]
+        args.min_rounds, args.max_rounds, args.seconds_per_config = 2, 3, 3.0
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "bench_attention.json", out_dir / "bench_attention.md"
+    print(f"seed {args.seed}; writing {json_path} and {md_path}", flush=True)
+    print(f"backend {backend}, dtype {dtype}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}", flush=True)
+
+    report = dict(configs={})
+    if args.resume and json_path.exists():
+        report = json.loads(json_path.read_text())
+    report["meta"] = dict(
+        machine=f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB",
+        backend=backend,
+        device=str(jax.devices()[0].device_kind),
+        dtype=dtype,
+        jax=jax.__version__,
+        glibc_tunables=os.environ.get("GLIBC_TUNABLES", ""),
+        matmul_n=args.matmul_n,
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        seed=args.seed,
+    )
+
+    for cfg in _configs(args, dtype):
+        key = _key(cfg)
+        if args.only and args.only not in key:
+            continue
+        if key in report["configs"]:
+            print(f"{key}: kept from the earlier run", flush=True)
+            continue
+        avail = _available_bytes()
+        run, skipped = [], {}
+        for impl in impls:
+            need = _quadratic_bytes(cfg, impl)
+            if need > args.memory_fraction * avail:
+                skipped[impl] = dict(skipped=f"its [T, S] buffers need ~{need / GIB:.0f} GiB, "
+                                     f"more than {args.memory_fraction:.0%} of the {avail / GIB:.0f} GiB available")
+            else:
+                run.append(impl)
+        print(f"{key}: timing {', '.join(run)}" + (f" (skipped: {', '.join(skipped)})" if skipped else ""), flush=True)
+        record = _time_config(cfg, run, args, args.seed)
+        record["results"].update(skipped)
+        record.update(cfg=cfg, ratios={})
+        record["ratios"] = _ratios(record, impls)
+        if not args.no_memory:
+            record["memory"] = {impl: _peak_memory(cfg, impl, args.seed, args.memory_timeout) for impl in run}
+        report["configs"][key] = record
+        times = ", ".join(f"{i} {_fmt_time(record['results'].get(i))}" for i in impls)
+        ratios = ", ".join(f"{name} {value:.2f}" for name, value in record["ratios"].items())
+        print(f"  {times}; matmul {record['matmul_gflops']:.0f} GFLOP/s; ratios: {ratios}", flush=True)
+        report["derived"] = _derived(report)
+        _write_atomic(json_path, json.dumps(report, indent=1))
+        _write_atomic(md_path, _render(report, impls))
+
+    report["derived"] = _derived(report)
+    _write_atomic(json_path, json.dumps(report, indent=1))
+    _write_atomic(md_path, _render(report, impls))
+    print("\n".join(report["derived"]))
+    print(f"wrote {json_path} and {md_path}")
+
+
+if __name__ == "__main__":
+    main()

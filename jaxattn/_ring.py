@@ -1,0 +1,251 @@
+"""Attention over many devices: heads/batch split across devices, and ring attention over the sequence.
+
+Two ways to spread attention over a device mesh, from the easy to the necessary:
+
+1. **Batch and heads** (no communication at all: examples and heads are independent). Either place the
+   inputs with a ``jax.sharding.NamedSharding`` and call the ordinary functions under ``jax.jit`` (XLA's
+   partitioner propagates the sharding), or use :func:`sharded_attention`, a ``shard_map`` that runs the
+   per-device function on each device's own examples and heads, so nothing is ever gathered::
+
+     mesh = jax.make_mesh((2, 2), ("batch", "heads"))                       # Explicit axes
+     spec = jax.sharding.PartitionSpec("batch", None, "heads", None)         # [B, T, N, H]
+     q, k, v = (jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in (q, k, v))
+     with jax.set_mesh(mesh):
+         out = jax.jit(jax.vmap(lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v)[0]))(q, k, v)
+     out, lse = jaxattn.sharded_attention(q, k, v, mesh=mesh, batch_axis="batch", head_axis="heads")
+
+   With an Explicit mesh (``jax.make_mesh``'s default) call under ``jax.set_mesh``; the blockwise
+   functions then see that the head axis is split and vmap the heads, so each device keeps its own. With
+   an Auto mesh (``jax.sharding.Mesh(devices, names)``) XLA's partitioner decides, and may gather the
+   heads. The ``shard_map`` functions here need their inputs already placed as their specs say
+   (``jax.device_put`` with a ``NamedSharding``), as ``shard_map`` itself does on an Explicit mesh.
+
+2. **The sequence** (:func:`ring_attention`), for one sequence too long for one device's memory
+   (Liu, Zaharia & Abbeel 2023, "Ring attention with blockwise transformers"). Device ``d`` of the ring
+   keeps its chunk of queries; the key/value chunks travel round the ring with ``lax.ppermute``, one hop
+   per step, and after P steps every query chunk has met every key chunk. Each step is a
+   :func:`jaxattn.blockwise_attention` (O(chunk) memory), and the partial results are merged exactly
+   through their row log-sum-exps: ``lse = log Σ_t exp(lse_t)``, ``out = Σ_t exp(lse_t - lse) out_t``.
+   With ``is_causal`` a step whose key chunk lies wholly after the query chunk is skipped.
+
+Axis alphabet as in :mod:`jaxattn._attention` (B batch, T, S, N, K, H, V).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxattn._attention import _validate_multi
+from jaxattn._blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _check_block, multi_head_blockwise_attention
+from jaxattn._checks import as_bool_array, as_float_array, check_rank, softmax_dtype
+
+Array = jax.Array
+
+
+def _mesh_axis_size(mesh: Any, axis: str | None, name: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, received {type(mesh).__name__}")
+    if axis is None:
+        return 1
+    if axis not in mesh.shape:
+        raise ValueError(f"{name}={axis!r} is not an axis of the mesh, whose axes are {tuple(mesh.axis_names)}")
+    return int(mesh.shape[axis])
+
+
+def _merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Array, Array]:
+    """Two partial attentions over disjoint key sets, merged exactly through their log-sum-exps.
+
+    ``out [T, N, V]`` float32, ``lse [N, T]``. A side with ``lse = -inf`` (no kept key) has weight 0; if
+    both have no kept key the result is a zero output with ``lse = -inf`` and finite gradients.
+    """
+    m = jnp.maximum(lse_a, lse_b)  # [N, T]
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # [N, T]
+    w_a = jnp.exp(lse_a - m)  # [N, T]
+    w_b = jnp.exp(lse_b - m)  # [N, T]
+    total = w_a + w_b  # [N, T]
+    safe = jnp.where(total == 0.0, 1.0, total)  # [N, T]
+    lse = jnp.where(total == 0.0, -jnp.inf, m + jnp.log(safe))  # [N, T]
+    w_a = (w_a / safe).T[:, :, None]  # [T, N, 1]
+    w_b = (w_b / safe).T[:, :, None]  # [T, N, 1]
+    return out_a * w_a + out_b * w_b, lse  # [T, N, V], [N, T]
+
+
+def ring_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mesh: Mesh,
+    axis_name: str,
+    kv_mask: Any = None,
+    is_causal: bool = False,
+    scale: Any = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> tuple[Array, Array]:
+    """Sequence-parallel multi-head attention: queries stay, key/value chunks travel round a ring.
+
+    The same function as :func:`jaxattn.multi_head_blockwise_attention` (equal within float32 rounding),
+    with the sequence axes of q, k, v (and ``kv_mask``) split into P equal chunks over the mesh axis
+    ``axis_name``. Device ``d`` holds queries ``[d·T/P, (d+1)·T/P)`` for the whole computation and sees
+    each key/value chunk once, so its memory is O((T + S) / P) for the forward. Differentiable with
+    ``jax.grad`` (the transpose of a ``ppermute`` is the reverse ring); autodiff keeps each step's
+    key/value chunk for the backward, so the gradient holds O(S) per device.
+
+    Args:
+      q: queries ``[T, N, H]``.
+      k: keys ``[S, K, H]``.
+      v: values ``[S, K, V]``.
+      mesh: the device mesh.
+      axis_name: the mesh axis the sequence is split over (P devices); P must divide T and S.
+      kv_mask: optional boolean key-padding keep-mask ``[S]`` (True = attend), split with the keys.
+      is_causal: causal self-attention (requires T == S); steps whose key chunk lies wholly after the
+        query chunk are skipped.
+      scale, block_q, block_k: as in :func:`jaxattn.blockwise_attention` (blocks apply inside a step).
+
+    Returns:
+      ``(out [T, N, V], lse [N, T])``, sharded like q over ``axis_name``.
+    """
+    q, k, v, _, _, scale = _validate_multi(q, k, v, None, None, scale)
+    block_q = _check_block(block_q, "block_q")
+    block_k = _check_block(block_k, "block_k")
+    P = _mesh_axis_size(mesh, axis_name, "axis_name")
+    T, S = q.shape[0], k.shape[0]
+    if T % P or S % P:
+        raise ValueError(
+            f"the mesh axis {axis_name!r} has {P} devices, which must divide both sequence lengths: "
+            f"q has T={T} (shape {tuple(q.shape)}), k has S={S} (shape {tuple(k.shape)})"
+        )
+    if is_causal and T != S:
+        raise ValueError(f"is_causal ring attention is self-attention and needs T == S, received T={T}, S={S}")
+    if kv_mask is not None:
+        kv_mask = as_bool_array(kv_mask, "kv_mask")
+        check_rank(kv_mask, 1, "kv_mask", "[S]")
+        if kv_mask.shape[0] != S:
+            raise ValueError(f"kv_mask must have shape [S] = ({S},), received {tuple(kv_mask.shape)}")
+    acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
+    out_dtype = jnp.result_type(q, k, v)
+    N, V = q.shape[1], v.shape[2]
+    perm = [(i, (i + 1) % P) for i in range(P)]  # device i sends its key/value chunk to device i + 1
+
+    def attend(q, k, v, m, causal):
+        out, lse = multi_head_blockwise_attention(
+            q, k, v, mask=m, is_causal=causal, scale=scale, block_q=block_q, block_k=block_k
+        )
+        return out.astype(acc_dtype), lse  # [Tc, N, V], [N, Tc]
+
+    def per_device(q, k, v, m):  # q [Tc, N, H], k [Sc, K, H], v [Sc, K, V], m [Sc] or None
+        d = jax.lax.axis_index(axis_name)
+        Tc = q.shape[0]
+
+        def step_result(t, k, v, m):
+            if not is_causal:
+                return attend(q, k, v, m, False)
+            src = (d - t) % P  # after t hops device d holds the chunk that started on device d - t
+            skip = lambda: (jnp.zeros((Tc, N, V), acc_dtype), jnp.full((N, Tc), -jnp.inf, acc_dtype))
+            below = lambda: attend(q, k, v, m, False)  # key chunk wholly before the query chunk
+            diagonal = lambda: attend(q, k, v, m, True)
+            branch = jnp.where(src < d, 0, jnp.where(src == d, 1, 2))
+            return jax.lax.switch(branch, [below, diagonal, skip])
+
+        out, lse = step_result(0, k, v, m)
+
+        def hop(carry, t):
+            out, lse, k, v, m = carry
+            k, v = jax.lax.ppermute(k, axis_name, perm), jax.lax.ppermute(v, axis_name, perm)
+            if m is not None:
+                m = jax.lax.ppermute(m, axis_name, perm)
+            out_t, lse_t = step_result(t, k, v, m)
+            out, lse = _merge(out, lse, out_t, lse_t)
+            return (out, lse, k, v, m), None
+
+        (out, lse, _, _, _), _ = jax.lax.scan(hop, (out, lse, k, v, m), jnp.arange(1, P))
+        return out.astype(out_dtype), lse
+
+    seq = PartitionSpec(axis_name)
+    mask_spec = None if kv_mask is None else seq
+    fn = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(seq, seq, seq, mask_spec),
+        out_specs=(seq, PartitionSpec(None, axis_name)),
+        check_vma=False,
+    )
+    return fn(q, k, v, kv_mask)
+
+
+def sharded_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mesh: Mesh,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    is_causal: bool = False,
+    scale: Any = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> tuple[Array, Array]:
+    """Batched multi-head :func:`jaxattn.multi_head_blockwise_attention`, examples and heads split over devices.
+
+    A ``shard_map``: each device runs the per-example function (vmapped over its examples) on its own
+    examples and heads, with no communication. Splitting the heads keeps grouped-query groups whole:
+    device ``p`` of ``head_axis`` gets query heads ``[p·N/P, (p+1)·N/P)`` and key/value heads
+    ``[p·K/P, (p+1)·K/P)``, exactly the ones those query heads read (head ``n`` reads ``n // G``).
+
+    Args:
+      q: queries ``[B, T, N, H]``.
+      k: keys ``[B, S, K, H]``.
+      v: values ``[B, S, K, V]``.
+      mesh: the device mesh.
+      batch_axis: mesh axis to split the batch over (must divide B), or None.
+      head_axis: mesh axis to split the heads over (must divide K), or None.
+      is_causal, scale, block_q, block_k: as in :func:`jaxattn.blockwise_attention`.
+
+    Returns:
+      ``(out [B, T, N, V], lse [B, N, T])``, sharded like the inputs.
+    """
+    q, k, v = as_float_array(q, "q"), as_float_array(k, "k"), as_float_array(v, "v")
+    for name, x, axes in (("q", q, "[B, T, N, H]"), ("k", k, "[B, S, K, H]"), ("v", v, "[B, S, K, V]")):
+        check_rank(x, 4, name, axes)
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(
+            f"q, k and v must have the same batch size B, received shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    # the per-example checks of multi_head_attention, on shapes only (indexing a sharded array would move data)
+    jax.eval_shape(
+        lambda q, k, v: _validate_multi(q, k, v, None, None, scale)[:3],
+        *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (q, k, v)),
+    )
+    Pb = _mesh_axis_size(mesh, batch_axis, "batch_axis")
+    Ph = _mesh_axis_size(mesh, head_axis, "head_axis")
+    B, K = q.shape[0], k.shape[2]
+    if B % Pb:
+        raise ValueError(f"the mesh axis {batch_axis!r} has {Pb} devices, which must divide the batch B={B}")
+    if K % Ph:
+        raise ValueError(
+            f"the mesh axis {head_axis!r} has {Ph} devices, which must divide the key/value heads K={K} "
+            f"(k has shape {tuple(k.shape)}), so that grouped-query groups stay on one device"
+        )
+
+    def per_device(q, k, v):
+        fn = lambda q, k, v: multi_head_blockwise_attention(
+            q, k, v, is_causal=is_causal, scale=scale, block_q=block_q, block_k=block_k
+        )
+        return jax.vmap(fn)(q, k, v)
+
+    spec = PartitionSpec(batch_axis, None, head_axis, None)
+    fn = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=(spec, PartitionSpec(batch_axis, head_axis, None)),
+        check_vma=False,
+    )
+    return fn(q, k, v)

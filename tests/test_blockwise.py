@@ -1,0 +1,296 @@
+"""blockwise_attention: equal to the dense core on outputs and gradients, O(T + S) memory, causal skipping."""
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxattn
+from jaxattn._blockwise import _k_range, _plan, _q_range
+
+# Tolerances, defined once per dtype: |blockwise - dense| <= atol + rtol * |dense|.
+TOL = {
+    np.float32: dict(atol=1e-5, rtol=1e-5),
+    np.float64: dict(atol=1e-12, rtol=1e-12),
+    jnp.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    np.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def _close(actual, expected, dtype=np.float32):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64), **TOL[dtype])
+
+
+def _qkv(seed, T, S, H=8, V=5, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((T, H)).astype(dtype)
+    k = rng.standard_normal((S, H)).astype(dtype)
+    v = rng.standard_normal((S, V)).astype(dtype)
+    return q, k, v
+
+
+def _mask(kind, T, S, seed=1):
+    rng = np.random.default_rng(seed)
+    if kind is None:
+        return None
+    if kind == "padding":  # [S]: the last 3 keys are padding
+        return np.arange(S) < S - 3
+    if kind == "random":  # [T, S], with row 1 fully masked
+        m = rng.random((T, S)) < 0.7
+        m[1] = False
+        return m
+    raise AssertionError(kind)
+
+
+# (T, S, block_q, block_k, is_causal, mask): blocks dividing the lengths, not dividing them, larger than
+# them, T != S both ways; each shape causal and not, unmasked, padded and randomly masked.
+CASES = [
+    (16, 16, 4, 8, False, None),
+    (16, 16, 4, 8, True, "random"),
+    (13, 13, 4, 5, True, None),
+    (13, 13, 4, 5, False, "padding"),
+    (7, 19, 3, 4, True, "padding"),
+    (7, 19, 3, 4, False, "random"),
+    (19, 6, 8, 4, True, "random"),
+    (5, 5, 64, 64, True, "padding"),
+]
+
+
+@pytest.mark.parametrize("T,S,bq,bk,is_causal,mask_kind", CASES)
+def test_equals_dense_attention_outputs_and_gradients(T, S, bq, bk, is_causal, mask_kind):
+    q, k, v = _qkv(0, T, S)
+    mask = _mask(mask_kind, T, S)
+
+    d_out = np.random.default_rng(2).standard_normal((T, v.shape[1])).astype(np.float32)
+
+    @jax.jit
+    def outputs_and_gradients(q, k, v):
+        def blockwise(q, k, v):
+            return jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=bq, block_k=bk)[0]
+
+        def dense(q, k, v):
+            return jaxattn.attention(q, k, v, mask=mask, is_causal=is_causal)[0]
+
+        out, vjp = jax.vjp(blockwise, q, k, v)
+        out_ref, vjp_ref = jax.vjp(dense, q, k, v)
+        return (out, *vjp(d_out)), (out_ref, *vjp_ref(d_out))
+
+    results, expected = outputs_and_gradients(q, k, v)
+    for name, x, x_ref in zip(["out", "dq", "dk", "dv"], results, expected):
+        assert x.shape == x_ref.shape, name
+        _close(x, x_ref)
+
+
+def test_lse_is_the_row_logsumexp_and_recovers_the_weights():
+    T, S, is_causal = 11, 14, True
+    q, k, v = _qkv(3, T, S)
+    mask = _mask("random", T, S)
+    blockwise = jax.jit(lambda q, k, v: jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=4, block_k=4))
+    out, lse = blockwise(q, k, v)
+    keep = np.asarray(jaxattn.combine_masks(mask, jaxattn.causal_mask(T, S) if is_causal else None))
+    logits = np.asarray(jaxattn.attention_logits(q, k), np.float64)
+    with np.errstate(divide="ignore"):
+        expected = np.log(np.where(keep, np.exp(logits), 0.0).sum(axis=1))
+    assert np.isneginf(lse[1]) and np.isneginf(expected[1])  # row 1 has no kept key: log 0
+    _close(np.where(np.isneginf(lse), 0, lse), np.where(np.isneginf(expected), 0, expected))
+    weights = jaxattn.attention_weights(q, k, mask=mask, is_causal=is_causal)
+    recover = jax.jit(lambda q, k, lse, rows: jaxattn.weights_from_lse(q, k, lse, rows=rows, mask=mask, is_causal=is_causal))
+    _close(recover(q, k, lse, None), weights)
+    rows = np.array([0, 5, 10])
+    _close(recover(q, k, lse, rows), weights[rows])
+
+
+def test_gradient_through_lse_and_scale_matches_dense():
+    T, S = 9, 10
+    q, k, v = _qkv(4, T, S)
+    mask = _mask("padding", T, S)
+
+    def loss_blockwise(q, k, v, scale):
+        out, lse = jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=True, scale=scale, block_q=4, block_k=3)
+        return jnp.sum(out**2) + jnp.sum(jnp.sin(lse))
+
+    def loss_dense(q, k, v, scale):
+        out, _ = jaxattn.attention(q, k, v, mask=mask, is_causal=True, scale=scale)
+        logits = jaxattn.attention_logits(q, k, scale=scale)
+        keep = jnp.logical_and(jaxattn.causal_mask(T, S), mask[None, :])
+        lse = jax.nn.logsumexp(jnp.where(keep, logits, -jnp.inf), axis=1)
+        return jnp.sum(out**2) + jnp.sum(jnp.sin(lse))
+
+    scale = jnp.float32(0.4)
+    grads = jax.jit(jax.grad(loss_blockwise, argnums=(0, 1, 2, 3)))(q, k, v, scale)
+    grads_ref = jax.jit(jax.grad(loss_dense, argnums=(0, 1, 2, 3)))(q, k, v, scale)
+    for g, g_ref in zip(grads, grads_ref):
+        _close(g, g_ref)
+
+
+@pytest.mark.parametrize("is_causal,mask_kind", [(False, None), (True, "padding")])
+def test_check_grads_float64(x64, is_causal, mask_kind):
+    q, k, v = _qkv(5, 7, 9, H=4, V=3, dtype=np.float64)
+    mask = _mask(mask_kind, 7, 9)
+
+    @jax.jit
+    def f(q, k, v):
+        out, lse = jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=3, block_k=4)
+        assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
+        return out, lse
+
+    check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+    out, _ = f(q, k, v)
+    _close(out, jaxattn.attention(q, k, v, mask=mask, is_causal=is_causal)[0], np.float64)
+
+
+@pytest.mark.parametrize("is_causal,mask_kind", [(False, None), (True, "per_head")])
+def test_grouped_query_heads_match_multi_head_attention(mask_kind, is_causal):
+    T, S, N, K, H = 10, 12, 6, 2, 4
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((T, N, H)).astype(np.float32)
+    k = rng.standard_normal((S, K, H)).astype(np.float32)
+    v = rng.standard_normal((S, K, 3)).astype(np.float32)
+    mask = None if mask_kind is None else rng.random((N, T, S)) < 0.8
+
+    def blockwise(q, k, v):
+        return jaxattn.multi_head_blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=4, block_k=5)
+
+    d_out = rng.standard_normal((T, N, 3)).astype(np.float32)
+
+    @jax.jit
+    def outputs_and_gradients(q, k, v):
+        (out, lse), vjp = jax.vjp(blockwise, q, k, v)
+        out_ref, vjp_ref = jax.vjp(
+            lambda q, k, v: jaxattn.multi_head_attention(q, k, v, mask=mask, is_causal=is_causal)[0], q, k, v
+        )
+        return lse, (out, *vjp((d_out, jnp.zeros_like(lse)))), (out_ref, *vjp_ref(d_out))
+
+    lse, results, expected = outputs_and_gradients(q, k, v)
+    assert results[0].shape == (T, N, 3)
+    for x, x_ref in zip(results, expected):
+        _close(x, x_ref)
+    # the head convention: query head n reads key/value head n // G
+    assert lse.shape == (N, T)
+    n = 5
+    m1 = None if mask is None else mask[n]
+    _, lse1 = jaxattn.blockwise_attention(q[:, n], k[:, n // 3], v[:, n // 3], mask=m1, is_causal=is_causal)
+    _close(lse[n], lse1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_half_precision_inputs_accumulate_in_float32(dtype):
+    q, k, v = _qkv(7, 33, 40, H=16, V=8)
+    half = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    out, lse = jax.jit(lambda *a: jaxattn.blockwise_attention(*a, is_causal=True, block_q=8, block_k=16))(*half)
+    assert out.dtype == dtype and lse.dtype == jnp.float32
+    ref, _ = jaxattn.attention(*[np.asarray(x, np.float32) for x in half], is_causal=True)
+    _close(out, ref, dtype)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(jaxattn.blockwise_attention(*a, block_q=8, block_k=16)[0].astype(jnp.float32)), (0, 1, 2)))(*half)
+    assert all(g.dtype == dtype and bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+def test_causal_tiles_above_the_diagonal_are_never_read():
+    """A NaN in the values of key block 1 reaches query block 0 only if that tile is visited.
+
+    A masked tile would still multiply its zero weights by the NaN values (0 · NaN = NaN); a skipped
+    tile does not exist. So rows 0..3 stay finite, in the output and in the gradient of q.
+    """
+    q, k, v = _qkv(8, 8, 8)
+    v[4:] = np.nan
+
+    def f(q):
+        return jaxattn.blockwise_attention(q, k, v, is_causal=True, block_q=4, block_k=4)[0]
+
+    out = np.asarray(jax.jit(f)(q))
+    assert np.isfinite(out[:4]).all() and np.isnan(out[4:]).all()
+    dq = np.asarray(jax.jit(jax.grad(lambda q: jnp.sum(f(q)[:4])))(q))
+    assert np.isfinite(dq[:4]).all()
+    _close(out[:4], jaxattn.attention(q[:4], k[:4], v[:4], is_causal=True)[0])
+
+
+@pytest.mark.parametrize("T,S,bq,bk", [(8, 8, 2, 2), (13, 13, 4, 5), (7, 19, 3, 4), (19, 6, 8, 4)])
+def test_causal_plan_visits_exactly_the_tiles_that_touch_the_lower_triangle(T, S, bq, bk):
+    plan = _plan(T, S, bq, bk, causal=True, has_mask=False)
+    keep = np.array(jaxattn.causal_mask(plan.nq * bq, plan.nk * bk))
+    keep[:, S:] = False
+    forward, backward = set(), set()
+    for i in range(plan.nq):
+        n_full, n_hi = (int(x) for x in _k_range(plan, i))
+        for j in range(plan.nk):
+            tile = keep[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            assert (j < n_hi) == tile.any(), (i, j)  # visited iff some key of the tile is kept
+            assert (j < n_full) == tile.all(), (i, j)  # mask-free iff every key of the tile is kept
+            if j < n_hi:
+                forward.add((i, j, j < n_full))
+    for j in range(plan.nk):
+        i_lo, i_full = (int(x) for x in _q_range(plan, j))
+        for i in range(i_lo, plan.nq):
+            backward.add((i, j, i >= i_full))
+    assert forward == backward
+
+
+def _max_intermediate_size(jaxpr):
+    """The largest array any equation of ``jaxpr`` (or of its sub-jaxprs) produces."""
+    biggest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            biggest = max(biggest, _max_intermediate_size(sub))
+    return biggest
+
+
+def test_gradient_never_builds_a_T_by_S_buffer():
+    T = S = 64
+    q, k, v = _qkv(9, T, S)
+
+    def loss(q, k, v):
+        return jnp.sum(jaxattn.blockwise_attention(q, k, v, is_causal=True, block_q=16, block_k=16)[0])
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    assert _max_intermediate_size(jaxpr) <= 16 * 16 * 4  # tiles and O(T) vectors only; T*S = 4096
+    dense = jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(jaxattn.attention(q, k, v)[0]), (0, 1, 2)))(q, k, v)
+    assert _max_intermediate_size(dense.jaxpr) >= T * S  # the check can fail: the dense path does build it
+
+
+def test_empty_lengths():
+    q, k, v = _qkv(10, 3, 0)
+    out, lse = jaxattn.blockwise_attention(q, k, v)
+    assert out.shape == (3, 5) and not np.asarray(out).any() and np.isneginf(lse).all()
+    q, k, v = _qkv(10, 0, 4)
+    out, lse = jaxattn.blockwise_attention(q, k, v)
+    assert out.shape == (0, 5) and lse.shape == (0,)
+
+
+def test_jit_and_batch_vmap_compose():
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 9, 3, 4)).astype(np.float32) for _ in range(3))
+    f = jax.jit(jax.vmap(lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=True, block_q=4, block_k=4)[0]))
+    g = jax.vmap(lambda q, k, v: jaxattn.multi_head_attention(q, k, v, is_causal=True)[0])
+    _close(f(q, k, v), g(q, k, v))
+
+
+BAD_INPUTS = [
+    (dict(q=np.zeros((4, 8, 1), np.float32)), ValueError, r"q must have 2 dimensions \[T, H\]"),
+    (dict(k=np.zeros((6, 7), np.float32)), ValueError, r"same head dimension H"),
+    (dict(v=np.zeros((5, 3), np.float32)), ValueError, r"same length S"),
+    (dict(q=np.zeros((4, 8), np.int32)), TypeError, r"q must have a floating dtype"),
+    (dict(mask=np.ones((4, 6), np.int32)), TypeError, r"mask must be a boolean keep-mask"),
+    (dict(mask=np.ones((5, 6), bool)), ValueError, r"mask must be broadcastable to \[T, S\] = \(4, 6\)"),
+    (dict(scale=-1.0), ValueError, r"scale must be finite and > 0"),
+    (dict(block_q=0), ValueError, r"block_q must be a positive int"),
+    (dict(block_k=2.5), ValueError, r"block_k must be a positive int"),
+]
+
+
+@pytest.mark.parametrize("override,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_errors_naming_the_argument(override, error, message):
+    args = dict(q=np.zeros((4, 8), np.float32), k=np.zeros((6, 8), np.float32), v=np.zeros((6, 3), np.float32))
+    args.update(override)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(error, match=message):
+        jaxattn.blockwise_attention(q, k, v, **args)
+
+
+def test_weights_from_lse_rejects_a_mismatched_lse():
+    q, k, _ = _qkv(12, 4, 6)
+    with pytest.raises(ValueError, match=r"lse must have shape \[T\] = \(4,\)"):
+        jaxattn.weights_from_lse(q, k, np.zeros(5, np.float32))

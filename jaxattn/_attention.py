@@ -56,6 +56,7 @@ def _keep(mask: Array | None, is_causal: bool, T: int, S: int) -> Array | None:
     return mask
 
 
+@jax.custom_jvp
 def _masked_softmax(logits: Array, keep: Array | None) -> Array:
     """Numerically stable softmax over the last axis, restricted to ``keep``; ``[T, S]``.
 
@@ -63,17 +64,32 @@ def _masked_softmax(logits: Array, keep: Array | None) -> Array:
     ``-inf - -inf = NaN`` in a fully masked row), so they never win the row maximum; their exponentials
     are then zeroed explicitly. A row with no kept key therefore has zero weights (its sum is 0, and the
     division is guarded), and both the value and its gradient stay finite.
+
+    The derivative is the closed form ``dp = p ⊙ (dl − Σ p ⊙ dl)`` (see :func:`_masked_softmax_jvp`), so
+    the backward pass costs what ``jax.nn.softmax``'s does instead of differentiating every step above.
     """
     fill = jnp.finfo(logits.dtype).min
     if keep is not None:
         logits = jnp.where(keep, logits, fill)  # [T, S]
     row_max = jnp.max(logits, axis=-1, keepdims=True, initial=fill)  # [T, 1]
-    row_max = jax.lax.stop_gradient(row_max)  # softmax is shift-invariant: the exact gradient ignores it
+    row_max = jax.lax.stop_gradient(row_max)  # softmax is shift-invariant
     e = jnp.exp(logits - row_max)  # [T, S], every entry in [0, 1]
     if keep is not None:
         e = jnp.where(keep, e, 0.0)  # [T, S]
     total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row is fully masked
     return e / jnp.where(total == 0.0, 1.0, total)  # [T, S]
+
+
+@_masked_softmax.defjvp
+def _masked_softmax_jvp(primals, tangents):
+    """``dp = p ⊙ (dl − Σ_s p_s dl_s)``: zero at masked keys (p = 0 there) and in fully masked rows."""
+    logits, keep = primals
+    d_logits = tangents[0]
+    p = _masked_softmax(logits, keep)  # [T, S]
+    if keep is not None:
+        d_logits = jnp.where(keep, d_logits, 0.0)  # a NaN tangent at a masked key must not leak (0·NaN)
+    mean = jnp.sum(p * d_logits, axis=-1, keepdims=True)  # [T, 1]
+    return p, p * (d_logits - mean)  # [T, S]
 
 
 def _attend(

@@ -15,6 +15,7 @@ from jaxattn._attention import (
     split_heads,
 )
 from jaxattn._masks import causal_mask, combine_masks, padding_mask
+from jaxattn import probes  # jaxattn.probes.entropy, ... (saturation and gradient probes)
 
 __version__ = "0.1.0"
 
@@ -29,5 +30,6 @@ __all__ = [
     "merge_heads",
     "multi_head_attention",
     "padding_mask",
+    "probes",
     "split_heads",
 ]

@@ -1,0 +1,718 @@
+"""Probes of softmax saturation: what an attention map looks like, and what gradient flows through it.
+
+Everything here is a pure function of arrays, composes with ``jax.jit``/``jax.vmap``, and takes an
+optional boolean keep-mask (True = attend) broadcastable to the map. The attention maps, logits and
+gradients the probes measure come from the core (:func:`jaxattn.attention`, :func:`jaxattn.attention_logits`
+and its masked softmax): there is no second attention path here.
+
+Axis alphabet as in :mod:`jaxattn._attention` (T queries, S keys, H = d_k, V = d_v); ``...`` is any
+leading batch of rows (e.g. ``[L, N, T]`` for every layer and head of a model). Sweep results add
+``P`` (one entry per head dimension swept) and ``R`` (random trials); their first axis of size 2 is
+the scale mode, ``0`` = scaled by ``1/sqrt(d_k)``, ``1`` = unscaled.
+
+Probes, in order:
+  * row statistics of a map: :func:`entropy`, :func:`normalized_entropy`, :func:`max_weight`,
+    :func:`effective_support`, :func:`row_stats`, :func:`head_entropy`;
+  * the softmax Jacobian ``diag(p) - p pᵀ`` in closed form, :func:`softmax_jacobian`, and its norms,
+    :func:`softmax_jacobian_norms` (computed without forming the ``[S, S]`` matrix, stable when saturated);
+  * gradients through the core attention by ``jax.grad``: :func:`attention_grads`, :func:`grad_norms`;
+  * the variance of ``q·k``: :func:`dot_product_variance`;
+  * the saturation sweep as one ``jit(vmap(...))`` program: :func:`saturation_sweep`, summarised by
+    :func:`summarize_sweep`;
+  * the laws the sweep obeys (float64 NumPy, extreme-value statistics of the top-two logit gap):
+    :func:`gap_survival`, :func:`gap_density_at_zero`, :func:`gap_median`, :func:`underflow_gap`,
+    :func:`predicted_laws`, and :func:`fit_power_law`, :func:`fit_stretched_exp` to fit measurements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._attention import _masked_softmax, attention, attention_logits
+from jaxattn._checks import as_bool_array, as_float_array, check_broadcastable, softmax_dtype
+
+Array = jax.Array
+
+DEFAULT_HEAD_DIMS = tuple(2**i for i in range(3, 13))  # 8, 16, ..., 4096
+
+# ----------------------------------------------------------------------------------------------------
+# Validation.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _rows(x: Any, name: str, axes: str) -> Array:
+    x = as_float_array(x, name)
+    if x.ndim < 1:
+        raise ValueError(f"{name} must have at least 1 dimension {axes}, received shape {tuple(x.shape)}")
+    return x.astype(softmax_dtype(x.dtype))
+
+
+def _keep(mask: Any, shape: tuple[int, ...], name: str = "mask") -> Array | None:
+    if mask is None:
+        return None
+    mask = as_bool_array(mask, name)
+    check_broadcastable(mask, shape, name, "the weights/logits shape [..., S]")
+    return jnp.broadcast_to(mask, shape)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Row statistics of an attention map.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _xlogx(p: Array) -> Array:
+    """``p log p`` with ``0 log 0 = 0``, finite value and gradient everywhere (double ``where``)."""
+    positive = p > 0
+    safe = jnp.where(positive, p, 1.0)
+    return jnp.where(positive, safe * jnp.log(safe), 0.0)
+
+
+def _entropy(p: Array, keep: Array | None) -> Array:
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    return -jnp.sum(_xlogx(p), axis=-1)
+
+
+def _num_keys(p: Array, keep: Array | None) -> Array:
+    if keep is None:
+        return jnp.full(p.shape[:-1], p.shape[-1], p.dtype)
+    return jnp.sum(keep, axis=-1).astype(p.dtype)
+
+
+def entropy(weights: Any, mask: Any = None) -> Array:
+    """Row entropy of an attention map, in nats: ``H(p) = -Σ_s p_s log p_s`` with ``0 log 0 = 0``.
+
+    Exactly 0 (never NaN) for a one-hot row whose other weights underflowed to 0, which is the row a
+    saturated softmax produces; a naive ``p * log(clip(p, tiny))`` is not. The gradient is finite too.
+
+    Args:
+      weights: ``[..., S]``, each row a distribution over S keys (e.g. ``[T, S]`` or ``[L, N, T, S]``).
+      mask: optional boolean keep-mask broadcastable to ``weights``; masked entries are ignored.
+
+    Returns:
+      ``[...]`` in at least float32. A fully masked (all-zero) row has entropy 0.
+    """
+    p = _rows(weights, "weights", "[..., S]")
+    return _entropy(p, _keep(mask, p.shape))
+
+
+def normalized_entropy(weights: Any, mask: Any = None) -> Array:
+    """Row entropy divided by its maximum, ``log(number of unmasked keys)``: 1 uniform, 0 one-hot.
+
+    Rows with fewer than 2 unmasked keys (where the maximum is 0) return 0.
+
+    Args:
+      weights: ``[..., S]``.
+      mask: optional boolean keep-mask broadcastable to ``weights``.
+
+    Returns:
+      ``[...]`` in ``[0, 1]`` (up to rounding), at least float32.
+    """
+    p = _rows(weights, "weights", "[..., S]")
+    keep = _keep(mask, p.shape)
+    n = _num_keys(p, keep)
+    log_n = jnp.log(jnp.where(n > 1, n, 2.0))
+    return jnp.where(n > 1, _entropy(p, keep) / log_n, 0.0)
+
+
+def max_weight(weights: Any, mask: Any = None) -> Array:
+    """The largest weight of each row, ``max_s p_s`` (1 for one-hot, ``1/S`` for uniform).
+
+    Args:
+      weights: ``[..., S]``.
+      mask: optional boolean keep-mask broadcastable to ``weights``.
+
+    Returns:
+      ``[...]``; 0 for a fully masked row.
+    """
+    p = _rows(weights, "weights", "[..., S]")
+    keep = _keep(mask, p.shape)
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    return jnp.max(p, axis=-1, initial=0.0)
+
+
+def effective_support(weights: Any, mask: Any = None) -> Array:
+    """``exp(entropy)``: the number of keys a row effectively attends to (1 one-hot, S uniform).
+
+    Args:
+      weights: ``[..., S]``.
+      mask: optional boolean keep-mask broadcastable to ``weights``.
+
+    Returns:
+      ``[...]``; 0 for a row with no unmasked key.
+    """
+    p = _rows(weights, "weights", "[..., S]")
+    keep = _keep(mask, p.shape)
+    return jnp.where(_num_keys(p, keep) > 0, jnp.exp(_entropy(p, keep)), 0.0)
+
+
+def row_stats(weights: Any, mask: Any = None) -> dict[str, Array]:
+    """All row statistics of a map at once.
+
+    Args:
+      weights: ``[..., S]``.
+      mask: optional boolean keep-mask broadcastable to ``weights``.
+
+    Returns:
+      dict of ``[...]`` arrays: ``entropy`` (nats), ``normalized_entropy``, ``max_weight``,
+      ``effective_support`` and ``num_keys`` (unmasked keys per row).
+    """
+    p = _rows(weights, "weights", "[..., S]")
+    keep = _keep(mask, p.shape)
+    n = _num_keys(p, keep)
+    h = _entropy(p, keep)
+    masked = p if keep is None else jnp.where(keep, p, 0.0)
+    return {
+        "entropy": h,
+        "normalized_entropy": jnp.where(n > 1, h / jnp.log(jnp.where(n > 1, n, 2.0)), 0.0),
+        "max_weight": jnp.max(masked, axis=-1, initial=0.0),
+        "effective_support": jnp.where(n > 0, jnp.exp(h), 0.0),
+        "num_keys": n,
+    }
+
+
+def head_entropy(weights: Any, mask: Any = None, *, normalized: bool = False) -> Array:
+    """Mean row entropy of each head: the average over queries of :func:`entropy`.
+
+    Rows with no unmasked key are left out of the average. For a model's maps ``[L, N, T, S]`` and a
+    causal mask ``[T, S]`` this gives the per-layer, per-head entropy ``[L, N]`` tracked in training.
+
+    Args:
+      weights: ``[..., T, S]``.
+      mask: optional boolean keep-mask broadcastable to ``weights``.
+      normalized: average :func:`normalized_entropy` instead (rows with one key count as 0).
+
+    Returns:
+      ``[...]``.
+    """
+    p = _rows(weights, "weights", "[..., T, S]")
+    if p.ndim < 2:
+        raise ValueError(f"weights must have at least 2 dimensions [..., T, S], received shape {tuple(p.shape)}")
+    keep = _keep(mask, p.shape)
+    n = _num_keys(p, keep)
+    h = _entropy(p, keep)
+    if normalized:
+        h = jnp.where(n > 1, h / jnp.log(jnp.where(n > 1, n, 2.0)), 0.0)
+    rows = (n > 0).astype(h.dtype)
+    return jnp.sum(h * rows, axis=-1) / jnp.maximum(jnp.sum(rows, axis=-1), 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The softmax Jacobian.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _complement(p: Array) -> tuple[Array, Array]:
+    """``(1 - p_s, is_argmax)``, with ``1 - p_max`` summed from the other weights (no cancellation).
+
+    Only the row's largest weight can exceed 1/2, so for every other entry ``1 - p_s`` is accurate as is;
+    for the largest, ``1 - p_max`` rounds to 0 long before the other weights do, so it is their sum.
+    """
+    S = p.shape[-1]
+    is_max = jax.nn.one_hot(jnp.argmax(p, axis=-1), S, dtype=jnp.bool_)  # [..., S]
+    others = jnp.sum(jnp.where(is_max, 0.0, p), axis=-1, keepdims=True)  # [..., 1]
+    return jnp.where(is_max, others, 1.0 - p), is_max
+
+
+def softmax_jacobian(logits: Any, mask: Any = None) -> Array:
+    """The Jacobian of the (masked) softmax, per row, in closed form: ``J = diag(p) - p pᵀ``.
+
+    ``J[s, s'] = ∂p_s / ∂z_s'`` for ``p = softmax(z)`` computed by the core's masked softmax. The diagonal
+    ``p_s (1 - p_s)`` takes ``1 - p_max`` as the sum of the other weights, so it does not round to 0 while
+    the off-diagonal entries are still nonzero. Masked keys get zero rows and columns.
+
+    Args:
+      logits: ``[..., S]`` (e.g. the output of :func:`jaxattn.attention_logits`, ``[T, S]``).
+      mask: optional boolean keep-mask broadcastable to ``logits``.
+
+    Returns:
+      ``[..., S, S]`` in at least float32; symmetric positive semi-definite, rows summing to 0.
+    """
+    z = _rows(logits, "logits", "[..., S]")
+    p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
+    c, _ = _complement(p)  # [..., S]
+    outer = -p[..., :, None] * p[..., None, :]  # [..., S, S]
+    eye = jnp.eye(p.shape[-1], dtype=jnp.bool_)  # [S, S]
+    return jnp.where(eye, (p * c)[..., None, :], outer)
+
+
+def softmax_jacobian_norms(logits: Any, mask: Any = None) -> dict[str, Array]:
+    """Norms of the softmax Jacobian ``J = diag(p) - p pᵀ`` per row, without forming ``J`` (O(S) per row).
+
+    Frobenius: ``‖J‖_F² = Σ_s p_s² ((1 - p_s)² + Σ_{s'≠s} p_s'²)``, evaluated relative to the second
+    largest weight ``a`` so that neither the squares nor ``1 - p_max`` underflow or cancel: ``‖J‖_F`` is
+    accurate whenever ``a`` is representable. For a saturated row it is ``≈ 2a``.
+    Nuclear (= trace, since J is positive semi-definite): ``Σ_s p_s (1 - p_s) = 1 - Σ_s p_s²``.
+
+    Args:
+      logits: ``[..., S]``.
+      mask: optional boolean keep-mask broadcastable to ``logits``.
+
+    Returns:
+      dict of ``[...]`` arrays: ``frobenius`` and ``nuclear``.
+    """
+    z = _rows(logits, "logits", "[..., S]")
+    p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
+    return _jacobian_norms(p)
+
+
+def _jacobian_norms(p: Array) -> dict[str, Array]:
+    c, is_max = _complement(p)  # [..., S]
+    rest = jnp.where(is_max, 0.0, p)  # [..., S], the weights other than the largest
+    a = jnp.max(rest, axis=-1, keepdims=True)  # [..., 1], the second largest weight
+    a_safe = jnp.where(a > 0, a, 1.0)
+    u = rest / a_safe  # [..., S], in [0, 1]
+    p_max = jnp.sum(jnp.where(is_max, p, 0.0), axis=-1)  # [...]
+    c_max = jnp.sum(jnp.where(is_max, c, 0.0), axis=-1)  # [...], 1 - p_max without cancellation
+    sum_u2 = jnp.sum(u * u, axis=-1)  # [...]
+    # Σ_{s'≠s} p_s'² for s ≠ argmax: p_max² + a² (Σu² - u_s²); the a²-part is kept only where it matters.
+    others_sq = p_max[..., None] ** 2 + (a * a) * (sum_u2[..., None] - u * u)  # [..., S]
+    frob_sq_scaled = (p_max**2) * ((c_max / a_safe[..., 0]) ** 2 + sum_u2) + jnp.sum(
+        u * u * (c * c + others_sq), axis=-1
+    )
+    frob = jnp.where(a[..., 0] > 0, a[..., 0] * jnp.sqrt(frob_sq_scaled), 0.0)
+    return {"frobenius": frob, "nuclear": jnp.sum(p * c, axis=-1)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradients through the core attention.
+# ----------------------------------------------------------------------------------------------------
+
+
+def attention_grads(
+    q: Any,
+    k: Any,
+    v: Any,
+    cotangent: Any,
+    *,
+    mask: Any = None,
+    scale: Any = None,
+    is_causal: bool = False,
+) -> dict[str, Array]:
+    """Gradients of the linear read-out ``L = Σ cotangent ⊙ attention(q, k, v)`` by ``jax.grad``.
+
+    Any loss's gradient is the read-out of its cotangent at the attention output, so a random
+    ``cotangent`` probes what a generic loss sees. ``∂L/∂logits`` is taken exactly as the gradient with
+    respect to a zero additive ``bias`` (the core computes ``logits = scale · q kᵀ + bias``): the same
+    trick gives it inside a whole model (pass ``bias=zeros`` and differentiate with respect to it).
+
+    Args:
+      q: ``[T, H]``; k: ``[S, H]``; v: ``[S, V]``.
+      cotangent: ``[T, V]``, the read-out (``∂L/∂out``).
+      mask, scale, is_causal: as in :func:`jaxattn.attention`; ``scale=1.0`` is the unscaled variant.
+
+    Returns:
+      dict: ``logits [T, S]``, ``q [T, H]``, ``k [S, H]``, ``v [S, V]`` (gradients, in the input
+      dtypes), ``weights [T, S]`` and ``loss`` (scalar, float32 or wider).
+    """
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    cotangent = as_float_array(cotangent, "cotangent")
+    T, S = q.shape[0] if q.ndim else 0, k.shape[0] if k.ndim else 0
+    V = v.shape[-1] if v.ndim else 0
+    if cotangent.shape != (T, V) or q.ndim != 2 or v.ndim != 2:
+        raise ValueError(
+            f"cotangent must have shape [T, V] = ({T}, {V}) for q {tuple(q.shape)} [T, H] and v "
+            f"{tuple(v.shape)} [S, V], received {tuple(cotangent.shape)}"
+        )
+    bias = jnp.zeros((T, S), jnp.result_type(q, k))
+    return _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal)
+
+
+def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal):
+    acc = softmax_dtype(jnp.result_type(q, k, v))
+
+    def loss(q, k, v, bias):
+        out, weights = attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+        return jnp.sum(out.astype(acc) * cotangent.astype(acc)), weights
+
+    (value, weights), (dq, dk, dv, dz) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        q, k, v, bias
+    )
+    return {"logits": dz, "q": dq, "k": dk, "v": dv, "weights": weights, "loss": value}
+
+
+def grad_norms(grads: dict[str, Array]) -> dict[str, Array]:
+    """Per-row Euclidean norms of :func:`attention_grads`' gradients, and which rows are exactly zero.
+
+    Returns:
+      dict: ``logits [T]``, ``q [T]``, ``k [S]``, ``v [S]`` (norms, float32 or wider), and
+      ``logits_zero [T]``, ``q_zero [T]`` (bool: every entry of the row is exactly 0 in its dtype).
+    """
+    out = {}
+    for name in ("logits", "q", "k", "v"):
+        g = grads[name]
+        out[name] = jnp.linalg.norm(g.astype(softmax_dtype(g.dtype)), axis=-1)
+    out["logits_zero"] = jnp.all(grads["logits"] == 0, axis=-1)
+    out["q_zero"] = jnp.all(grads["q"] == 0, axis=-1)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Monte Carlo: the variance of q·k, and the saturation sweep.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_head_dims(head_dims: Sequence[int]) -> tuple[int, ...]:
+    dims = tuple(head_dims)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
+        raise ValueError(f"head_dims must be a non-empty sequence of positive ints, received {head_dims!r}")
+    return tuple(int(d) for d in dims)
+
+
+def _check_count(n: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, received {n!r}")
+    return int(n)
+
+
+def _as_key(key: Any) -> Array:
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return jax.random.key(int(key))
+    return key
+
+
+def _check_dtype(dtype: Any) -> Any:
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype, received {dtype.name}")
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("dtype float64 needs 64-bit JAX: run inside `with jax.enable_x64(True):`")
+    return dtype
+
+
+def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS, *, num_samples: int = 4096) -> dict:
+    """Monte Carlo ``Var(q·k)`` for ``q, k ~ N(0, I_{d_k})``: the chapter's claim is ``Var = d_k``.
+
+    One compiled program: every ``d_k`` draws ``num_samples`` independent pairs of vectors padded to
+    ``max(head_dims)`` with zeros beyond ``d_k`` (zeros add exactly 0 to the dot product).
+
+    Args:
+      key: a ``jax.random`` key or an int seed.
+      head_dims: the ``d_k`` values, ``[P]``.
+      num_samples: independent pairs per ``d_k``.
+
+    Returns:
+      dict of NumPy arrays ``[P]``: ``head_dims``, ``variance`` (unbiased sample variance, float64),
+      ``ratio`` (``variance / d_k``) and ``std_error`` (standard error of ``ratio``).
+    """
+    dims = _check_head_dims(head_dims)
+    n = _check_count(num_samples, "num_samples", 2)
+    dots = _dots(_as_key(key), jnp.asarray(dims), max(dims), n)  # [P, n]
+    dots = np.asarray(dots, np.float64)
+    var = dots.var(axis=1, ddof=1)
+    d = np.asarray(dims, np.float64)
+    # Var of the sample variance: (m4 - var²)/n, with m4 the fourth central moment.
+    m4 = ((dots - dots.mean(axis=1, keepdims=True)) ** 4).mean(axis=1)
+    return {"head_dims": np.asarray(dims), "variance": var, "ratio": var / d, "std_error": np.sqrt((m4 - var**2) / n) / d}
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _dots(key, dims, max_dim, n):
+    def one(key, d):
+        kq, kk = jax.random.split(key)
+        keep = jnp.arange(max_dim) < d  # [Hmax]
+        q = jax.random.normal(kq, (n, max_dim)) * keep  # [n, Hmax]
+        k = jax.random.normal(kk, (n, max_dim)) * keep  # [n, Hmax]
+        return jnp.einsum("nH,nH->n", q, k)  # [n]
+
+    return jax.vmap(one)(jax.random.split(key, dims.shape[0]), dims)  # [P, n]
+
+
+_ROW_FIELDS = (
+    "entropy",
+    "normalized_entropy",
+    "max_weight",
+    "jacobian_norm",
+    "logit_grad_norm",
+    "q_grad_norm",
+    "logit_grad_zero",
+    "q_grad_zero",
+    "jacobian_zero",
+)
+
+
+def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
+    """One random trial at one ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+    # One draw for everything (each separate draw costs seconds of XLA compile time under vmap).
+    z = jax.random.normal(key, ((T + S) * (max_dim + V),))  # [(T+S)·(Hmax+V)]
+    qk, vr = jnp.split(z.reshape(T + S, max_dim + V), [max_dim], axis=1)  # [T+S, Hmax], [T+S, V]
+    keep_dims = jnp.arange(max_dim) < head_dim  # [Hmax], the first d_k dimensions are used
+    q = (qk[:T] * keep_dims).astype(dtype)  # [T, Hmax]
+    k = (qk[T:] * keep_dims).astype(dtype)  # [S, Hmax]
+    v = vr[T:].astype(dtype)  # [S, V]
+    r = (vr[:T] / math.sqrt(V)).astype(dtype)  # [T, V], unit-variance read-out
+    acc = softmax_dtype(dtype)
+    scale = jnp.where(scaled, jax.lax.rsqrt(head_dim.astype(acc)), jnp.ones((), acc))  # traced scale
+    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), dtype), None, scale, False)
+    norms = grad_norms(grads)
+    logits = attention_logits(q, k, scale=scale)  # [T, S], the softmax's input (f32 or wider)
+    p = grads["weights"].astype(acc)  # [T, S], the map the output was computed from
+    stats = row_stats(p)
+    jac = _jacobian_norms(_masked_softmax(logits, None))["frobenius"]  # [T]
+    dots = logits / scale  # [T, S], q·k
+    return {
+        "entropy": stats["entropy"],
+        "normalized_entropy": stats["normalized_entropy"],
+        "max_weight": stats["max_weight"],
+        "jacobian_norm": jac,
+        "logit_grad_norm": norms["logits"],
+        "q_grad_norm": norms["q"],
+        "k_grad_norm": norms["k"],
+        "logit_grad_zero": norms["logits_zero"],
+        "q_grad_zero": norms["q_zero"],
+        "jacobian_zero": jac == 0,
+        "dot_sq": jnp.mean(dots * dots),  # E[(q·k)²] over this trial's T·S pairs (the mean is 0)
+        "dot_mean": jnp.mean(dots),
+    }
+
+
+@functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype"))
+def _sweep_program(keys, head_dims, *, T, S, V, max_dim, dtype):
+    """``[P, R]`` keys and ``[P]`` dims -> every probe ``[2, P, R, ...]`` in one compiled program."""
+    trial = functools.partial(_trial, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
+    over_modes = jax.vmap(trial, in_axes=(None, None, 0))  # same draws scaled and unscaled (paired)
+    over_trials = jax.vmap(over_modes, in_axes=(0, None, None))
+    over_dims = jax.vmap(over_trials, in_axes=(0, 0, None))
+    out = over_dims(keys, head_dims, jnp.array([True, False]))  # [P, R, 2, ...]
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), out)  # [2, P, R, ...]
+
+
+def sweep_trial_fn(*, num_queries: int = 16, num_keys: int = 16, value_dim: int = 16, max_dim: int = 4096, dtype: Any = jnp.float32):
+    """The jitted single-trial function the sweep vmaps: ``f(key, head_dim, scaled) -> dict``.
+
+    For benchmarks (a Python loop over it against :func:`saturation_sweep`) and for debugging one trial.
+    ``head_dim`` is a traced int32 scalar ``<= max_dim``, ``scaled`` a traced bool.
+    """
+    dtype = _check_dtype(dtype)
+    return jax.jit(
+        functools.partial(_trial, T=num_queries, S=num_keys, V=value_dim, max_dim=max_dim, dtype=dtype)
+    )
+
+
+def saturation_sweep(
+    key: Any,
+    *,
+    head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
+    num_trials: int = 64,
+    num_queries: int = 16,
+    num_keys: int = 16,
+    value_dim: int = 16,
+    dtype: Any = jnp.float32,
+) -> dict[str, Any]:
+    """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
+
+    Each trial draws ``q [T, d_k]``, ``k [S, d_k]``, ``v [S, V]`` with N(0, 1) entries and a read-out
+    ``r [T, V]`` with N(0, 1/V) entries, runs the core :func:`jaxattn.attention` with ``scale=1/sqrt(d_k)``
+    and ``scale=1`` on the same draws, and records per query row: entropy, normalised entropy, max
+    weight, the Frobenius norm of the softmax Jacobian, ``‖∂L/∂logits‖`` and ``‖∂L/∂q‖`` for
+    ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``. Vectors are
+    padded to ``max(head_dims)`` with zeros, so every ``d_k`` shares one program.
+
+    Args:
+      key: a ``jax.random`` key or an int seed.
+      head_dims: the ``d_k`` values, ``[P]`` (default powers of two 8 … 4096).
+      num_trials: R, random trials per ``d_k``.
+      num_queries, num_keys, value_dim: T, S, V of each trial.
+      dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
+        come back in ``dtype``). float64 needs ``jax.enable_x64``.
+
+    Returns:
+      dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
+      ``[2, P, R, T]`` (``entropy``, ``normalized_entropy``, ``max_weight``, ``jacobian_norm``,
+      ``logit_grad_norm``, ``q_grad_norm``, ``logit_grad_zero``, ``q_grad_zero``, ``jacobian_zero``),
+      ``k_grad_norm [2, P, R, S]`` and ``dot_sq``, ``dot_mean [2, P, R]``.
+    """
+    dims = _check_head_dims(head_dims)
+    R = _check_count(num_trials, "num_trials")
+    T = _check_count(num_queries, "num_queries")
+    S = _check_count(num_keys, "num_keys", 2)
+    V = _check_count(value_dim, "value_dim")
+    dtype = _check_dtype(dtype)
+    keys = jax.random.split(_as_key(key), (len(dims), R))  # [P, R]
+    out = _sweep_program(keys, jnp.asarray(dims, jnp.int32), T=T, S=S, V=V, max_dim=max(dims), dtype=dtype)
+    result = {name: np.asarray(x) for name, x in out.items()}
+    result.update(
+        head_dims=np.asarray(dims),
+        scaled=np.array([True, False]),
+        num_trials=R,
+        num_queries=T,
+        num_keys=S,
+        value_dim=V,
+        dtype=dtype.name,
+    )
+    return result
+
+
+_SUMMARY_FIELDS = ("entropy", "normalized_entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm")
+
+
+def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0.5, 0.9)) -> dict[str, Any]:
+    """Distributions of a :func:`saturation_sweep`, per scale mode and ``d_k`` (float64 NumPy).
+
+    Returns:
+      dict: ``head_dims [P]``, ``quantiles [Q]``, ``var_qk [P]`` (Monte Carlo Var(q·k) over every pair),
+      ``var_ratio [P]`` (``/ d_k``), and for each probe ``name`` in entropy, normalized_entropy,
+      max_weight, jacobian_norm, logit_grad_norm, q_grad_norm, k_grad_norm: ``name`` → dict with
+      ``mean [2, P]``, ``std [2, P]``, ``quantiles [2, P, Q]`` (``median`` = the 0.5 one if requested);
+      ``zero_fraction`` → dict with ``logit_grad``, ``q_grad``, ``jacobian``: ``[2, P]`` fractions of rows
+      that are exactly zero. Axis 0 is (scaled, unscaled).
+    """
+    qs = np.asarray(quantiles, np.float64)
+    summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
+    dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
+    dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
+    var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2
+    summary["var_qk"] = var
+    summary["var_ratio"] = var / summary["head_dims"]
+    for name in _SUMMARY_FIELDS:
+        x = np.asarray(result[name], np.float64)
+        x = x.reshape(x.shape[0], x.shape[1], -1)  # [2, P, rows]
+        stats = {"mean": x.mean(axis=-1), "std": x.std(axis=-1), "quantiles": np.quantile(x, qs, axis=-1).transpose(1, 2, 0)}
+        if 0.5 in qs:
+            stats["median"] = stats["quantiles"][..., list(qs).index(0.5)]
+        summary[name] = stats
+    summary["zero_fraction"] = {
+        field: np.asarray(result[f"{field}_zero"], np.float64).reshape(2, len(summary["head_dims"]), -1).mean(axis=-1)
+        for field in ("logit_grad", "q_grad", "jacobian")
+    }
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------
+# The laws (float64 NumPy): extreme-value statistics of the gap between the two largest logits.
+# ----------------------------------------------------------------------------------------------------
+#
+# Unscaled, the logits of one query are z_s = q·k_s; given q they are S i.i.d. N(0, σ²) with σ = |q| ≈
+# √d_k. Write z_(1) > z_(2) for the two largest and D = (z_(1) - z_(2)) / σ, the gap of S standard
+# normals, whose law does not depend on d_k. Once σD is large the row is one-hot up to p_2 ≈ e^{-σD}, and
+#   ‖J‖_F ≈ 2 e^{-σD},  entropy ≈ (1 + σD) e^{-σD},  1 - max weight ≈ e^{-σD}.
+# Typical row (median): σD ≈ √d_k · median(D), so the median falls like exp(-median(D) · √d_k).
+# Mean: dominated by near ties, D ≲ 1/σ, where the density of D is f_D(0); over the two-key profile
+#   ∫₀^∞ 2p₁p₂ dy = 1, ∫₀^∞ H_b dy = π²/6, ∫₀^∞ p₂ dy = ln 2, and E‖∂L/∂z‖ picks up E|g₁ - g₂|/√2 = √(2/π)·…,
+# so every mean falls like f_D(0) · c / √d_k: a power law with exponent -1/2.
+# Exact zeros: a row's gradient is exactly 0 once every weight but the largest is flushed to 0, i.e.
+#   σD > g_dtype ≈ -ln(smallest normal number the gradient is held in); so zero_fraction = P(σD > g).
+
+
+def _normal_pdf(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _normal_cdf(x: np.ndarray) -> np.ndarray:
+    from scipy.special import ndtr
+
+    return ndtr(x)
+
+
+_GRID = np.linspace(-12.0, 12.0, 24001)  # quadrature grid for the top-two gap integrals (step 1e-3)
+
+
+def gap_survival(x: Any, num_keys: int) -> np.ndarray:
+    """``P(D > x)`` for ``D`` the gap between the two largest of ``num_keys`` i.i.d. N(0, 1) values.
+
+    ``P(D > x) = S ∫ φ(t) Φ(t - x)^{S-1} dt`` (the largest is at ``t``, all others below ``t - x``),
+    by the trapezoid rule in float64.
+
+    Args:
+      x: gaps ``[...]`` (>= 0).
+      num_keys: S >= 2.
+
+    Returns:
+      ``[...]`` float64.
+    """
+    S = _check_count(num_keys, "num_keys", 2)
+    x = np.asarray(x, np.float64)
+    t = _GRID
+    integrand = _normal_pdf(t) * _normal_cdf(t - x[..., None]) ** (S - 1)
+    return S * np.trapezoid(integrand, t, axis=-1)
+
+
+def gap_density_at_zero(num_keys: int) -> float:
+    """``f_D(0) = S(S-1) ∫ φ(t)² Φ(t)^{S-2} dt``: how likely the two largest logits nearly tie."""
+    S = _check_count(num_keys, "num_keys", 2)
+    t = _GRID
+    return float(S * (S - 1) * np.trapezoid(_normal_pdf(t) ** 2 * _normal_cdf(t) ** (S - 2), t))
+
+
+def gap_median(num_keys: int) -> float:
+    """The median of ``D`` (solves ``P(D > x) = 1/2`` by bisection)."""
+    lo, hi = 0.0, 10.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gap_survival(mid, num_keys) > 0.5 else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def underflow_gap(dtype: Any) -> float:
+    """The logit gap past which a row's ``∂L/∂logits`` is exactly 0 in ``dtype`` (as the core computes it).
+
+    The gradient of the other weights is ``≈ e^{-gap}`` times an O(1) factor. The core computes it in
+    float32 (float64 for float64 input), where XLA on CPU flushes subnormal results to zero, so for
+    float32 and bfloat16 (which shares float32's exponent range) the threshold is
+    ``-ln(smallest normal float32) = 126 ln 2 = 87.3``; float64: ``1022 ln 2 = 708.4``. float16 input
+    gets the float32 gradient rounded to float16, which keeps subnormals and rounds below half the
+    smallest one to 0: ``25 ln 2 = 17.3``.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float16:
+        return 25.0 * math.log(2.0)
+    return float(-math.log(float(jnp.finfo(softmax_dtype(dtype)).tiny)))
+
+
+def predicted_laws(head_dims: Sequence[int], num_keys: int, *, gap_threshold: float | None = None) -> dict[str, Any]:
+    """The predicted unscaled statistics for rows of ``num_keys`` logits with σ = √d_k (float64).
+
+    Args:
+      head_dims: ``d_k`` values ``[P]``.
+      num_keys: S.
+      gap_threshold: if given, the logit gap past which a row's gradient is exactly zero (see
+        :func:`underflow_gap`); adds ``zero_fraction [P] = P(√d_k · D > gap_threshold)``.
+
+    Returns:
+      dict with constants ``gap_median`` (m_S), ``gap_density_at_zero`` (f_D(0)) and ``[P]`` arrays:
+      ``median_jacobian = 2 exp(-m_S √d_k)``, ``median_entropy = (1 + m_S √d_k) exp(-m_S √d_k)``,
+      ``mean_jacobian = f_D(0) / √d_k``, ``mean_entropy = (π²/6) f_D(0) / √d_k``,
+      ``mean_one_minus_max = ln 2 · f_D(0) / √d_k``, ``mean_logit_grad = √(2/π) f_D(0) / √d_k``
+      (for a unit-variance read-out of unit-variance values).
+    """
+    dims = np.asarray(_check_head_dims(head_dims), np.float64)
+    m = gap_median(num_keys)
+    f0 = gap_density_at_zero(num_keys)
+    y = m * np.sqrt(dims)
+    laws = {
+        "head_dims": dims,
+        "gap_median": m,
+        "gap_density_at_zero": f0,
+        "median_jacobian": 2.0 * np.exp(-y),
+        "median_entropy": (1.0 + y) * np.exp(-y),
+        "mean_jacobian": f0 / np.sqrt(dims),
+        "mean_entropy": (math.pi**2 / 6.0) * f0 / np.sqrt(dims),
+        "mean_one_minus_max": math.log(2.0) * f0 / np.sqrt(dims),
+        "mean_logit_grad": math.sqrt(2.0 / math.pi) * f0 / np.sqrt(dims),
+    }
+    if gap_threshold is not None:
+        laws["zero_fraction"] = gap_survival(gap_threshold / np.sqrt(dims), num_keys)
+    return laws
+
+
+def fit_power_law(x: Any, y: Any) -> tuple[float, float]:
+    """Least-squares ``y ≈ c · x^a`` in log-log (float64); returns ``(a, c)``."""
+    lx, ly = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
+    a, b = np.polyfit(lx, ly, 1)
+    return float(a), float(np.exp(b))
+
+
+def fit_stretched_exp(x: Any, y: Any) -> tuple[float, float]:
+    """Least-squares ``y ≈ c · exp(-b √x)`` (``ln y`` linear in ``√x``, float64); returns ``(b, c)``."""
+    sx, ly = np.sqrt(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
+    slope, intercept = np.polyfit(sx, ly, 1)
+    return float(-slope), float(np.exp(intercept))

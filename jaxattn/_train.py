@@ -135,8 +135,8 @@ class OptConfig:
     embeddings (arrays with 2+ axes), none on LayerNorm gains and biases. ``batch_size`` sequences per step.
     """
 
-    total_steps: int = 1000
-    warmup_steps: int = 100
+    total_steps: int = 300
+    warmup_steps: int = 30
     batch_size: int = 32
     b1: float = 0.9
     b2: float = 0.98

@@ -239,8 +239,8 @@ def softmax_jacobian(logits: Any, mask: Any = None) -> Array:
     p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
     c, _ = _complement(p)  # [..., S]
     outer = -p[..., :, None] * p[..., None, :]  # [..., S, S]
-    eye = jnp.eye(p.shape[-1], dtype=jnp.bool_)  # [S, S]
-    return jnp.where(eye, (p * c)[..., None, :], outer)
+    eye = jnp.broadcast_to(jnp.eye(p.shape[-1], dtype=jnp.bool_), outer.shape)  # [..., S, S]
+    return jnp.where(eye, jnp.broadcast_to((p * c)[..., None, :], outer.shape), outer)
 
 
 def softmax_jacobian_norms(logits: Any, mask: Any = None) -> dict[str, Array]:
@@ -393,7 +393,8 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     """Monte Carlo ``Var(q·k)`` for ``q, k ~ N(0, I_{d_k})``: the chapter's claim is ``Var = d_k``.
 
     One compiled program: every ``d_k`` draws ``num_samples`` independent pairs of vectors padded to
-    ``max(head_dims)`` with zeros beyond ``d_k`` (zeros add exactly 0 to the dot product).
+    ``max(head_dims)`` with zeros beyond ``d_k`` (zeros add exactly 0 to the dot product), one ``d_k``
+    after the other (``lax.map``) to bound memory.
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -406,7 +407,7 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     """
     dims = _check_head_dims(head_dims)
     n = _check_count(num_samples, "num_samples", 2)
-    dots = _dots(_as_key(key), jnp.asarray(dims), max(dims), n)  # [P, n]
+    dots = _dots(_as_key(key), jnp.asarray(dims, jnp.int32), max(dims), n)  # [P, n]
     dots = np.asarray(dots, np.float64)
     var = dots.var(axis=1, ddof=1)
     d = np.asarray(dims, np.float64)
@@ -419,12 +420,13 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
 def _dots(key, dims, max_dim, n):
     def one(key, d):
         kq, kk = jax.random.split(key)
-        keep = jnp.arange(max_dim) < d  # [Hmax]
+        keep = (jnp.arange(max_dim) < d)[None, :]  # [1, Hmax]
         q = jax.random.normal(kq, (n, max_dim)) * keep  # [n, Hmax]
         k = jax.random.normal(kk, (n, max_dim)) * keep  # [n, Hmax]
         return jnp.einsum("nH,nH->n", q, k)  # [n]
 
-    return jax.vmap(one)(jax.random.split(key, dims.shape[0]), dims)  # [P, n]
+    # lax.map (one d_k at a time) keeps memory at n·Hmax per step; this probe is not a timed sweep.
+    return jax.lax.map(lambda a: one(*a), (jax.random.split(key, dims.shape[0]), dims))  # [P, n]
 
 
 _ROW_FIELDS = (
@@ -440,23 +442,27 @@ _ROW_FIELDS = (
 )
 
 
-def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
-    """One random trial at one ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+def _draw(key, head_dim, *, T, S, V, max_dim, dtype):
+    """One trial's ``q [T, Hmax]``, ``k [S, Hmax]`` (zero beyond ``d_k``), ``v [S, V]``, read-out ``r [T, V]``."""
     # One draw for everything (each separate draw costs seconds of XLA compile time under vmap).
     z = jax.random.normal(key, ((T + S) * (max_dim + V),))  # [(T+S)·(Hmax+V)]
     qk, vr = jnp.split(z.reshape(T + S, max_dim + V), [max_dim], axis=1)  # [T+S, Hmax], [T+S, V]
-    keep_dims = jnp.arange(max_dim) < head_dim  # [Hmax], the first d_k dimensions are used
+    keep_dims = (jnp.arange(max_dim) < head_dim)[None, :]  # [1, Hmax], the first d_k dimensions are used
     q = (qk[:T] * keep_dims).astype(dtype)  # [T, Hmax]
     k = (qk[T:] * keep_dims).astype(dtype)  # [S, Hmax]
     v = vr[T:].astype(dtype)  # [S, V]
     r = (vr[:T] / math.sqrt(V)).astype(dtype)  # [T, V], unit-variance read-out
-    acc = softmax_dtype(dtype)
-    scale = jnp.where(scaled, jax.lax.rsqrt(head_dim.astype(acc)), jnp.ones((), acc))  # traced scale
-    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), dtype), None, scale, False)
+    return q, k, v, r
+
+
+def _probe_rows(q, k, v, r, scale):
+    """Every per-row probe of one head for the read-out ``L = Σ r ⊙ attention(q, k, v; scale)``."""
+    T, S = q.shape[0], k.shape[0]
+    acc = softmax_dtype(jnp.result_type(q, k, v))
+    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), q.dtype), None, scale, False)
     norms = grad_norms(grads)
     logits = attention_logits(q, k, scale=scale)  # [T, S], the softmax's input (f32 or wider)
-    p = grads["weights"].astype(acc)  # [T, S], the map the output was computed from
-    stats = row_stats(p)
+    stats = row_stats(grads["weights"].astype(acc))  # the map the output was computed from
     jac = _jacobian_norms(_masked_softmax(logits, None))["frobenius"]  # [T]
     dots = logits / scale  # [T, S], q·k
     return {
@@ -475,15 +481,32 @@ def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
     }
 
 
-@functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype"))
-def _sweep_program(keys, head_dims, *, T, S, V, max_dim, dtype):
-    """``[P, R]`` keys and ``[P]`` dims -> every probe ``[2, P, R, ...]`` in one compiled program."""
+def _trial(key, head_dim, scaled, *, T, S, V, max_dim, dtype):
+    """One random trial at one ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+    q, k, v, r = _draw(key, head_dim, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
+    acc = softmax_dtype(dtype)
+    scale = jnp.where(scaled, jax.lax.rsqrt(head_dim.astype(acc)), jnp.ones((), acc))  # traced scale
+    return _probe_rows(q, k, v, r, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "S", "V", "max_dim", "dtype", "batch"))
+def _sweep_program(keys, head_dims, *, T, S, V, max_dim, dtype, batch=None):
+    """``[P, R]`` keys and ``[P]`` dims -> every probe ``[2, P, R, ...]`` in one compiled program.
+
+    ``batch=None`` vmaps over all R trials at once; otherwise ``lax.map`` runs the vmapped program over
+    chunks of ``batch`` trials (the same numbers, memory bounded by the chunk).
+    """
     trial = functools.partial(_trial, T=T, S=S, V=V, max_dim=max_dim, dtype=dtype)
     over_modes = jax.vmap(trial, in_axes=(None, None, 0))  # same draws scaled and unscaled (paired)
-    over_trials = jax.vmap(over_modes, in_axes=(0, None, None))
-    over_dims = jax.vmap(over_trials, in_axes=(0, 0, None))
-    out = over_dims(keys, head_dims, jnp.array([True, False]))  # [P, R, 2, ...]
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), out)  # [2, P, R, ...]
+    over_dims = jax.vmap(over_modes, in_axes=(0, 0, None))  # [P] keys -> [P, 2, ...]
+    modes = jnp.array([True, False])
+    one_trial = lambda keys_p: over_dims(keys_p, head_dims, modes)
+    keys_r = keys.T  # [R, P]
+    if batch is None:
+        out = jax.vmap(one_trial)(keys_r)  # [R, P, 2, ...]
+    else:
+        out = jax.lax.map(one_trial, keys_r, batch_size=batch)  # [R, P, 2, ...]
+    return jax.tree.map(lambda x: jnp.moveaxis(jnp.moveaxis(x, 2, 0), 1, 2), out)  # [2, P, R, ...]
 
 
 def sweep_trial_fn(*, num_queries: int = 16, num_keys: int = 16, value_dim: int = 16, max_dim: int = 4096, dtype: Any = jnp.float32):
@@ -507,6 +530,7 @@ def saturation_sweep(
     num_keys: int = 16,
     value_dim: int = 16,
     dtype: Any = jnp.float32,
+    trials_per_batch: int | None = None,
 ) -> dict[str, Any]:
     """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
 
@@ -524,6 +548,9 @@ def saturation_sweep(
       num_queries, num_keys, value_dim: T, S, V of each trial.
       dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
+      trials_per_batch: ``None`` (default) vmaps all trials at once; an int runs the same vmapped program
+        over chunks of that many trials with ``lax.map`` inside the one compiled program, bounding memory
+        for large runs (memory grows like P · R · (T + S) · max(head_dims)). Results are identical.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
@@ -537,8 +564,11 @@ def saturation_sweep(
     S = _check_count(num_keys, "num_keys", 2)
     V = _check_count(value_dim, "value_dim")
     dtype = _check_dtype(dtype)
+    batch = None if trials_per_batch is None else _check_count(trials_per_batch, "trials_per_batch")
+    if batch is not None and batch >= R:
+        batch = None
     keys = jax.random.split(_as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, jnp.asarray(dims, jnp.int32), T=T, S=S, V=V, max_dim=max(dims), dtype=dtype)
+    out = _sweep_program(keys, jnp.asarray(dims, jnp.int32), T=T, S=S, V=V, max_dim=max(dims), dtype=dtype, batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),
@@ -568,6 +598,7 @@ def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0
     """
     qs = np.asarray(quantiles, np.float64)
     summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
+    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype") if k in result})
     dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
     dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
     var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2
@@ -704,8 +735,15 @@ def predicted_laws(head_dims: Sequence[int], num_keys: int, *, gap_threshold: fl
     return laws
 
 
+def _check_positive(y: Any) -> None:
+    y = np.asarray(y, np.float64)
+    if not np.all(np.isfinite(y) & (y > 0)):
+        raise ValueError(f"y must be finite and > 0 to fit in log space (an underflowed statistic?), received {y}")
+
+
 def fit_power_law(x: Any, y: Any) -> tuple[float, float]:
     """Least-squares ``y ≈ c · x^a`` in log-log (float64); returns ``(a, c)``."""
+    _check_positive(y)
     lx, ly = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
     a, b = np.polyfit(lx, ly, 1)
     return float(a), float(np.exp(b))
@@ -713,6 +751,7 @@ def fit_power_law(x: Any, y: Any) -> tuple[float, float]:
 
 def fit_stretched_exp(x: Any, y: Any) -> tuple[float, float]:
     """Least-squares ``y ≈ c · exp(-b √x)`` (``ln y`` linear in ``√x``, float64); returns ``(b, c)``."""
+    _check_positive(y)
     sx, ly = np.sqrt(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
     slope, intercept = np.polyfit(sx, ly, 1)
     return float(-slope), float(np.exp(intercept))

@@ -1,0 +1,490 @@
+"""The library side of the lab's parts 1 and 2: compute the numbers, return data, render to strings/figures.
+
+Part 1: a few tokens through :func:`jaxattn.attention`: Q, K, V, the map A, and each row's sum, verified.
+Part 2: the same attention with and without the division by ``sqrt(d_k)``: entropies side by side, then the
+saturation sweep over ``d_k`` (:func:`jaxattn.probes.saturation_sweep`) as a table, the laws its unscaled
+statistics follow (predicted and fitted), the fraction of exactly-zero gradients per dtype, and a log-log
+figure. Nothing here prints; the lab script renders and writes files (atomically, with :func:`write_json`
+and :func:`save_figure`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import _probes as probes
+from jaxattn._attention import attention
+
+ROW_SUM_TOLERANCE = 1e-6
+LOW_PRECISION_DTYPES = ("bfloat16", "float16", "float64")
+FIT_MIN_HEAD_DIM = 256  # the laws are asymptotic: fit on d_k >= 256
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 1.
+# ----------------------------------------------------------------------------------------------------
+
+
+def part1(seed: int, *, num_tokens: int = 4, head_dim: int = 8) -> dict[str, Any]:
+    """Q, K, V ``[T, H]`` with N(0, 1) entries (NumPy ``default_rng(seed)``), A and the output, row sums checked.
+
+    Returns:
+      dict: ``q, k, v [T, H]``, ``weights [T, T]``, ``out [T, H]`` (float32 NumPy), ``row_sums [T]``
+      (float64 sums of the float32 weights), ``max_row_error`` (``max |sum - 1|``), ``rows_ok`` (within
+      :data:`ROW_SUM_TOLERANCE`), ``tolerance``, ``seed``.
+    """
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((num_tokens, head_dim)).astype(np.float32) for _ in range(3))
+    out, weights = attention(q, k, v)
+    weights = np.asarray(weights)
+    sums = weights.astype(np.float64).sum(axis=-1)
+    err = float(np.max(np.abs(sums - 1.0)))
+    return {
+        "seed": seed,
+        "q": q,
+        "k": k,
+        "v": v,
+        "weights": weights,
+        "out": np.asarray(out),
+        "row_sums": sums,
+        "max_row_error": err,
+        "rows_ok": bool(err <= ROW_SUM_TOLERANCE),
+        "tolerance": ROW_SUM_TOLERANCE,
+    }
+
+
+def _matrix(name: str, x: np.ndarray) -> str:
+    rows = "\n".join("  [" + " ".join(f"{v:7.3f}" for v in row) + " ]" for row in np.asarray(x))
+    return f"{name} {list(x.shape)}:\n{rows}"
+
+
+def render_part1(data: dict[str, Any]) -> str:
+    """Part 1 as text: Q, K, V, A with three decimals, the row sums and the verdict of the check."""
+    T, H = data["q"].shape
+    lines = [
+        f"Part 1: the attention map in numbers ({T} tokens, d_k = {H}, seed {data['seed']})",
+        _matrix("Q", data["q"]),
+        _matrix("K", data["k"]),
+        _matrix("V", data["v"]),
+        _matrix("A = softmax(Q Kᵀ / √d_k)", data["weights"]),
+        "row sums of A: " + " ".join(f"{s:.3f}" for s in data["row_sums"]),
+        (
+            f"verified: every row sums to 1 within {data['tolerance']:.0e} "
+            f"(max |sum - 1| = {data['max_row_error']:.1e})"
+            if data["rows_ok"]
+            else f"CHECK FAILED: a row sum is off by {data['max_row_error']:.1e} > {data['tolerance']:.0e}"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 2: side by side.
+# ----------------------------------------------------------------------------------------------------
+
+
+def side_by_side(seed: int, *, num_tokens: int = 6, head_dims: Sequence[int] = (8, 64, 512)) -> dict[str, Any]:
+    """The same q, k (N(0, 1) entries) attended with ``scale=1/sqrt(d_k)`` and ``scale=1``: per-row entropy.
+
+    Returns:
+      dict: ``num_tokens``, ``max_entropy`` (``log T``) and ``rows``: one dict per ``d_k`` with
+      ``head_dim``, ``entropy_scaled [T]``, ``entropy_unscaled [T]``, ``max_weight_scaled [T]``,
+      ``max_weight_unscaled [T]``, ``weights_unscaled [T, T]``.
+    """
+    rng = np.random.default_rng(seed + 1)
+    rows = []
+    for H in head_dims:
+        q, k, v = (rng.standard_normal((num_tokens, H)).astype(np.float32) for _ in range(3))
+        _, w_scaled = attention(q, k, v)
+        _, w_unscaled = attention(q, k, v, scale=1.0)
+        rows.append(
+            {
+                "head_dim": int(H),
+                "entropy_scaled": np.asarray(probes.entropy(w_scaled)),
+                "entropy_unscaled": np.asarray(probes.entropy(w_unscaled)),
+                "max_weight_scaled": np.asarray(probes.max_weight(w_scaled)),
+                "max_weight_unscaled": np.asarray(probes.max_weight(w_unscaled)),
+                "weights_unscaled": np.asarray(w_unscaled),
+            }
+        )
+    return {"seed": seed, "num_tokens": num_tokens, "max_entropy": math.log(num_tokens), "rows": rows}
+
+
+def render_side_by_side(data: dict[str, Any]) -> str:
+    """Entropies per query row, scaled and unscaled, for each ``d_k``."""
+    T = data["num_tokens"]
+    lines = [
+        f"Part 2a: the same attention with and without / √d_k ({T} tokens; entropy in nats, "
+        f"uniform = log {T} = {data['max_entropy']:.3f}, one-hot = 0)"
+    ]
+    for row in data["rows"]:
+        lines.append(f"  d_k = {row['head_dim']}")
+        lines.append("    row            " + " ".join(f"{i:>7d}" for i in range(T)))
+        lines.append("    H scaled       " + " ".join(f"{x:7.3f}" for x in row["entropy_scaled"]))
+        lines.append("    H unscaled     " + " ".join(f"{x:7.3f}" for x in row["entropy_unscaled"]))
+        lines.append("    max w unscaled " + " ".join(f"{x:7.3f}" for x in row["max_weight_unscaled"]))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Part 2: the sweep, the table, the laws.
+# ----------------------------------------------------------------------------------------------------
+
+
+def sweep(
+    seed: int,
+    *,
+    head_dims: Sequence[int] = probes.DEFAULT_HEAD_DIMS,
+    num_trials: int = 32,
+    num_queries: int = 16,
+    num_keys: int = 16,
+    value_dim: int = 16,
+    dtypes: Sequence[str] = ("float32",) + LOW_PRECISION_DTYPES,
+    trials_per_batch: int | None = None,
+) -> dict[str, Any]:
+    """The saturation sweep in each dtype (same key, so the draws are paired across dtypes), summarised.
+
+    float64 runs inside ``jax.enable_x64``. Returns ``{"config": ..., "summaries": {dtype: summary}}``
+    (see :func:`jaxattn.probes.summarize_sweep`).
+    """
+    config = dict(num_trials=num_trials, num_queries=num_queries, num_keys=num_keys, value_dim=value_dim)
+    summaries = {}
+    for name in dtypes:
+        with jax.enable_x64(name == "float64"):
+            res = probes.saturation_sweep(
+                jax.random.key(seed), head_dims=head_dims, dtype=jnp.dtype(name), trials_per_batch=trials_per_batch, **config
+            )
+            summaries[name] = probes.summarize_sweep(res)
+    return {"seed": seed, "config": dict(config, head_dims=list(map(int, head_dims))), "summaries": summaries}
+
+
+def sweep_table(summary: dict[str, Any]) -> list[dict[str, float]]:
+    """One row per ``d_k``: Var(q·k), entropy, max weight, gradient and Jacobian norms, scaled and unscaled.
+
+    Gradient norms are ``‖∂L/∂logits‖`` per query row (median and mean); ``ratio`` is scaled / unscaled.
+    """
+    rows = []
+    for i, d in enumerate(summary["head_dims"]):
+        g = summary["logit_grad_norm"]
+        row = {
+            "d_k": int(d),
+            "var_qk": float(summary["var_qk"][i]),
+            "var_ratio": float(summary["var_ratio"][i]),
+            "entropy_scaled": float(summary["entropy"]["mean"][0, i]),
+            "entropy_unscaled": float(summary["entropy"]["mean"][1, i]),
+            "entropy_median_unscaled": float(summary["entropy"]["median"][1, i]),
+            "max_weight_scaled": float(summary["max_weight"]["mean"][0, i]),
+            "max_weight_unscaled": float(summary["max_weight"]["mean"][1, i]),
+            "grad_median_scaled": float(g["median"][0, i]),
+            "grad_median_unscaled": float(g["median"][1, i]),
+            "grad_mean_scaled": float(g["mean"][0, i]),
+            "grad_mean_unscaled": float(g["mean"][1, i]),
+            "jacobian_median_unscaled": float(summary["jacobian_norm"]["median"][1, i]),
+            "jacobian_mean_unscaled": float(summary["jacobian_norm"]["mean"][1, i]),
+            "zero_grad_fraction_unscaled": float(summary["zero_fraction"]["logit_grad"][1, i]),
+        }
+        row["grad_median_ratio"] = _ratio(row["grad_median_scaled"], row["grad_median_unscaled"])
+        row["grad_mean_ratio"] = _ratio(row["grad_mean_scaled"], row["grad_mean_unscaled"])
+        rows.append(row)
+    return rows
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
+
+
+TABLE_COLUMNS = (
+    ("d_k", "d_k", "{:d}"),
+    ("var_qk", "Var(q·k)", "{:.4g}"),
+    ("entropy_scaled", "H sc", "{:.3f}"),
+    ("entropy_unscaled", "H unsc", "{:.3f}"),
+    ("entropy_median_unscaled", "H unsc med", "{:.2e}"),
+    ("max_weight_scaled", "maxw sc", "{:.3f}"),
+    ("max_weight_unscaled", "maxw unsc", "{:.3f}"),
+    ("grad_median_scaled", "|g| med sc", "{:.3f}"),
+    ("grad_median_unscaled", "|g| med unsc", "{:.2e}"),
+    ("grad_median_ratio", "med ratio", "{:.3g}"),
+    ("grad_mean_scaled", "|g| mean sc", "{:.3f}"),
+    ("grad_mean_unscaled", "|g| mean unsc", "{:.4f}"),
+    ("grad_mean_ratio", "mean ratio", "{:.3g}"),
+    ("jacobian_median_unscaled", "|J| med unsc", "{:.2e}"),
+    ("zero_grad_fraction_unscaled", "zero unsc", "{:.4f}"),
+)
+
+
+def render_table(rows: list[dict[str, float]], *, markdown: bool = False) -> str:
+    """The sweep table as fixed-width text (or a Markdown table)."""
+    heads = [h for _, h, _ in TABLE_COLUMNS]
+    cells = [[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS] for row in rows]
+    if markdown:
+        out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        out += ["| " + " | ".join(c) + " |" for c in cells]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(heads)]
+    line = lambda items: "  ".join(s.rjust(w) for s, w in zip(items, widths))
+    return "\n".join([line(heads)] + [line(c) for c in cells])
+
+
+def scaled_band(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """For the scaled mode: min, max and max/min over ``d_k`` of each statistic's mean and median."""
+    band = {}
+    for name in ("entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm"):
+        for stat in ("mean", "median"):
+            x = np.asarray(summary[name][stat][0], np.float64)
+            band[f"{name}_{stat}"] = {"min": float(x.min()), "max": float(x.max()), "ratio": float(x.max() / x.min())}
+    return band
+
+
+def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN_HEAD_DIM) -> dict[str, Any]:
+    """The unscaled statistics' laws: predicted (extreme-value theory) against fitted on ``d_k >= min_head_dim``.
+
+    Medians: ``c · exp(-b √d_k)``, predicted ``b = m_S`` (median top-two gap of S standard normals) and
+    ``c = 2`` for the Jacobian. Means: ``c · d_k^a``, predicted ``a = -1/2`` and ``c`` from the gap density
+    at 0, ``f_D(0)``. Mean ``‖∂L/∂q‖``: tends to the constant ``√(2/π) f_D(0)`` (a = 0).
+    Zero-gradient fraction: ``P(√d_k · D > g_dtype)``.
+    """
+    dims = np.asarray(summary["head_dims"])
+    use = dims >= min_head_dim
+    S = summary.get("num_keys")
+    laws = probes.predicted_laws(dims[use], S)
+    m, f0 = laws["gap_median"], laws["gap_density_at_zero"]
+    med = lambda name: np.asarray(summary[name]["median"][1])[use]
+    mean = lambda name: np.asarray(summary[name]["mean"][1])[use]
+    out: dict[str, Any] = {"dtype": dtype, "num_keys": S, "fit_head_dims": dims[use].tolist(), "gap_median": m, "gap_density_at_zero": f0}
+    for name, form_c in (("jacobian_norm", 2.0), ("logit_grad_norm", None), ("q_grad_norm", None)):
+        b, c = probes.fit_stretched_exp(dims[use], med(name))
+        out[f"median_{name}"] = {"form": "c·exp(-b·√d_k)", "b": b, "c": c, "b_predicted": m, "c_predicted": form_c}
+    y = m * np.sqrt(dims[use])
+    out["median_entropy"] = {
+        "form": "(1 + m√d_k)·exp(-m√d_k)",
+        "measured_over_predicted": (med("entropy") / ((1 + y) * np.exp(-y))).tolist(),
+    }
+    gap = 1 - np.asarray(summary["max_weight"]["median"][1])[use]
+    if np.all(gap > 0):  # in float32, 1 - p_max rounds to 0 once p_2 < 6e-8
+        b, c = probes.fit_stretched_exp(dims[use], gap)
+        out["median_one_minus_max_weight"] = {"form": "c·exp(-b·√d_k)", "b": b, "c": c, "b_predicted": m, "c_predicted": 1.0}
+    for name, key, c_pred in (
+        ("jacobian_norm", "mean_jacobian", f0),
+        ("entropy", "mean_entropy", math.pi**2 / 6 * f0),
+        ("logit_grad_norm", "mean_logit_grad", math.sqrt(2 / math.pi) * f0),
+    ):
+        a, c = probes.fit_power_law(dims[use], mean(name))
+        c_inf, kappa = _fit_inverse_sqrt(dims[use], mean(name))
+        out[f"mean_{name}"] = {
+            "form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)",
+            "a": a,
+            "c": c,
+            "a_predicted": -0.5,
+            "c_predicted": c_pred,
+            "C": c_inf,
+            "kappa": kappa,
+        }
+    y = 1 - np.asarray(summary["max_weight"]["mean"][1])[use]
+    a, c = probes.fit_power_law(dims[use], y)
+    c_inf, kappa = _fit_inverse_sqrt(dims[use], y)
+    out["mean_one_minus_max_weight"] = {
+        "form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)",
+        "a": a,
+        "c": c,
+        "a_predicted": -0.5,
+        "c_predicted": math.log(2) * f0,
+        "C": c_inf,
+        "kappa": kappa,
+    }
+    a, c = probes.fit_power_law(dims[use], mean("q_grad_norm"))
+    out["mean_q_grad_norm"] = {
+        "form": "c·d_k^a -> constant",
+        "a": a,
+        "c": c,
+        "a_predicted": 0.0,
+        "limit_predicted": math.sqrt(2 / math.pi) * f0,
+        "at_largest_d_k": float(mean("q_grad_norm")[-1]),
+    }
+    return out
+
+
+def _fit_inverse_sqrt(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares ``y·√d = C + Cκ/√d`` (the law with its first correction); returns ``(C, κ)``."""
+    d = np.asarray(d, np.float64)
+    A = np.stack([np.ones_like(d), 1 / np.sqrt(d)], axis=1)
+    (c0, c1), *_ = np.linalg.lstsq(A, np.asarray(y, np.float64) * np.sqrt(d), rcond=None)
+    return float(c0), float(c1 / c0)
+
+
+def zero_fractions(sweep_data: dict[str, Any]) -> dict[str, Any]:
+    """Fraction of unscaled rows whose ``∂L/∂logits`` is exactly zero, per dtype, measured and predicted."""
+    out = {}
+    for name, summary in sweep_data["summaries"].items():
+        laws = probes.predicted_laws(summary["head_dims"], summary["num_keys"], gap_threshold=probes.underflow_gap(name))
+        out[name] = {
+            "underflow_gap": probes.underflow_gap(name),
+            "measured": np.asarray(summary["zero_fraction"]["logit_grad"][1]).tolist(),
+            "measured_scaled": np.asarray(summary["zero_fraction"]["logit_grad"][0]).tolist(),
+            "predicted": np.asarray(laws["zero_fraction"]).tolist(),
+        }
+    return out
+
+
+def render_zero_fractions(zeros: dict[str, Any], head_dims: Sequence[int]) -> str:
+    lines = ["fraction of unscaled rows with exactly-zero ∂L/∂logits (measured / predicted P(√d_k·D > g)):"]
+    lines.append("  dtype      g     " + " ".join(f"{d:>13d}" for d in head_dims))
+    for name, z in zeros.items():
+        cells = " ".join(f"{m:6.4f}/{p:6.4f}" for m, p in zip(z["measured"], z["predicted"]))
+        lines.append(f"  {name:9s} {z['underflow_gap']:5.1f}  {cells}")
+    lines.append("  (scaled rows: " + ", ".join(f"{n} max {max(z['measured_scaled']):.4f}" for n, z in zeros.items()) + ")")
+    return "\n".join(lines)
+
+
+def render_laws(laws: dict[str, Any]) -> str:
+    """The fitted laws against the predicted constants, one line each."""
+    L = laws
+    lines = [
+        f"laws of the unscaled statistics ({L['dtype']}, S = {L['num_keys']} keys, fit on d_k = "
+        f"{L['fit_head_dims'][0]} … {L['fit_head_dims'][-1]}; m_S = median top-two gap = {L['gap_median']:.4f}, "
+        f"f_D(0) = {L['gap_density_at_zero']:.4f}):"
+    ]
+    for key in ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_one_minus_max_weight"):
+        if key not in L:
+            lines.append(f"  {key:30s} not fitted: it rounds to 0 in {L['dtype']}")
+            continue
+        f = L[key]
+        pred_c = "" if f["c_predicted"] is None else f", predicted c = {f['c_predicted']:.3g}"
+        lines.append(f"  {key:30s} {f['form']}: b = {f['b']:.4f} (predicted {f['b_predicted']:.4f}), c = {f['c']:.3g}{pred_c}")
+    ratio = L["median_entropy"]["measured_over_predicted"]
+    lines.append(f"  {'median_entropy':30s} {L['median_entropy']['form']}: measured/predicted = " + " ".join(f"{r:.2f}" for r in ratio))
+    for key in ("mean_jacobian_norm", "mean_entropy", "mean_logit_grad_norm", "mean_one_minus_max_weight"):
+        f = L[key]
+        lines.append(
+            f"  {key:30s} c·d_k^a: a = {f['a']:.3f} (predicted -0.5), c = {f['c']:.3f}; "
+            f"C/√d_k·(1+κ/√d_k): C = {f['C']:.3f} (predicted {f['c_predicted']:.3f}), κ = {f['kappa']:.2f}"
+        )
+    f = L["mean_q_grad_norm"]
+    lines.append(
+        f"  {'mean_q_grad_norm':30s} tends to a constant: a = {f['a']:.3f}, at the largest d_k {f['at_largest_d_k']:.3f} "
+        f"(predicted limit √(2/π)·f_D(0) = {f['limit_predicted']:.3f})"
+    )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The figure.
+# ----------------------------------------------------------------------------------------------------
+
+
+def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, title: str = ""):
+    """A 2×2 log-log figure: Var(q·k); entropy; Jacobian norm (median, mean, 10–90% band) with the laws;
+    zero-gradient fraction per dtype. Returns a matplotlib ``Figure`` (Agg canvas, nothing displayed)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    d = np.asarray(summary["head_dims"], np.float64)
+    S = summary["num_keys"]
+    laws = probes.predicted_laws(d.astype(int), S)
+    fig = Figure(figsize=(10, 7.5), dpi=80)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2)
+
+    ax = axes[0, 0]
+    ax.loglog(d, summary["var_qk"], "o-", label="Monte Carlo Var(q·k)")
+    ax.loglog(d, d, "k--", lw=1, label="d_k")
+    ax.set_title("Var(q·k) = d_k")
+    ax.set_xlabel("d_k")
+    ax.legend()
+
+    ax = axes[0, 1]
+    for mode, style in ((0, "-"), (1, "--")):
+        tag = "scaled" if mode == 0 else "unscaled"
+        ax.loglog(d, summary["entropy"]["mean"][mode], "o" + style, label=f"mean, {tag}")
+        ax.loglog(d, summary["entropy"]["median"][mode], "s" + style, label=f"median, {tag}")
+    ax.loglog(d, laws["mean_entropy"], "k:", lw=1, label="(π²/6) f_D(0)/√d_k")
+    ax.loglog(d, laws["median_entropy"], "k-.", lw=1, label="(1+m√d_k)·exp(-m√d_k)")
+    ax.set_title("row entropy (nats)")
+    ax.set_xlabel("d_k")
+    ax.legend(fontsize=7)
+
+    ax = axes[1, 0]
+    for mode, color in ((0, "C0"), (1, "C3")):
+        tag = "scaled" if mode == 0 else "unscaled"
+        j = summary["jacobian_norm"]
+        qs = j["quantiles"][mode]
+        lo, hi = np.maximum(qs[:, 0], 1e-300), np.maximum(qs[:, -1], 1e-300)
+        ax.fill_between(d, lo, hi, color=color, alpha=0.15)
+        ax.loglog(d, j["median"][mode], "s-", color=color, label=f"median ‖J‖_F, {tag}")
+        ax.loglog(d, j["mean"][mode], "o--", color=color, label=f"mean ‖J‖_F, {tag}")
+    ax.loglog(d, laws["mean_jacobian"], "k:", lw=1, label="f_D(0)/√d_k")
+    ax.loglog(d, laws["median_jacobian"], "k-.", lw=1, label="2·exp(-m√d_k)")
+    ax.set_title("softmax Jacobian norm (band: 10–90%)")
+    ax.set_xlabel("d_k")
+    ax.legend(fontsize=7)
+
+    ax = axes[1, 1]
+    if zeros:
+        for i, (name, z) in enumerate(zeros.items()):
+            ax.semilogx(d, z["measured"], "o-", color=f"C{i}", label=f"{name} measured")
+            ax.semilogx(d, z["predicted"], ":", color=f"C{i}", label=f"{name} P(√d_k D > {z['underflow_gap']:.1f})")
+    ax.set_ylim(-0.02, 1.0)
+    ax.set_title("unscaled rows with exactly-zero ∂L/∂logits")
+    ax.set_xlabel("d_k")
+    ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files, written atomically.
+# ----------------------------------------------------------------------------------------------------
+
+
+def to_jsonable(x: Any) -> Any:
+    """NumPy/JAX arrays and scalars to lists and Python numbers, recursively (non-finite floats to strings)."""
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return to_jsonable(np.asarray(x).tolist())
+    if isinstance(x, (np.bool_, bool)):
+        return bool(x)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else str(x)
+    return x
+
+
+def _atomic(path: str, write) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return os.path.abspath(path)
+
+
+def write_json(path: str, data: Any) -> str:
+    """Write ``data`` (via :func:`to_jsonable`) to ``path`` atomically; returns the absolute path."""
+    text = json.dumps(to_jsonable(data), indent=1)
+    return _atomic(path, lambda f: f.write(text.encode()))
+
+
+def save_figure(fig, path: str) -> str:
+    """Save a matplotlib figure as PNG at ``path`` atomically; returns the absolute path."""
+    return _atomic(path, lambda f: fig.savefig(f, format="png"))

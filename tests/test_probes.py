@@ -1,0 +1,399 @@
+"""Probes against independent references: closed forms, jax.jacfwd, float64 NumPy; and the sweep's laws."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn import probes
+from jaxattn import _probes
+
+
+
+@pytest.fixture
+def rng(request):
+    """A NumPy generator seeded per test (by name), so a test's data never depends on which others ran."""
+    return np.random.default_rng(sum(map(ord, request.node.name)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# float64 NumPy references.
+# ----------------------------------------------------------------------------------------------------
+
+
+def np_softmax(z, keep=None):
+    z = np.asarray(z, np.float64)
+    if keep is not None:
+        z = np.where(keep, z, -np.inf)
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m)
+    if keep is not None:
+        e = np.where(keep, e, 0.0)
+    s = e.sum(-1, keepdims=True)
+    return e / np.where(s == 0, 1.0, s)
+
+
+def np_entropy(p):
+    p = np.asarray(p, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    return -terms.sum(-1)
+
+
+def np_jacobian(p):
+    """diag(p) - p pᵀ in float64, with 1 - p_s summed from the other weights (leave-one-out)."""
+    p = np.asarray(p, np.float64)
+    eye = np.eye(p.shape[-1])
+    others = p @ (1.0 - eye)  # [..., S], Σ_{s'≠s} p_s'
+    return np.where(eye > 0, (p * others)[..., None, :], -p[..., :, None] * p[..., None, :])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Row statistics.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_row_stats_match_numpy_with_mask(rng):
+    logits = rng.standard_normal((3, 5, 7)).astype(np.float32) * 2
+    keep = rng.random((3, 5, 7)) > 0.3
+    keep[0, 0] = False  # one fully masked row
+    keep[1, 1] = False
+    keep[1, 1, 2] = True  # one row with a single key
+    p = np_softmax(logits, keep)
+    stats = probes.row_stats(p.astype(np.float32), keep)
+    h = np_entropy(p)
+    n = keep.sum(-1)
+    np.testing.assert_allclose(stats["entropy"], h, atol=1e-6)
+    np.testing.assert_allclose(probes.entropy(p.astype(np.float32), keep), h, atol=1e-6)
+    np.testing.assert_array_equal(stats["num_keys"], n)
+    expected_norm = np.where(n > 1, h / np.log(np.maximum(n, 2)), 0.0)
+    np.testing.assert_allclose(stats["normalized_entropy"], expected_norm, atol=1e-6)
+    np.testing.assert_allclose(probes.normalized_entropy(p.astype(np.float32), keep), expected_norm, atol=1e-6)
+    np.testing.assert_allclose(stats["max_weight"], p.max(-1), atol=1e-7)
+    np.testing.assert_allclose(probes.max_weight(p.astype(np.float32), keep), p.max(-1), atol=1e-7)
+    expected_support = np.where(n > 0, np.exp(h), 0.0)
+    np.testing.assert_allclose(stats["effective_support"], expected_support, rtol=1e-6)
+    np.testing.assert_allclose(probes.effective_support(p.astype(np.float32), keep), expected_support, rtol=1e-6)
+    assert stats["entropy"][0, 0] == 0 and stats["max_weight"][0, 0] == 0 and stats["effective_support"][0, 0] == 0
+    assert stats["entropy"][1, 1] == 0 and stats["normalized_entropy"][1, 1] == 0
+
+
+def test_row_stats_closed_forms_uniform_and_one_hot():
+    S = 8
+    uniform = np.full((2, S), 1.0 / S, np.float32)
+    np.testing.assert_allclose(probes.entropy(uniform), math.log(S), rtol=1e-6)
+    np.testing.assert_allclose(probes.normalized_entropy(uniform), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(probes.effective_support(uniform), S, rtol=1e-5)
+    one_hot = np.eye(S, dtype=np.float32)[:3]
+    np.testing.assert_array_equal(probes.entropy(one_hot), 0.0)
+    np.testing.assert_array_equal(probes.max_weight(one_hot), 1.0)
+    np.testing.assert_array_equal(probes.effective_support(one_hot), 1.0)
+
+
+def test_entropy_is_exactly_zero_not_nan_for_saturated_rows():
+    # Unscaled attention at large d_k: the other weights underflow to exactly 0 in float32.
+    q = np.full((1, 4096), 1.0, np.float32)
+    k = np.stack([np.full(4096, 1.0), np.full(4096, 0.9), np.full(4096, -1.0)]).astype(np.float32)
+    w = jaxattn.attention_weights(q, k, scale=1.0)  # logit gaps 410 and 8192: e^-410 = 0 in float32
+    np.testing.assert_array_equal(np.asarray(w), [[1.0, 0.0, 0.0]])
+    h = probes.entropy(w)
+    assert np.asarray(h).tolist() == [0.0]
+    naive = -jnp.sum(w * jnp.log(jnp.clip(w, 0.0)), axis=-1)  # what the probe must not do
+    assert bool(jnp.isnan(naive[0]))
+    assert np.asarray(probes.normalized_entropy(w)).tolist() == [0.0]
+    grad = jax.grad(lambda w: probes.entropy(w).sum())(w)
+    assert bool(jnp.all(jnp.isfinite(grad)))
+
+
+def test_head_entropy_causal_mask_matches_numpy(rng):
+    L, N, T = 2, 3, 5
+    logits = rng.standard_normal((L, N, T, T)).astype(np.float32)
+    causal = np.asarray(jaxattn.causal_mask(T))
+    p = np_softmax(logits, causal)
+    got = probes.head_entropy(p.astype(np.float32), causal)
+    np.testing.assert_allclose(got, np_entropy(p).mean(-1), atol=1e-6)
+    n = causal.sum(-1)
+    norm = np.where(n > 1, np_entropy(p) / np.log(np.maximum(n, 2)), 0.0).mean(-1)
+    np.testing.assert_allclose(probes.head_entropy(p.astype(np.float32), causal, normalized=True), norm, atol=1e-6)
+    assert got.shape == (L, N)
+
+
+@pytest.mark.parametrize(
+    "call, exc, message",
+    [
+        (lambda: probes.entropy(np.ones((2, 3), np.int32)), TypeError, "weights must have a floating dtype"),
+        (lambda: probes.entropy(np.ones((2, 3), np.float32), np.ones((2, 3))), TypeError, "boolean keep-mask"),
+        (lambda: probes.entropy(np.ones((2, 3), np.float32), np.ones((4, 3), bool)), ValueError, r"broadcastable"),
+        (lambda: probes.entropy(np.float32(1.0)), ValueError, "at least 1 dimension"),
+        (lambda: probes.head_entropy(np.ones(3, np.float32)), ValueError, r"\[..., T, S\]"),
+        (lambda: probes.softmax_jacobian(np.ones(3, np.int8)), TypeError, "logits"),
+        (lambda: probes.saturation_sweep(0, head_dims=()), ValueError, "head_dims"),
+        (lambda: probes.saturation_sweep(0, num_keys=1), ValueError, "num_keys"),
+        (lambda: probes.saturation_sweep(0, dtype=jnp.float64), ValueError, "enable_x64"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 4))), ValueError, "cotangent"),
+    ],
+)
+def test_invalid_input_messages(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The softmax Jacobian.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_softmax_jacobian_equals_jacfwd(rng):
+    logits = jnp.asarray(rng.standard_normal((4, 6, 9)) * 3, jnp.float32)
+    jac = probes.softmax_jacobian(logits)
+    auto = jax.vmap(jax.vmap(jax.jacfwd(jax.nn.softmax)))(logits)
+    assert jac.shape == (4, 6, 9, 9)
+    np.testing.assert_allclose(jac, auto, atol=1e-6)
+
+
+def test_masked_softmax_jacobian_equals_jacfwd_of_the_core(rng):
+    T, S = 5, 6
+    logits = jnp.asarray(rng.standard_normal((T, S)) * 2, jnp.float32)
+    keep = jnp.asarray(rng.random((T, S)) > 0.4).at[0].set(False)
+    q = jnp.eye(T, S, dtype=jnp.float32)
+    # The core's weights as a function of an additive bias = d softmax / d logits (same masked softmax).
+    auto = jax.jit(jax.jacfwd(lambda b: jaxattn.attention_weights(q, jnp.zeros((S, S), jnp.float32), mask=keep, bias=b)))(logits)
+    auto_rows = jnp.stack([auto[t, :, t, :] for t in range(T)])  # [T, S, S]
+    np.testing.assert_allclose(probes.softmax_jacobian(logits, keep), auto_rows, atol=1e-6)
+    assert float(jnp.abs(probes.softmax_jacobian(logits, keep)[0]).max()) == 0.0
+
+
+def test_jacobian_norms_match_float64_reference_including_saturated_rows(rng):
+    z = rng.standard_normal((64, 12)) * np.array([0.5, 3.0, 20.0, 60.0])[rng.integers(0, 4, 64)][:, None]
+    z[0] = [0.0, -70.0] + [-200.0] * 10  # p2 = e^-70: p2² underflows float32, p2 does not
+    z[1] = [0.0, -20.0, -20.0] + [-300.0] * 9  # 1 - p_max rounds to 0 in float32
+    z[2] = 0.0  # uniform
+    norms = probes.softmax_jacobian_norms(jnp.asarray(z, jnp.float32))
+    ref = np_jacobian(np_softmax(z))
+    frob = np.sqrt((ref**2).sum((-1, -2)))
+    np.testing.assert_allclose(norms["frobenius"], frob, rtol=2e-5, atol=1e-37)  # atol: below float32's range
+    np.testing.assert_allclose(norms["nuclear"], np.trace(ref, axis1=-2, axis2=-1), rtol=2e-5, atol=1e-37)
+    # nuclear norm = sum of eigenvalues (J is PSD); closed form on the uniform row: ‖J‖_F² = (S-1)/S²
+    eig = np.linalg.eigvalsh(ref[3:])
+    assert eig.min() > -1e-12
+    np.testing.assert_allclose(np.asarray(norms["nuclear"])[3:], eig.sum(-1), rtol=1e-5, atol=1e-37)
+    np.testing.assert_allclose(norms["frobenius"][2], math.sqrt(11) / 12, rtol=1e-6)
+    # two keys, closed form: ‖J‖_F = 2 p (1 - p)
+    p = 1 / (1 + math.exp(-3.0))
+    two = probes.softmax_jacobian_norms(jnp.array([[3.0, 0.0]], jnp.float32))
+    np.testing.assert_allclose(two["frobenius"], [2 * p * (1 - p)], rtol=1e-6)
+
+
+def test_closed_form_jacobian_diagonal_does_not_round_to_zero():
+    z = jnp.array([[0.0, -20.0]], jnp.float32)  # p_max = 1 - 2e-9 rounds to 1.0 in float32
+    jac = probes.softmax_jacobian(z)[0]
+    np.testing.assert_allclose(jac, np_jacobian(np_softmax(np.array([0.0, -20.0]))), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Gradient probes.
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [None, 1.0, 0.3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_grads_match_float64_closed_form(scale, masked, rng):
+    T, S, H, V = 4, 6, 8, 5
+    q, k = rng.standard_normal((T, H)), rng.standard_normal((S, H))
+    v, r = rng.standard_normal((S, V)), rng.standard_normal((T, V))
+    keep = (rng.random((T, S)) > 0.3) if masked else None
+    f32 = lambda x: np.asarray(x, np.float32)
+    grads = probes.attention_grads(f32(q), f32(k), f32(v), f32(r), scale=scale, mask=keep)
+    c = 1 / math.sqrt(H) if scale is None else scale
+    p = np_softmax(c * q @ k.T, keep)
+    g = r @ v.T  # [T, S], dL/dp
+    dz = p * (g - (p * g).sum(-1, keepdims=True))
+    np.testing.assert_allclose(grads["logits"], dz, atol=2e-6)
+    np.testing.assert_allclose(grads["q"], c * dz @ k, atol=1e-5)
+    np.testing.assert_allclose(grads["k"], c * dz.T @ q, atol=1e-5)
+    np.testing.assert_allclose(grads["v"], p.T @ r, atol=1e-5)
+    np.testing.assert_allclose(grads["loss"], (r * (p @ v)).sum(), rtol=1e-5)
+    norms = probes.grad_norms(grads)
+    np.testing.assert_allclose(norms["logits"], np.linalg.norm(dz, axis=-1), atol=2e-6)
+    np.testing.assert_allclose(norms["k"], np.linalg.norm(c * dz.T @ q, axis=-1), atol=1e-5)
+    # a row with at most one kept key has p one-hot (or zero): its softmax gradient is exactly zero
+    single = np.zeros(T, bool) if keep is None else keep.sum(-1) <= 1
+    np.testing.assert_array_equal(norms["logits_zero"], single)
+
+
+def test_grad_norms_flag_rows_whose_gradient_underflows_per_dtype():
+    q = np.array([[1.0, 0.0], [1.0, 0.0]])
+    k = np.array([[0.0, 0.0], [-20.0, 0.0], [-120.0, 0.0]])  # gaps 20 (row alive in f32) and 120
+    v = np.array([[1.0], [-1.0], [0.5]])
+    r = np.ones((2, 1))
+    grads = jax.jit(probes.attention_grads, static_argnames="scale")
+    for dtype, zero in [(np.float32, False), (np.float16, True)]:
+        g = grads(*(x.astype(dtype) for x in (q, k, v, r)), scale=1.0)
+        assert g["logits"].dtype == dtype
+        norms = probes.grad_norms(g)
+        assert np.asarray(norms["logits_zero"]).tolist() == [zero, zero]
+    kk = np.array([[0.0, 0.0], [-100.0, 0.0]])  # gap 100 > 87.3: exactly zero in float32 too
+    g = grads(*(x.astype(np.float32) for x in (q, kk, v[:2], r)), scale=1.0)
+    assert np.asarray(probes.grad_norms(g)["logits_zero"]).tolist() == [True, True]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Var(q·k) and the sweep.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_dot_product_variance_is_d_k_for_every_d_k():
+    res = probes.dot_product_variance(0, probes.DEFAULT_HEAD_DIMS, num_samples=2048)
+    assert res["head_dims"].tolist() == [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert np.all(np.abs(res["ratio"] - 1) < 0.1), res["ratio"]
+    assert np.all(res["std_error"] < 0.05)
+
+
+SMALL = dict(num_trials=8, num_queries=32, num_keys=16, value_dim=4)
+
+
+@pytest.fixture(scope="module")
+def small_sweep():
+    return probes.saturation_sweep(7, **SMALL)
+
+
+def test_sweep_shapes_and_var_ratio(small_sweep):
+    res = small_sweep
+    P = len(probes.DEFAULT_HEAD_DIMS)
+    assert res["entropy"].shape == (2, P, 8, 32)
+    assert res["k_grad_norm"].shape == (2, P, 8, 16)
+    assert res["dot_sq"].shape == (2, P, 8)
+    summary = probes.summarize_sweep(res)
+    assert np.all(np.abs(summary["var_ratio"] - 1) < 0.1), summary["var_ratio"]
+    assert summary["entropy"]["quantiles"].shape == (2, P, 3)
+
+
+def test_sweep_unscaled_entropy_falls_monotonically_scaled_stays_in_a_band(small_sweep):
+    s = probes.summarize_sweep(small_sweep)
+    median = s["entropy"]["median"][1]
+    assert np.all(np.diff(median) < 0), median
+    # The mean is carried by rare near-ties (noisy with 256 rows): monotone over factors of 4 in d_k.
+    mean = s["entropy"]["mean"][1]
+    assert np.all(np.diff(mean[::2]) < 0) and np.all(np.diff(mean[1::2]) < 0), mean
+    assert mean[-1] < 0.1 * mean[0]
+    assert s["entropy"]["median"][1][-1] < 1e-3  # toward one-hot
+    assert s["max_weight"]["median"][1][-1] > 0.999
+    for name, band in [("entropy", 1.05), ("max_weight", 1.15), ("jacobian_norm", 1.1), ("logit_grad_norm", 1.25)]:
+        scaled = s[name]["mean"][0]
+        assert scaled.max() / scaled.min() < band, (name, scaled)
+
+
+def test_vmapped_sweep_equals_the_single_trial_function(small_sweep):
+    trial = probes.sweep_trial_fn(num_queries=32, num_keys=16, value_dim=4, max_dim=4096)
+    keys = jax.random.split(jax.random.key(7), (10, 8))
+    # Unscaled float32 logits reach ~100; the two programs sum them in different orders, and e^{-gap}
+    # turns their last-bit differences into relative differences of up to ~1e-2 on saturated rows.
+    for p, r, mode, rtol in [(0, 0, 0, 1e-4), (9, 5, 0, 1e-4), (6, 3, 1, 5e-2), (9, 1, 1, 5e-2)]:
+        one = trial(keys[p, r], jnp.int32(probes.DEFAULT_HEAD_DIMS[p]), jnp.bool_(mode == 0))
+        for name in ("entropy", "jacobian_norm", "logit_grad_norm", "q_grad_norm"):
+            np.testing.assert_allclose(one[name], small_sweep[name][mode, p, r], rtol=rtol, atol=1e-30)
+
+
+def test_one_trial_against_float64_numpy():
+    T, S, V, H = 8, 8, 4, 32
+    draw = jax.jit(lambda key: _probes._draw(key, jnp.int32(H), T=T, S=S, V=V, max_dim=64, dtype=jnp.float32))
+    q, k, v, r = draw(jax.random.key(3))
+    assert float(jnp.abs(q[:, H:]).max()) == 0.0
+    rows = jax.jit(_probes._probe_rows)(q, k, v, r, jnp.float32(1.0))
+    qn, kn, vn, rn = (np.asarray(x, np.float64) for x in (q, k, v, r))
+    p = np_softmax(qn @ kn.T)
+    dz = p * (rn @ vn.T - (p * (rn @ vn.T)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(rows["entropy"], np_entropy(p), atol=1e-5)
+    np.testing.assert_allclose(rows["jacobian_norm"], np.sqrt((np_jacobian(p) ** 2).sum((-1, -2))), rtol=1e-4, atol=1e-30)
+    np.testing.assert_allclose(rows["logit_grad_norm"], np.linalg.norm(dz, axis=-1), rtol=1e-4, atol=1e-30)
+    np.testing.assert_allclose(rows["q_grad_norm"], np.linalg.norm(dz @ kn, axis=-1), rtol=1e-4, atol=1e-30)
+    np.testing.assert_allclose(rows["dot_sq"], np.mean((qn @ kn.T) ** 2), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The laws.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_gap_law_closed_form_for_two_keys_and_monte_carlo():
+    # S = 2: D = |Z1 - Z2| is half-normal with scale √2: P(D > x) = 2 (1 - Φ(x/√2)), f_D(0) = 1/√π.
+    x = np.array([0.0, 0.5, 1.0, 2.5])
+    erfc = np.array([math.erfc(t / 2) for t in x])
+    np.testing.assert_allclose(probes.gap_survival(x, 2), erfc, atol=1e-9)
+    np.testing.assert_allclose(probes.gap_density_at_zero(2), 1 / math.sqrt(math.pi), rtol=1e-9)
+    # S = 16 against a NumPy Monte Carlo of the top-two gap.
+    z = np.sort(np.random.default_rng(0).standard_normal((200_000, 16)), axis=-1)
+    d = z[:, -1] - z[:, -2]
+    for t in (0.1, 0.4, 1.0):
+        assert abs(probes.gap_survival(t, 16) - (d > t).mean()) < 4e-3
+    assert abs(probes.gap_median(16) - np.median(d)) < 5e-3
+    h = 0.02
+    density = (d < h).mean() / h
+    assert abs(probes.gap_density_at_zero(16) - density) < 0.05 * density
+    assert abs(probes.gap_survival(probes.gap_median(16), 16) - 0.5) < 1e-9
+
+
+def test_underflow_gaps():
+    assert probes.underflow_gap(jnp.float32) == pytest.approx(126 * math.log(2))
+    assert probes.underflow_gap(jnp.bfloat16) == pytest.approx(126 * math.log(2))
+    assert probes.underflow_gap(jnp.float16) == pytest.approx(25 * math.log(2))
+    assert probes.underflow_gap(np.float64) == pytest.approx(1022 * math.log(2))
+
+
+LAW_DIMS = (64, 128, 256, 512, 1024)
+
+
+@pytest.fixture(scope="module")
+def law_sweep():
+    with jax.enable_x64(True):
+        return probes.saturation_sweep(11, head_dims=LAW_DIMS, num_trials=32, num_queries=64, num_keys=8, value_dim=16, dtype=jnp.float64)
+
+
+def test_median_law_stretched_exponential_in_sqrt_d_k(law_sweep):
+    s = probes.summarize_sweep(law_sweep)
+    m = probes.gap_median(8)
+    b, c = probes.fit_stretched_exp(LAW_DIMS, s["jacobian_norm"]["median"][1])
+    assert abs(b / m - 1) < 0.1, (b, m)
+    assert 1.0 < c < 4.0, c  # predicted 2
+    b, _ = probes.fit_stretched_exp(LAW_DIMS, s["entropy"]["median"][1] / (1 + m * np.sqrt(LAW_DIMS)))
+    assert abs(b / m - 1) < 0.1, (b, m)
+
+
+def test_mean_law_power_minus_one_half(law_sweep):
+    s = probes.summarize_sweep(law_sweep)
+    laws = probes.predicted_laws(LAW_DIMS, 8)
+    sqrt_d = np.sqrt(LAW_DIMS)
+    for name, key in [("jacobian_norm", "mean_jacobian"), ("entropy", "mean_entropy"), ("logit_grad_norm", "mean_logit_grad")]:
+        a, c = probes.fit_power_law(LAW_DIMS, s[name]["mean"][1])
+        assert abs(a + 0.5) < 0.1, (name, a)
+        # the constant, pooled over d_k (each mean rests on a few dozen near-tied rows)
+        constant = np.mean(s[name]["mean"][1] * sqrt_d)
+        assert abs(constant / np.mean(laws[key] * sqrt_d) - 1) < 0.15, (name, constant)
+    constant = np.mean((1 - s["max_weight"]["mean"][1]) * sqrt_d)
+    assert abs(constant / np.mean(laws["mean_one_minus_max"] * sqrt_d) - 1) < 0.15
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dims, S",
+    [(jnp.float16, (256, 1024), 4), (jnp.float32, (2048, 4096), 2), (jnp.bfloat16, (2048, 4096), 2)],
+)
+def test_zero_gradient_fraction_law_per_dtype(dtype, head_dims, S):
+    res = probes.saturation_sweep(5, head_dims=head_dims, num_trials=4, num_queries=96, num_keys=S, value_dim=2, dtype=dtype)
+    zero = probes.summarize_sweep(res)["zero_fraction"]["logit_grad"]
+    predicted = probes.predicted_laws(head_dims, S, gap_threshold=probes.underflow_gap(dtype))["zero_fraction"]
+    n = 4 * 96
+    assert np.all(np.abs(zero[1] - predicted) < 4 * np.sqrt(predicted * (1 - predicted) / n) + 0.02), (zero[1], predicted)
+    assert np.all(predicted > 0.15)
+    assert np.all(zero[0] == 0)  # scaled: never
+
+
+def test_chunked_sweep_gives_the_same_numbers():
+    config = dict(head_dims=(8, 64), num_trials=5, num_queries=4, num_keys=8, value_dim=2)
+    whole = probes.saturation_sweep(7, **config)
+    chunked = probes.saturation_sweep(7, trials_per_batch=2, **config)
+    for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
+        np.testing.assert_allclose(chunked[name], whole[name], rtol=1e-3, atol=1e-30)

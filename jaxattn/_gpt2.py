@@ -403,11 +403,14 @@ def _forward(params, input_ids, scale, *, config, want_logits, want_qkv, want_hi
     tr = params["transformer"]
     T = input_ids.shape[0]
     x = tr["wte"]["embedding"][input_ids] + tr["wpe"]["embedding"][:T]  # [T, D]
-    hidden, weights, logits, qs, ks, vs = [x], [], [], [], [], []
+    hidden, logits, qs, ks, vs = [x], [], [], [], []
+    weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(config.n_layer):
         x, w, lg, q, k, v = _block(x, tr["h"][str(i)], config, scale, want_logits)  # [T, D], [N, T, T]
         hidden.append(x)
-        weights.append(w)
+        if weights is None:
+            weights = jnp.zeros((config.n_layer,) + w.shape, w.dtype)  # [L, N, T, T]
+        weights = weights.at[i].set(w)  # [L, N, T, T]
         logits.append(lg)
         qs.append(q), ks.append(k), vs.append(v)
     x = _layer_norm(x, tr["ln_f"], config.layer_norm_epsilon)  # [T, D]
@@ -415,7 +418,7 @@ def _forward(params, input_ids, scale, *, config, want_logits, want_qkv, want_hi
     out_logits = x @ tr["wte"]["embedding"].T  # [T, V], the head tied to wte
     return GPT2Output(
         logits=out_logits,
-        attentions=jnp.stack(weights),  # [L, N, T, T]
+        attentions=weights,  # [L, N, T, T]
         attention_logits=jnp.stack(logits) if want_logits else None,  # [L, N, T, T]
         q=jnp.stack(qs) if want_qkv else None,  # [L, T, N, H]
         k=jnp.stack(ks) if want_qkv else None,  # [L, T, N, H]

@@ -108,7 +108,8 @@ def _attend(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _validate_single(q, k, v, mask, bias, scale):
+def _validate_single(q, k, v, mask, bias, scale, *, broadcast_mask=True):
+    """Checked arrays for the single-head API; ``broadcast_mask=False`` keeps the mask's compact shape."""
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     check_rank(q, 2, "q", "[T, H]")
@@ -130,7 +131,8 @@ def _validate_single(q, k, v, mask, bias, scale):
     if mask is not None:
         mask = as_bool_array(mask, "mask")
         check_broadcastable(mask, (T, S), "mask", "[T, S]")
-        mask = jnp.broadcast_to(mask, (T, S))
+        if broadcast_mask:
+            mask = jnp.broadcast_to(mask, (T, S))
     if bias is not None:
         bias = as_float_array(bias, "bias")
         check_broadcastable(bias, (T, S), "bias", "[T, S]")

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import _logits, _per_head, _validate_multi
+from jaxattn._attention import _logits, _per_head, _validate_multi, _validate_single
 from jaxattn._checks import (
     as_bool_array,
     as_float_array,
@@ -390,27 +390,8 @@ def blockwise_attention(
       ``(out, lse)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``lse [T]`` the row log-sum-exp of
       the kept logits, in float32 (float64 for float64 inputs).
     """
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    check_rank(q, 2, "q", "[T, H]")
-    check_rank(k, 2, "k", "[S, H]")
-    check_rank(v, 2, "v", "[S, V]")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, H], "
-            f"k has shape {tuple(k.shape)} [S, H]"
-        )
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(
-            f"k and v must have the same length S: k has shape {tuple(k.shape)} [S, H], "
-            f"v has shape {tuple(v.shape)} [S, V]"
-        )
+    q, k, v, mask, _, scale = _validate_single(q, k, v, mask, None, scale, broadcast_mask=False)
     T, S = q.shape[0], k.shape[0]
-    if mask is not None:
-        mask = as_bool_array(mask, "mask")
-        check_broadcastable(mask, (T, S), "mask", "[T, S]")
-    scale = check_scale(scale, q.shape[1])
     block_q = _check_block(block_q, "block_q")
     block_k = _check_block(block_k, "block_k")
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))

@@ -53,7 +53,7 @@ def test_parity_with_flax_gpt2(case):
         np.testing.assert_allclose(out.hidden_states, hidden, atol=TOL, rtol=0)
 
 
-def test_params_are_interchangeable_withhf_run(case):
+def test_params_are_interchangeable_with_hugging_face(case):
     model, _, config, params = case
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(model.params_)
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(model.params_)):

@@ -3,9 +3,13 @@
 The loop calls the SAME jitted single-trial function the sweep vmaps (probes.sweep_trial_fn(d_k)), once
 per (d_k, trial, scale mode), and waits for each result, as a script that collects results one by one
 does. Both are compiled before timing (compile times are printed apart). Each d_k runs at its own width
-in both. Two configurations are measured in one run:
+in both. Measured in one run:
   * "the lab's sweep": d_k = 8 … 4096, the lab's default 32 trials × 16 queries × 16 keys;
-  * "many small trials": d_k = 8 … 64, 256 trials, where each trial is cheap.
+  * "many small trials": d_k = 8 … 64, 256 trials, where each trial is cheap;
+  * per d_k (--per-dk, on by default): the same comparison one d_k at a time, next to the time the
+    program spends drawing the trials' random inputs alone, which no batching can remove. It shows
+    where the speed-up comes from (per-call overhead, which batching removes) and where it cannot
+    (work that grows with d_k, the same in both).
 """
 
 import argparse
@@ -15,25 +19,35 @@ import jax
 import numpy as np
 
 from jaxattn import probes
-from jaxattn._probes import _sweep_program
+from jaxattn._probes import _draw, _sweep_program
+
+F32 = np.dtype("float32")
 
 
-def bench(name, head_dims, trials, T, S, V, repeats, seed):
+def _time(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _best_interleaved(fns, repeats):
+    """Best of ``repeats`` wall times of each function, run in turn so all see the same load."""
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for t, fn in zip(times, fns):
+            t.append(_time(fn))
+    return [min(t) for t in times]
+
+
+def _programs(head_dims, trials, T, S, V, seed):
+    """The sweep's keys, the one program, the single-trial functions, and the loop over them."""
     keys = jax.random.split(jax.random.key(seed), (len(head_dims), trials))  # [P, R], as saturation_sweep
-    static = dict(head_dims=tuple(head_dims), T=T, S=S, V=V, dtype=np.dtype("float32"))
+    static = dict(head_dims=tuple(head_dims), T=T, S=S, V=V, dtype=F32)
     fns = {d: probes.sweep_trial_fn(d, num_queries=T, num_keys=S, value_dim=V) for d in head_dims}
-    t0 = time.perf_counter()
-    jax.block_until_ready(_sweep_program(keys, **static))
-    compile_vmap = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for d in head_dims:
-        jax.block_until_ready(fns[d](keys[0, 0], True))
-    compile_loop = time.perf_counter() - t0
+    trial_keys = [[keys[p, r] for r in range(trials)] for p in range(len(head_dims))]  # sliced before timing
 
     def vmapped():
         return jax.block_until_ready(_sweep_program(keys, **static))
-
-    trial_keys = [[keys[p, r] for r in range(trials)] for p in range(len(head_dims))]  # sliced before timing
 
     def loop():
         out = []
@@ -44,11 +58,14 @@ def bench(name, head_dims, trials, T, S, V, repeats, seed):
                     out.append(jax.block_until_ready(one(key, scaled)))
         return out
 
-    t_vmap, t_loop = [], []
-    for _ in range(repeats):  # interleaved, so both see the same load on a shared machine
-        t_vmap.append(_time(vmapped))
-        t_loop.append(_time(loop))
-    t_vmap, t_loop = min(t_vmap), min(t_loop)
+    return keys, fns, vmapped, loop
+
+
+def bench(name, head_dims, trials, T, S, V, repeats, seed):
+    keys, fns, vmapped, loop = _programs(head_dims, trials, T, S, V, seed)
+    compile_vmap = _time(vmapped)
+    compile_loop = _time(lambda: [jax.block_until_ready(fns[d](keys[0, 0], True)) for d in head_dims])
+    t_vmap, t_loop = _best_interleaved([vmapped, loop], repeats)
     # The two give the same numbers (spot check: the last d_k, last trial, unscaled).
     v = vmapped()["logit_grad_norm"][1, -1, -1]
     l = fns[head_dims[-1]](keys[-1, -1], False)["logit_grad_norm"]
@@ -62,10 +79,22 @@ def bench(name, head_dims, trials, T, S, V, repeats, seed):
     return t_loop / t_vmap
 
 
-def _time(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def per_dk(head_dims, trials, T, S, V, repeats, seed):
+    """The comparison one d_k at a time, with the batched draw of the inputs timed alone."""
+    print(f"per d_k ({trials} trials, T = {T}, S = {S}, V = {V}; times per trial and scale mode, best of {repeats}):")
+    print("  d_k | loop (ms/call) | program (ms) | of which drawing (ms) | speed-up | ceiling loop/drawing")
+    for d in head_dims:
+        keys, _, vmapped, loop = _programs((d,), trials, T, S, V, seed)
+        draw = jax.jit(jax.vmap(lambda key, d=d: _draw(key, head_dim=d, T=T, S=S, V=V, dtype=F32)))
+        drawn = lambda: jax.block_until_ready(draw(keys[0]))
+        vmapped(), loop(), drawn()  # compile
+        t_vmap, t_loop, t_draw = _best_interleaved([vmapped, loop, drawn], repeats)
+        n = 2 * trials  # the program draws once per trial for both modes; the loop once per call
+        print(
+            f"  {d:4d} | {1e3 * t_loop / n:14.3f} | {1e3 * t_vmap / n:12.4f} | {1e3 * t_draw / n:21.4f} |"
+            f" {t_loop / t_vmap:7.1f}x | {t_loop / t_draw:7.1f}x",
+            flush=True,
+        )
 
 
 def main():
@@ -73,12 +102,16 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="best of this many timings (default 3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials", type=int, default=32, help="trials per d_k of the lab's sweep (default 32, the lab's)")
-    parser.add_argument("--small-trials", type=int, default=256, help="trials per d_k, small configuration (default 256)")
+    parser.add_argument("--small-trials", type=int, default=256, help="trials per d_k, small configuration (default 256; 0 skips)")
+    parser.add_argument("--no-per-dk", dest="per_dk", action="store_false", help="skip the per-d_k breakdown")
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; seed {args.seed}; PRNG {jax.config.jax_default_prng_impl}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.devices()[0].device_kind}); seed {args.seed}; "
+          f"PRNG {jax.config.jax_default_prng_impl}")
     bench("the lab's sweep", probes.DEFAULT_HEAD_DIMS, args.trials, 16, 16, 16, args.repeats, args.seed)
     if args.small_trials:
         bench("many small trials", (8, 16, 32, 64), args.small_trials, 16, 16, 16, args.repeats, args.seed)
+    if args.per_dk:
+        per_dk(probes.DEFAULT_HEAD_DIMS, args.trials, 16, 16, 16, args.repeats, args.seed)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ def run_part2(args) -> dict:
     print("H = row entropy (mean; 'med' = median), maxw = max weight, |g| = ‖∂L/∂logits‖ per row "
           "(L = random linear read-out), ratio = scaled / unscaled, |J| = ‖softmax Jacobian‖_F")
     print(lab.render_table(rows))
+    print("gradients with respect to the queries (|∂q| = ‖∂L/∂q‖ per query row) and the keys (|∂k| = ‖∂L/∂k‖ per key):")
+    print(lab.render_table(rows, columns=lab.QK_COLUMNS))
     band = lab.scaled_band(summary)
     print("scaled band over d_k (max/min of the mean): " + ", ".join(
         f"{k.removesuffix('_mean')} {v['min']:.3f}–{v['max']:.3f} (×{v['ratio']:.3f})" for k, v in band.items() if k.endswith("_mean")))
@@ -101,6 +103,17 @@ def parse_parts(text: str) -> list[int]:
     return parts
 
 
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def parse_dtypes(text: str) -> list[str]:
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    unknown = [d for d in names if d not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--dtypes takes a comma-separated list of {','.join(DTYPES)}, received {text!r}")
+    return names
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", type=parse_parts, default=sorted(PARTS), help=f"comma-separated, default all available: {','.join(map(str, sorted(PARTS)))}")
@@ -116,7 +129,7 @@ def main(argv=None) -> None:
                              "default gpt2, or minilm (said on screen) when the hub cannot be reached")
     parser.add_argument("--random-gpt2", default=None, choices=sorted(gpt2.SIZES),
                         help="parts 3-4 on a RANDOM GPT-2 of this size (offline; not a trained model)")
-    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16", "float16", "float64"],
+    parser.add_argument("--dtypes", type=parse_dtypes, default=list(DTYPES),
                         help="sweep dtypes; the first is the table's (default float32,bfloat16,float16,float64)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

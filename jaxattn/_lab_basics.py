@@ -169,7 +169,9 @@ def sweep(
 def sweep_table(summary: dict[str, Any]) -> list[dict[str, float]]:
     """One row per ``d_k``: Var(q·k), entropy, max weight, gradient and Jacobian norms, scaled and unscaled.
 
-    Gradient norms are ``‖∂L/∂logits‖`` per query row (median and mean); ``ratio`` is scaled / unscaled.
+    ``grad_*`` are ``‖∂L/∂logits‖`` per query row (median and mean; ``ratio`` is scaled / unscaled);
+    ``q_grad_*`` ``‖∂L/∂q‖`` per query row and ``k_grad_*`` ``‖∂L/∂k‖`` per key (median and mean).
+    :data:`TABLE_COLUMNS` and :data:`QK_COLUMNS` pick the printed columns.
     """
     rows = []
     for i, d in enumerate(summary["head_dims"]):
@@ -191,6 +193,10 @@ def sweep_table(summary: dict[str, Any]) -> list[dict[str, float]]:
             "jacobian_mean_unscaled": float(summary["jacobian_norm"]["mean"][1, i]),
             "zero_grad_fraction_unscaled": float(summary["zero_fraction"]["logit_grad"][1, i]),
         }
+        for name, tag in (("q_grad_norm", "q"), ("k_grad_norm", "k")):
+            for stat in ("median", "mean"):
+                row[f"{tag}_grad_{stat}_scaled"] = float(summary[name][stat][0, i])
+                row[f"{tag}_grad_{stat}_unscaled"] = float(summary[name][stat][1, i])
         row["grad_median_ratio"] = _ratio(row["grad_median_scaled"], row["grad_median_unscaled"])
         row["grad_mean_ratio"] = _ratio(row["grad_mean_scaled"], row["grad_mean_unscaled"])
         rows.append(row)
@@ -220,10 +226,23 @@ TABLE_COLUMNS = (
 )
 
 
-def render_table(rows: list[dict[str, float]], *, markdown: bool = False) -> str:
-    """The sweep table as fixed-width text (or a Markdown table)."""
-    heads = [h for _, h, _ in TABLE_COLUMNS]
-    cells = [[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS] for row in rows]
+QK_COLUMNS = (
+    ("d_k", "d_k", "{:d}"),
+    ("q_grad_median_scaled", "|∂q| med sc", "{:.3f}"),
+    ("q_grad_median_unscaled", "|∂q| med unsc", "{:.2e}"),
+    ("q_grad_mean_scaled", "|∂q| mean sc", "{:.3f}"),
+    ("q_grad_mean_unscaled", "|∂q| mean unsc", "{:.3f}"),
+    ("k_grad_median_scaled", "|∂k| med sc", "{:.3f}"),
+    ("k_grad_median_unscaled", "|∂k| med unsc", "{:.2e}"),
+    ("k_grad_mean_scaled", "|∂k| mean sc", "{:.3f}"),
+    ("k_grad_mean_unscaled", "|∂k| mean unsc", "{:.3f}"),
+)
+
+
+def render_table(rows: list[dict[str, float]], *, markdown: bool = False, columns: Sequence[tuple[str, str, str]] = TABLE_COLUMNS) -> str:
+    """The sweep table as fixed-width text (or a Markdown table); ``columns`` (key, heading, format)."""
+    heads = [h for _, h, _ in columns]
+    cells = [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
     if markdown:
         out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
         out += ["| " + " | ".join(c) + " |" for c in cells]
@@ -236,79 +255,114 @@ def render_table(rows: list[dict[str, float]], *, markdown: bool = False) -> str
 def scaled_band(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
     """For the scaled mode: min, max and max/min over ``d_k`` of each statistic's mean and median."""
     band = {}
-    for name in ("entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm"):
+    for name in ("entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm"):
         for stat in ("mean", "median"):
             x = np.asarray(summary[name][stat][0], np.float64)
             band[f"{name}_{stat}"] = {"min": float(x.min()), "max": float(x.max()), "ratio": float(x.max() / x.min())}
     return band
 
 
+def readout_norm_mean(value_dim: int) -> float:
+    """``E‖r‖`` for the sweep's read-out row ``r ~ N(0, I_V / V)``: ``√(2/V) Γ((V+1)/2) / Γ(V/2)`` (→ 1).
+
+    Given ``r``, the read-out difference of two keys' values ``r·(v_a - v_b)`` is ``N(0, 2‖r‖²)``, so
+    ``E|r·(v_a - v_b)| = (2/√π) E‖r‖``: every gradient law carries this factor (0.984 at V = 16).
+    """
+    V = int(value_dim)
+    return math.sqrt(2.0 / V) * math.exp(math.lgamma((V + 1) / 2) - math.lgamma(V / 2))
+
+
+def key_gap_median(num_queries: int, num_keys: int, *, samples: int = 20_000, seed: int = 0) -> float:
+    """Median of a key's smallest gap over the T query rows, for T × S standard normal logits (Monte Carlo).
+
+    ``‖∂L/∂k_s‖`` sums the rows' ``∂L/∂z_ts · q_t``, each ``≈ e^{-σ G_ts}`` with ``G_ts`` the gap between
+    row t's largest logit and key s's (or, where s is the largest, to the second largest); the smallest
+    over t dominates, so the median falls like ``exp(-√d_k · median_s min_t G_ts)``. float64 NumPy,
+    ``samples`` draws of the T × S matrix, seeded: deterministic.
+    """
+    z = np.random.default_rng(seed).standard_normal((samples, num_queries, num_keys))  # [n, T, S]
+    top2 = np.sort(z, axis=-1)[..., -2:]  # [n, T, 2]
+    gap = np.where(z == top2[..., 1:], z - top2[..., :1], top2[..., 1:] - z)  # [n, T, S]
+    return float(np.median(gap.min(axis=1)))
+
+
 def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN_HEAD_DIM) -> dict[str, Any]:
     """The unscaled statistics' laws: predicted (extreme-value theory) against fitted on ``d_k >= min_head_dim``.
 
-    Medians: ``c · exp(-b √d_k)``, predicted ``b = m_S`` (median top-two gap of S standard normals) and
-    ``c = 2`` for the Jacobian. Means: ``c · d_k^a``, predicted ``a = -1/2`` and ``c`` from the gap density
-    at 0, ``f_D(0)``. Mean ``‖∂L/∂q‖``: tends to the constant ``√(2/π) f_D(0)`` (a = 0).
+    Medians: ``c · exp(-b √d_k)`` (Jacobian, ``∂L/∂logits``, ``1 - max weight``) and ``c · √d_k · exp(-b √d_k)``
+    (``∂L/∂q`` and ``∂L/∂k`` carry a key or query vector of norm ≈ √d_k); predicted ``b = m_S`` (median
+    top-two gap of S standard normals; for ``∂L/∂k`` the median of a key's smallest gap over the T rows,
+    :func:`key_gap_median`) and ``c = 2`` for the Jacobian. Means: ``c · d_k^a``, predicted ``a = -1/2`` and
+    ``c`` from the gap density at 0, ``f_D(0)``; ``∂L/∂q`` and ``∂L/∂k`` tend to constants,
+    ``√(2/π) f_D(0) E‖r‖`` and ``(2T/S) f_D(0) E‖r‖ / √π``, fitted as ``C (1 + κ/√d_k)``. A median that is 0
+    at some fitted ``d_k`` (float16, bfloat16) is reported as not fitted, with the ``d_k`` where it is 0.
     Zero-gradient fraction: ``P(√d_k · D > g_dtype)``.
     """
     dims = np.asarray(summary["head_dims"])
     use = dims >= min_head_dim
-    S = summary.get("num_keys")
+    S, T, V = summary["num_keys"], summary["num_queries"], summary["value_dim"]
     laws = probes.predicted_laws(dims[use], S)
     m, f0 = laws["gap_median"], laws["gap_density_at_zero"]
+    r_norm = readout_norm_mean(V)
     med = lambda name: np.asarray(summary[name]["median"][1])[use]
     mean = lambda name: np.asarray(summary[name]["mean"][1])[use]
-    out: dict[str, Any] = {"dtype": dtype, "num_keys": S, "fit_head_dims": dims[use].tolist(), "gap_median": m, "gap_density_at_zero": f0}
-    for name, form_c in (("jacobian_norm", 2.0), ("logit_grad_norm", None), ("q_grad_norm", None)):
-        b, c = probes.fit_stretched_exp(dims[use], med(name))
-        out[f"median_{name}"] = {"form": "c·exp(-b·√d_k)", "b": b, "c": c, "b_predicted": m, "c_predicted": form_c}
-    y = m * np.sqrt(dims[use])
+    out: dict[str, Any] = {
+        "dtype": dtype, "num_keys": S, "num_queries": T, "value_dim": V, "fit_head_dims": dims[use].tolist(),
+        "gap_median": m, "gap_density_at_zero": f0, "readout_norm_mean": r_norm,
+    }
+    sqrt_d = np.sqrt(dims[use])
+    medians = (
+        ("median_jacobian_norm", med("jacobian_norm"), False, m, 2.0),
+        ("median_logit_grad_norm", med("logit_grad_norm"), False, m, None),
+        ("median_q_grad_norm", med("q_grad_norm"), True, m, None),
+        ("median_k_grad_norm", med("k_grad_norm"), True, key_gap_median(T, S), None),
+        # in float32, 1 - p_max rounds to 0 once p_2 < 6e-8
+        ("median_one_minus_max_weight", 1 - np.asarray(summary["max_weight"]["median"][1])[use], False, m, 1.0),
+    )
+    for key, y, times_sqrt_d, b_pred, c_pred in medians:
+        form = "c·√d_k·exp(-b·√d_k)" if times_sqrt_d else "c·exp(-b·√d_k)"
+        if not np.all(y > 0):
+            out[key] = {"form": form, "not_fitted": f"0 in {dtype} at d_k = {dims[use][y <= 0].tolist()}"}
+            continue
+        b, c = probes.fit_stretched_exp(dims[use], y / sqrt_d if times_sqrt_d else y)
+        out[key] = {"form": form, "b": b, "c": c, "b_predicted": b_pred, "c_predicted": c_pred}
+    y = m * sqrt_d
     out["median_entropy"] = {
         "form": "(1 + m√d_k)·exp(-m√d_k)",
         "measured_over_predicted": (med("entropy") / ((1 + y) * np.exp(-y))).tolist(),
     }
-    gap = 1 - np.asarray(summary["max_weight"]["median"][1])[use]
-    if np.all(gap > 0):  # in float32, 1 - p_max rounds to 0 once p_2 < 6e-8
-        b, c = probes.fit_stretched_exp(dims[use], gap)
-        out["median_one_minus_max_weight"] = {"form": "c·exp(-b·√d_k)", "b": b, "c": c, "b_predicted": m, "c_predicted": 1.0}
-    for name, key, c_pred in (
-        ("jacobian_norm", "mean_jacobian", f0),
-        ("entropy", "mean_entropy", math.pi**2 / 6 * f0),
-        ("logit_grad_norm", "mean_logit_grad", math.sqrt(2 / math.pi) * f0),
+    means = (
+        ("mean_jacobian_norm", mean("jacobian_norm"), f0),
+        ("mean_entropy", mean("entropy"), math.pi**2 / 6 * f0),
+        ("mean_logit_grad_norm", mean("logit_grad_norm"), math.sqrt(2 / math.pi) * f0 * r_norm),
+        ("mean_one_minus_max_weight", 1 - np.asarray(summary["max_weight"]["mean"][1])[use], math.log(2) * f0),
+    )
+    for key, y, c_pred in means:
+        if not np.all(y > 0):
+            out[key] = {"form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)", "not_fitted": f"0 in {dtype} at d_k = {dims[use][y <= 0].tolist()}"}
+            continue
+        a, c = probes.fit_power_law(dims[use], y)
+        c_inf, kappa = _fit_inverse_sqrt(dims[use], y)
+        out[key] = {"form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)", "a": a, "c": c, "a_predicted": -0.5, "c_predicted": c_pred,
+                    "C": c_inf, "kappa": kappa}
+    for key, name, limit in (
+        ("mean_q_grad_norm", "q_grad_norm", math.sqrt(2 / math.pi) * f0 * r_norm),
+        ("mean_k_grad_norm", "k_grad_norm", 2 * T / S * f0 * r_norm / math.sqrt(math.pi)),
     ):
-        a, c = probes.fit_power_law(dims[use], mean(name))
-        c_inf, kappa = _fit_inverse_sqrt(dims[use], mean(name))
-        out[f"mean_{name}"] = {
-            "form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)",
-            "a": a,
-            "c": c,
-            "a_predicted": -0.5,
-            "c_predicted": c_pred,
-            "C": c_inf,
-            "kappa": kappa,
-        }
-    y = 1 - np.asarray(summary["max_weight"]["mean"][1])[use]
-    a, c = probes.fit_power_law(dims[use], y)
-    c_inf, kappa = _fit_inverse_sqrt(dims[use], y)
-    out["mean_one_minus_max_weight"] = {
-        "form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)",
-        "a": a,
-        "c": c,
-        "a_predicted": -0.5,
-        "c_predicted": math.log(2) * f0,
-        "C": c_inf,
-        "kappa": kappa,
-    }
-    a, c = probes.fit_power_law(dims[use], mean("q_grad_norm"))
-    out["mean_q_grad_norm"] = {
-        "form": "c·d_k^a -> constant",
-        "a": a,
-        "c": c,
-        "a_predicted": 0.0,
-        "limit_predicted": math.sqrt(2 / math.pi) * f0,
-        "at_largest_d_k": float(mean("q_grad_norm")[-1]),
-    }
+        y = mean(name)
+        a, c = probes.fit_power_law(dims[use], y)
+        c_inf, kappa = _fit_constant(dims[use], y)
+        out[key] = {"form": "C·(1 + κ/√d_k) -> C", "a": a, "c": c, "a_predicted": 0.0, "C": c_inf, "kappa": kappa,
+                    "limit_predicted": limit, "at_largest_d_k": float(y[-1])}
     return out
+
+
+def _fit_constant(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares ``y = C + Cκ/√d`` (a constant with its first correction); returns ``(C, κ)``."""
+    d = np.asarray(d, np.float64)
+    A = np.stack([np.ones_like(d), 1 / np.sqrt(d)], axis=1)
+    (c0, c1), *_ = np.linalg.lstsq(A, np.asarray(y, np.float64), rcond=None)
+    return float(c0), float(c1 / c0)
 
 
 def _fit_inverse_sqrt(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -347,30 +401,34 @@ def render_laws(laws: dict[str, Any]) -> str:
     """The fitted laws against the predicted constants, one line each."""
     L = laws
     lines = [
-        f"laws of the unscaled statistics ({L['dtype']}, S = {L['num_keys']} keys, fit on d_k = "
-        f"{L['fit_head_dims'][0]} … {L['fit_head_dims'][-1]}; m_S = median top-two gap = {L['gap_median']:.4f}, "
-        f"f_D(0) = {L['gap_density_at_zero']:.4f}):"
+        f"laws of the unscaled statistics ({L['dtype']}, T = {L['num_queries']} rows, S = {L['num_keys']} keys, fit on "
+        f"d_k = {L['fit_head_dims'][0]} … {L['fit_head_dims'][-1]}; m_S = median top-two gap = {L['gap_median']:.4f}, "
+        f"f_D(0) = {L['gap_density_at_zero']:.4f}, E‖r‖ = {L['readout_norm_mean']:.4f}):"
     ]
-    for key in ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_one_minus_max_weight"):
-        if key not in L:
-            lines.append(f"  {key:30s} not fitted: it rounds to 0 in {L['dtype']}")
-            continue
+    for key in ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_k_grad_norm", "median_one_minus_max_weight"):
         f = L[key]
+        if "not_fitted" in f:
+            lines.append(f"  {key:30s} {f['form']}: not fitted, {f['not_fitted']}")
+            continue
         pred_c = "" if f["c_predicted"] is None else f", predicted c = {f['c_predicted']:.3g}"
         lines.append(f"  {key:30s} {f['form']}: b = {f['b']:.4f} (predicted {f['b_predicted']:.4f}), c = {f['c']:.3g}{pred_c}")
     ratio = L["median_entropy"]["measured_over_predicted"]
     lines.append(f"  {'median_entropy':30s} {L['median_entropy']['form']}: measured/predicted = " + " ".join(f"{r:.2f}" for r in ratio))
     for key in ("mean_jacobian_norm", "mean_entropy", "mean_logit_grad_norm", "mean_one_minus_max_weight"):
         f = L[key]
+        if "not_fitted" in f:
+            lines.append(f"  {key:30s} not fitted, {f['not_fitted']}")
+            continue
         lines.append(
             f"  {key:30s} c·d_k^a: a = {f['a']:.3f} (predicted -0.5), c = {f['c']:.3f}; "
             f"C/√d_k·(1+κ/√d_k): C = {f['C']:.3f} (predicted {f['c_predicted']:.3f}), κ = {f['kappa']:.2f}"
         )
-    f = L["mean_q_grad_norm"]
-    lines.append(
-        f"  {'mean_q_grad_norm':30s} tends to a constant: a = {f['a']:.3f}, at the largest d_k {f['at_largest_d_k']:.3f} "
-        f"(predicted limit √(2/π)·f_D(0) = {f['limit_predicted']:.3f})"
-    )
+    for key in ("mean_q_grad_norm", "mean_k_grad_norm"):
+        f = L[key]
+        lines.append(
+            f"  {key:30s} tends to a constant: c·d_k^a: a = {f['a']:.3f}; C·(1+κ/√d_k): C = {f['C']:.3f} "
+            f"(predicted limit {f['limit_predicted']:.3f}), κ = {f['kappa']:.2f}; at the largest d_k {f['at_largest_d_k']:.3f}"
+        )
     return "\n".join(lines)
 
 

@@ -61,7 +61,12 @@ def test_sweep_table_columns_and_ratios(small):
     md = lab.render_table(rows, markdown=True)
     assert md.startswith("| d_k | Var(q·k) |") and md.count("\n") == 1 + len(DIMS)
     band = lab.scaled_band(summary)
-    assert band["entropy_mean"]["ratio"] < 1.05
+    assert band["entropy_mean"]["ratio"] < 1.05 and "k_grad_norm_mean" in band
+    for r, d in zip(rows, DIMS):  # the Q/K table reads the summary's medians and means
+        assert r["q_grad_mean_unscaled"] == summary["q_grad_norm"]["mean"][1, list(DIMS).index(d)]
+        assert r["k_grad_median_scaled"] == summary["k_grad_norm"]["median"][0, list(DIMS).index(d)]
+    qk = lab.render_table(rows, columns=lab.QK_COLUMNS).splitlines()
+    assert qk[0].split()[:3] == ["d_k", "|∂q|", "med"] and len(qk) == 1 + len(DIMS)
 
 
 def test_laws_and_zero_fractions_render(small):
@@ -70,7 +75,9 @@ def test_laws_and_zero_fractions_render(small):
     assert laws["fit_head_dims"] == [d for d in DIMS if d >= lab.FIT_MIN_HEAD_DIM]
     assert laws["gap_median"] == pytest.approx(probes.gap_median(16))
     text = lab.render_laws(laws)
-    assert "median_jacobian_norm" in text and "not fitted: it rounds to 0 in float32" in text
+    # float32: 1 - p_max rounds to 0 on typical unscaled rows at large d_k, so that median is not fitted
+    assert "median_jacobian_norm" in text and "median_one_minus_max_weight" in text
+    assert "not fitted, 0 in float32 at d_k = [" in text and "median_k_grad_norm" in text
     with pytest.raises(ValueError, match="underflowed"):
         probes.fit_power_law([1, 2], [1.0, 0.0])
     zeros = lab.zero_fractions(small)
@@ -126,3 +133,40 @@ def test_lab_script_runs_parts_3_and_4_once_on_a_random_gpt2(tmp_path, capsys):
     assert out.count("== Part 3") == 1 and out.count("== Part 4") == 1 and "RANDOM" in out
     data = json.loads((tmp_path / "trophy" / "trophy.json").read_text())
     assert data["model"] == "random-gpt2-tiny" and data["part4"]
+
+
+def test_readout_norm_and_key_gap_closed_forms():
+    # V = 1: E|N(0, 1)| = √(2/π); V → ∞: E‖r‖ → 1 (1 - 1/(4V) + …).
+    assert lab.readout_norm_mean(1) == pytest.approx(math.sqrt(2 / math.pi), rel=1e-12)
+    assert lab.readout_norm_mean(400) == pytest.approx(1 - 1 / 1600, rel=1e-5)
+    r = np.random.default_rng(0).standard_normal((200_000, 16)) / 4.0
+    assert lab.readout_norm_mean(16) == pytest.approx(np.linalg.norm(r, axis=-1).mean(), rel=2e-3)
+    # T = 1, S = 2: both keys' gap is |Z1 - Z2|, half-normal with scale √2, median √2 · Φ⁻¹(3/4).
+    assert lab.key_gap_median(1, 2, samples=200_000) == pytest.approx(math.sqrt(2) * 0.6744897501960817, rel=1e-2)
+    # More rows give a key more chances of a small gap.
+    assert lab.key_gap_median(16, 16) < lab.key_gap_median(4, 16) < lab.key_gap_median(1, 16)
+
+
+def test_lab_part2_end_to_end_in_float16_writes_its_files(tmp_path, capsys):
+    """Part 2 from the script, float16 first (medians underflow to 0: reported, not fitted, no crash)."""
+    import runpy
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "lab.py")
+    argv = sys.argv
+    try:
+        sys.argv = ["lab.py", "--parts", "2", "--trials", "2", "--queries", "4", "--keys", "4", "--dtypes", "float16",
+                    "--out", str(tmp_path), "--seed", "3"]
+        runpy.run_path(script, run_name="__main__")
+        out = capsys.readouterr().out
+        sys.argv = ["lab.py", "--parts", "2", "--dtypes", "float32,float8"]
+        with pytest.raises(SystemExit):
+            runpy.run_path(script, run_name="__main__")
+        assert "--dtypes takes a comma-separated list of float32,bfloat16,float16,float64, received 'float32,float8'" in capsys.readouterr().err
+    finally:
+        sys.argv = argv
+    assert "Part 2b: saturation sweep in float16" in out and "not fitted, 0 in float16 at d_k = [" in out
+    assert "|∂k| mean unsc" in out and "seed 3" in out
+    data = json.loads((tmp_path / "part2.json").read_text())
+    assert data["seed"] == 3 and len(data["table"]) == len(DIMS) and "median_k_grad_norm" in data["laws"]
+    assert (tmp_path / "part2_sweep.png").read_bytes()[:4] == b"\x89PNG"

@@ -195,6 +195,10 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
 def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     """Cotangents ``(dq, dk, dv, dscale)`` of ``(out, lse)`` -> inputs, one key block at a time.
 
+    ``out`` and ``lse`` need not come from this tile set: given the ``out`` and ``lse`` of attention over
+    a larger key set (ring attention's global ones), this is that attention's gradient restricted to
+    these keys (dq summed over them). Returned in the accumulation dtype.
+
     With ``p = exp(s - lse)`` the tile's weights and ``D = rowsum(d_out · out) - d_lse``:
     ``dv += pᵀ d_out``, ``dp = d_out vᵀ``, ``ds = p · (dp - D)`` (the softmax's Jacobian, plus
     ``d lse / d s = p``), ``dq += scale · ds k``, ``dk += scale · dsᵀ q``, ``dscale = Σ q · (ds k)``.
@@ -249,10 +253,10 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     dq0 = jnp.zeros((plan.nq * bq, H), acc_dtype)  # [Tp, H], unscaled
     dq, (dk, dv) = jax.lax.scan(scan_body, dq0, (jnp.arange(plan.nk), ks, vs))  # [Tp, H], [nk, bk, H], [nk, bk, V]
     d_scale = jnp.sum(dq * q.astype(acc_dtype))  # Σ_ij ds_ij (q_i · k_j)
-    dq = (dq * scale).astype(q.dtype)  # [Tp, H]
-    dk = dk.reshape(plan.nk * bk, H).astype(k.dtype)  # [Sp, H]
-    dv = dv.reshape(plan.nk * bk, V).astype(v.dtype)  # [Sp, V]
-    return dq, dk, dv, d_scale.astype(scale.dtype)
+    dq = dq * scale  # [Tp, H]
+    dk = dk.reshape(plan.nk * bk, H)  # [Sp, H]
+    dv = dv.reshape(plan.nk * bk, V)  # [Sp, V]
+    return dq, dk, dv, d_scale
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -274,7 +278,7 @@ def _flash_bwd(plan, residuals, cotangents):
     q, k, v, mask, scale, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv, d_scale = _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan)
-    return dq, dk, dv, None, d_scale
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_scale
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -309,6 +313,18 @@ def _mask_2d(mask: Array | None, T: int, S: int) -> Array | None:
     return mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
 
 
+def _padded(q, k, v, mask, plan: _Plan):
+    """q, k, v padded with zero rows to whole blocks; the mask padded with False (padded keys not kept)."""
+    Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
+    qp, kp, vp = _pad_rows(q, Tp), _pad_rows(k, Sp), _pad_rows(v, Sp)  # [Tp, H], [Sp, H], [Sp, V]
+    if mask is not None:
+        if mask.shape[0] > 1:
+            mask = _pad_rows(mask, Tp)  # [Tp, s]
+        if mask.shape[1] > 1:
+            mask = _pad_rows(mask.T, Sp).T  # [t, Sp]
+    return qp, kp, vp, mask
+
+
 def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k):
     """One head, validated inputs; mask ``[t, s]`` or None; scale an array of the accumulation dtype."""
     T, S = q.shape[0], k.shape[0]
@@ -318,15 +334,32 @@ def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k):
         out = jnp.zeros((T, v.shape[1]), out_dtype)  # [T, V]
         return out, jnp.full((T,), -jnp.inf, acc_dtype)
     plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None)
-    Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
-    qp, kp, vp = _pad_rows(q, Tp), _pad_rows(k, Sp), _pad_rows(v, Sp)  # [Tp, H], [Sp, H], [Sp, V]
-    if mask is not None:
-        if mask.shape[0] > 1:
-            mask = _pad_rows(mask, Tp)  # [Tp, s]
-        if mask.shape[1] > 1:
-            mask = _pad_rows(mask.T, Sp).T  # [t, Sp], padded keys are not kept
+    qp, kp, vp, mask = _padded(q, k, v, mask, plan)  # [Tp, H], [Sp, H], [Sp, V], [t, s] padded
     out, lse = _flash(qp, kp, vp, mask, scale, plan)  # [Tp, V], [Tp]
     return out[:T].astype(out_dtype), lse[:T]
+
+
+def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, block_q, block_k):
+    """One head's ``(dq [T, H], dk [S, H], dv [S, V], dscale)`` given ``out [T, V]``, ``lse [T]``.
+
+    :func:`_backward` on the tiling :func:`_blockwise` uses, without a forward: ``out`` and ``lse`` are
+    given, so they may be those of attention over a larger key set (ring attention passes its global
+    ones, and gets that attention's gradient restricted to these keys). Inputs as in :func:`_blockwise`;
+    the cotangents ``d_out [T, V]``, ``d_lse [T]``; results in the accumulation dtype (scale's).
+    """
+    T, S = q.shape[0], k.shape[0]
+    acc_dtype = scale.dtype
+    if T == 0 or S == 0:
+        zeros = lambda x: jnp.zeros(x.shape, acc_dtype)
+        return zeros(q), zeros(k), zeros(v), jnp.zeros((), acc_dtype)
+    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None)
+    qp, kp, vp, mask = _padded(q, k, v, mask, plan)  # [Tp, H], [Sp, H], [Sp, V], [t, s] padded
+    Tp = plan.nq * plan.bq
+    # padded query rows: zero d_out and d_lse, so their ds = p · (0 - 0) = 0 and they add nothing
+    out, d_out = _pad_rows(out, Tp), _pad_rows(d_out.astype(acc_dtype), Tp)  # [Tp, V], [Tp, V]
+    lse, d_lse = _pad_rows(lse, Tp), _pad_rows(d_lse.astype(acc_dtype), Tp)  # [Tp], [Tp]
+    dq, dk, dv, d_scale = _backward(qp, kp, vp, mask, scale, out, lse, d_out, d_lse, plan)
+    return dq[:T], dk[:S], dv[:S], d_scale
 
 
 def _check_block(block: Any, name: str) -> int:
@@ -430,36 +463,85 @@ def multi_head_blockwise_attention(
     block_k = _check_block(block_k, "block_k")
     T, N, H = q.shape
     S, K, V = v.shape
-    G = N // K
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     scale = _scale_array(scale, acc_dtype)
-    qh = q.reshape(T, K, G, H).transpose(1, 2, 0, 3)  # [K, G, T, H]
-    kh = k.transpose(1, 0, 2)  # [K, S, H]
-    vh = v.transpose(1, 0, 2)  # [K, S, V]
+    qh, kh, vh = _split_heads(q, K), k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [K, G, T, H], [K, S, H], [K, S, V]
     m, m_axis = _per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
 
-    def one_head(q1, k1, v1, m1):
+    def one_head(qs, kvs, m1):
+        (q1,), (k1, v1) = qs, kvs
         return _blockwise(q1, k1, v1, _mask_2d(m1, T, S), scale, is_causal, block_q, block_k)
 
-    # Heads run one after another (lax.map), not side by side (vmap): a vmapped tile is N times bigger
-    # and falls out of cache (measured on CPU, GPT-2 shapes: 1.6x slower forward, 1.8x with gradient).
-    # When the head axis is split over devices (explicit sharding), a sequential loop cannot run on a
-    # split axis, so the heads are vmapped and each device computes its own heads.
-    if _axis_is_sharded(q, 1) or _axis_is_sharded(k, 1):
-        over_group = jax.vmap(one_head, in_axes=(0, None, None, 0 if m_axis == 0 else None))
-        over_kv = jax.vmap(over_group, in_axes=(0, 0, 0, m_axis))
-        out, lse = over_kv(qh, kh, vh, m)  # [K, G, T, V], [K, G, T]
-        return out.transpose(2, 0, 1, 3).reshape(T, N, V), lse.reshape(N, T)
+    out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, _axis_is_sharded(q, 1) or _axis_is_sharded(k, 1))
+    out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V], from [K, G, T, V]
+    return out, lse.reshape(N, T)
+
+
+def _split_heads(x: Array, K: int) -> Array:
+    """``[T, N, X]`` -> ``[K, G, T, X]``: query head ``n = κ·G + g`` reads key/value head ``κ``."""
+    T, N, X = x.shape
+    return x.reshape(T, K, N // K, X).transpose(1, 2, 0, 3)  # [K, G, T, X]
+
+
+def _over_heads(one_head, per_q, per_kv, mask, m_axis, vmapped):
+    """``one_head(per_q, per_kv, mask)`` of every query head, outputs stacked ``[K, G, ...]``.
+
+    ``per_q``: a tuple of ``[K, G, ...]`` arrays, sliced per query head; ``per_kv``: a tuple of
+    ``[K, ...]`` arrays, sliced per key/value head (query head ``(κ, g)`` reads ``κ``); ``mask``
+    ``[K, G, t, s]`` (``m_axis = 0``), shared ``[t, s]`` or None, from :func:`_per_head`.
+
+    Heads run one after another (lax.map), not side by side (vmap): a vmapped tile is N times bigger
+    and falls out of cache (measured on CPU, GPT-2 shapes: 1.6x slower forward, 1.8x with gradient).
+    When the head axis is split over devices (explicit sharding, ``vmapped``), a sequential loop cannot
+    run on a split axis, so the heads are vmapped and each device computes its own heads.
+    """
+    if vmapped:
+        over_group = jax.vmap(one_head, in_axes=(0, None, 0 if m_axis == 0 else None))
+        over_kv = jax.vmap(over_group, in_axes=(0, 0, m_axis))
+        return over_kv(per_q, per_kv, mask)
 
     def one_kv_head(xs):
-        qg, k1, v1, mg = xs  # [G, T, H], [S, H], [S, V], [G, t, s] or None
+        qs, kvs, mg = xs  # [G, ...] each, [...] each, [G, t, s] or None
         if mg is None:
-            return jax.lax.map(lambda q1: one_head(q1, k1, v1, m), qg)
-        return jax.lax.map(lambda ys: one_head(ys[0], k1, v1, ys[1]), (qg, mg))
+            return jax.lax.map(lambda q1: one_head(q1, kvs, mask), qs)
+        return jax.lax.map(lambda ys: one_head(ys[0], kvs, ys[1]), (qs, mg))
 
-    out, lse = jax.lax.map(one_kv_head, (qh, kh, vh, m if m_axis == 0 else None))  # [K, G, T, V], [K, G, T]
-    out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V]
-    return out, lse.reshape(N, T)
+    return jax.lax.map(one_kv_head, (per_q, per_kv, mask if m_axis == 0 else None))
+
+
+def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal, block_q, block_k):
+    """The gradient of :func:`multi_head_blockwise_attention` at given ``out`` and ``lse``, without a forward.
+
+    :func:`_blockwise_grads` over the heads the way the forward maps them. Validated inputs (q ``[T, N, H]``,
+    k ``[S, K, H]``, v ``[S, K, V]``, mask broadcastable to ``[N, T, S]`` or None, scale an array of the
+    accumulation dtype), ``out [T, N, V]``, ``lse [N, T]`` and their cotangents ``d_out``, ``d_lse``.
+    Returns ``(dq [T, N, H], dk [S, K, H], dv [S, K, V], dscale)`` in the accumulation dtype; a
+    grouped-query key/value head's gradient is summed over its G query heads.
+    """
+    T, N, H = q.shape
+    S, K, V = v.shape
+    G = N // K
+    per_q = (
+        _split_heads(q, K),  # [K, G, T, H]
+        _split_heads(out, K),  # [K, G, T, V]
+        lse.reshape(K, G, T),  # [K, G, T]
+        _split_heads(d_out, K),  # [K, G, T, V]
+        d_lse.reshape(K, G, T),  # [K, G, T]
+    )
+    per_kv = (k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # [K, S, H], [K, S, V]
+    m, m_axis = _per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
+
+    def one_head(qs, kvs, m1):
+        (q1, out1, lse1, d_out1, d_lse1), (k1, v1) = qs, kvs
+        m1 = _mask_2d(m1, T, S)
+        return _blockwise_grads(q1, k1, v1, m1, scale, out1, lse1, d_out1, d_lse1, is_causal, block_q, block_k)
+
+    vmapped = _axis_is_sharded(q, 1) or _axis_is_sharded(k, 1)
+    dq, dk, dv, d_scale = _over_heads(one_head, per_q, per_kv, m, m_axis, vmapped)  # [K, G, ...] each
+    dq = dq.transpose(2, 0, 1, 3).reshape(T, N, H)  # [T, N, H]
+    dk = jnp.sum(dk, axis=1).transpose(1, 0, 2)  # [S, K, H]
+    dv = jnp.sum(dv, axis=1).transpose(1, 0, 2)  # [S, K, V]
+    return dq, dk, dv, jnp.sum(d_scale)
 
 
 def weights_from_lse(

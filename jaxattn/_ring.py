@@ -26,21 +26,32 @@ Two ways to spread attention over a device mesh, from the easy to the necessary:
    per step, and after P steps every query chunk has met every key chunk. Each step is a
    :func:`jaxattn.blockwise_attention` (O(chunk) memory), and the partial results are merged exactly
    through their row log-sum-exps: ``lse = log Σ_t exp(lse_t)``, ``out = Σ_t exp(lse_t - lse) out_t``.
-   With ``is_causal`` a step whose key chunk lies wholly after the query chunk is skipped.
+   With ``is_causal`` a step whose key chunk lies wholly after the query chunk is skipped. The gradient
+   (a ``custom_vjp``) goes round the ring a second time: the key/value chunks travel again, now with their
+   gradient accumulators ``dk, dv``, and each step is :func:`jaxattn.blockwise_attention`'s backward
+   against the global ``out`` and ``lse``; nothing but each device's own chunks is saved between the two.
 
 Axis alphabet as in :mod:`jaxattn._attention` (B batch, T, S, N, K, H, V).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxattn._attention import _validate_multi
-from jaxattn._blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _check_block, multi_head_blockwise_attention
+from jaxattn._blockwise import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    _check_block,
+    _multi_head_grads,
+    multi_head_blockwise_attention,
+)
 from jaxattn._checks import as_bool_array, as_float_array, check_rank, softmax_dtype
 
 Array = jax.Array
@@ -92,9 +103,17 @@ def ring_attention(
     The same function as :func:`jaxattn.multi_head_blockwise_attention` (equal within float32 rounding),
     with the sequence axes of q, k, v (and ``kv_mask``) split into P equal chunks over the mesh axis
     ``axis_name``. Device ``d`` holds queries ``[d·T/P, (d+1)·T/P)`` for the whole computation and sees
-    each key/value chunk once, so its memory is O((T + S) / P) for the forward. Differentiable with
-    ``jax.grad`` (the transpose of a ``ppermute`` is the reverse ring); autodiff keeps each step's
-    key/value chunk for the backward, so the gradient holds O(S) per device.
+    each key/value chunk once, so its memory is O((T + S) / P).
+
+    The gradient is a ``jax.custom_vjp`` that runs the ring again (Ring Attention with FlashAttention-2's
+    backward), so it too is O((T + S) / P) per device. The forward saves only each device's own chunks
+    of q, k, v, ``kv_mask``, and of the final ``out`` and ``lse``. The backward sends every key/value
+    chunk round the ring once more, together with its gradient accumulators ``dk, dv``; at each step a
+    device adds its queries' contribution to the visiting chunk's ``dk, dv`` and to its own ``dq``,
+    recomputing the tile weights from the GLOBAL ``lse`` (``p = exp(s - lse)``,
+    ``D = rowsum(d_out · out) - d_lse``), and one more hop brings ``dk, dv`` home. Cotangents of both
+    outputs, ``out`` and ``lse``, and of ``scale`` are exact; causal steps wholly above the diagonal
+    are skipped in the backward too.
 
     Args:
       q: queries ``[T, N, H]``.
@@ -129,53 +148,163 @@ def ring_attention(
             raise ValueError(f"kv_mask must have shape [S] = ({S},), received {tuple(kv_mask.shape)}")
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     out_dtype = jnp.result_type(q, k, v)
-    N, V = q.shape[1], v.shape[2]
-    perm = [(i, (i + 1) % P) for i in range(P)]  # device i sends its key/value chunk to device i + 1
+    ring = _Ring(mesh, axis_name, P, bool(is_causal), block_q, block_k)
+    out, lse = _ring(q, k, v, kv_mask, jnp.asarray(scale, acc_dtype), ring)  # [T, N, V] float32, [N, T]
+    return out.astype(out_dtype), lse
 
-    def attend(q, k, v, m, causal):
-        out, lse = multi_head_blockwise_attention(
-            q, k, v, mask=m, is_causal=causal, scale=scale, block_q=block_q, block_k=block_k
-        )
-        return out.astype(acc_dtype), lse  # [Tc, N, V], [N, Tc]
 
-    def per_device(q, k, v, m):  # q [Tc, N, H], k [Sc, K, H], v [Sc, K, V], m [Sc] or None
-        d = jax.lax.axis_index(axis_name)
-        Tc = q.shape[0]
+# ----------------------------------------------------------------------------------------------------
+# The ring itself: a custom_vjp whose forward and backward are each one shard_map round the ring.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static description of a ring (hashable: the ``custom_vjp``'s static argument)."""
+
+    mesh: Mesh
+    axis_name: str
+    P: int  # devices on the ring
+    causal: bool
+    block_q: int
+    block_k: int
+
+    @property
+    def perm(self) -> list[tuple[int, int]]:
+        return [(i, (i + 1) % self.P) for i in range(self.P)]  # device i sends its chunk to device i + 1
+
+    def hop(self, x: Any) -> Any:
+        """One step round the ring (None stays None)."""
+        return None if x is None else jax.lax.ppermute(x, self.axis_name, self.perm)
+
+    def step(self, src: Array, below: Any, diagonal: Any, skip: Any) -> Any:
+        """The branch of the step where device ``d`` meets the key chunk of device ``src``.
+
+        Causal: a key chunk wholly before the query chunk needs no mask (``below``), the own chunk is
+        causal within (``diagonal``), a chunk wholly after it contributes nothing (``skip``, not computed).
+        """
+        if not self.causal:
+            return below()
+        d = jax.lax.axis_index(self.axis_name)
+        branch = jnp.where(src < d, 0, jnp.where(src == d, 1, 2))
+        return jax.lax.switch(branch, [below, diagonal, skip])
+
+    def place(self, x: Array, axis: int) -> Array:
+        """``x`` split over the ring along ``axis``, as ``shard_map`` wants its inputs on an Explicit mesh.
+
+        The cotangents of ``(out, lse)`` come from the caller's loss and may be placed anyhow; on an
+        Auto mesh ``shard_map`` moves them itself.
+        """
+        if self.mesh.axis_types[self.mesh.axis_names.index(self.axis_name)] != AxisType.Explicit:
+            return x
+        spec = PartitionSpec(*([None] * axis), self.axis_name)
+        return jax.reshard(x, NamedSharding(self.mesh, spec))
+
+    def shard_map(self, fn: Any, has_mask: bool, n_in: int, out_specs: Any) -> Any:
+        """``fn(q, k, v, m, scale, *rest)`` per device; rest: ``n_in`` arrays (q-like, then lse-like)."""
+        seq, rows = PartitionSpec(self.axis_name), PartitionSpec(None, self.axis_name)
+        rest = (seq, rows) * (n_in // 2)  # out [T, N, V] or d_out, then lse [N, T] or d_lse
+        in_specs = (seq, seq, seq, seq if has_mask else None, PartitionSpec(), *rest)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _ring_forward(q, k, v, m, scale, ring: _Ring):
+    """``(out [T, N, V], lse [N, T])`` in the accumulation dtype; partial results merged through their lse."""
+
+    def per_device(q, k, v, m, scale):  # q [Tc, N, H], k [Sc, K, H], v [Sc, K, V], m [Sc] or None
+        d = jax.lax.axis_index(ring.axis_name)
+        Tc, N, V = q.shape[0], q.shape[1], v.shape[2]
 
         def step_result(t, k, v, m):
-            if not is_causal:
-                return attend(q, k, v, m, False)
-            src = (d - t) % P  # after t hops device d holds the chunk that started on device d - t
-            skip = lambda: (jnp.zeros((Tc, N, V), acc_dtype), jnp.full((N, Tc), -jnp.inf, acc_dtype))
-            below = lambda: attend(q, k, v, m, False)  # key chunk wholly before the query chunk
-            diagonal = lambda: attend(q, k, v, m, True)
-            branch = jnp.where(src < d, 0, jnp.where(src == d, 1, 2))
-            return jax.lax.switch(branch, [below, diagonal, skip])
+            def attend(causal):
+                out, lse = multi_head_blockwise_attention(
+                    q, k, v, mask=m, is_causal=causal, scale=scale, block_q=ring.block_q, block_k=ring.block_k
+                )
+                return out.astype(scale.dtype), lse  # [Tc, N, V], [N, Tc]
+
+            skip = lambda: (jnp.zeros((Tc, N, V), scale.dtype), jnp.full((N, Tc), -jnp.inf, scale.dtype))
+            src = (d - t) % ring.P  # after t hops device d holds the chunk that started on device d - t
+            return ring.step(src, lambda: attend(False), lambda: attend(True), skip)
 
         out, lse = step_result(0, k, v, m)
 
         def hop(carry, t):
             out, lse, k, v, m = carry
-            k, v = jax.lax.ppermute(k, axis_name, perm), jax.lax.ppermute(v, axis_name, perm)
-            if m is not None:
-                m = jax.lax.ppermute(m, axis_name, perm)
+            k, v, m = ring.hop(k), ring.hop(v), ring.hop(m)
             out_t, lse_t = step_result(t, k, v, m)
             out, lse = _merge(out, lse, out_t, lse_t)
             return (out, lse, k, v, m), None
 
-        (out, lse, _, _, _), _ = jax.lax.scan(hop, (out, lse, k, v, m), jnp.arange(1, P))
-        return out.astype(out_dtype), lse
+        (out, lse, _, _, _), _ = jax.lax.scan(hop, (out, lse, k, v, m), jnp.arange(1, ring.P))
+        return out, lse
 
-    seq = PartitionSpec(axis_name)
-    mask_spec = None if kv_mask is None else seq
-    fn = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(seq, seq, seq, mask_spec),
-        out_specs=(seq, PartitionSpec(None, axis_name)),
-        check_vma=False,
-    )
-    return fn(q, k, v, kv_mask)
+    out_specs = (PartitionSpec(ring.axis_name), PartitionSpec(None, ring.axis_name))
+    return ring.shard_map(per_device, m is not None, 0, out_specs)(q, k, v, m, scale)
+
+
+def _ring_backward(q, k, v, m, scale, out, lse, d_out, d_lse, ring: _Ring):
+    """``(dq, dk, dv, dscale)``: the ring again, with the key/value gradients travelling with their chunks.
+
+    Device ``d`` keeps its queries, the global ``out`` and ``lse`` of its rows and their cotangents, and
+    accumulates ``dq`` locally. The key/value chunk and its accumulators ``dk, dv`` travel together; at
+    each step :func:`jaxattn._blockwise._multi_head_grads` gives the tile gradients of the visiting chunk
+    from the GLOBAL ``out`` and ``lse`` (``p = exp(s - lse)``, ``D = rowsum(d_out · out) - d_lse``), which
+    are exactly the gradient of the whole attention restricted to that chunk. After P steps one more hop
+    brings every ``dk, dv`` home to the device that owns the chunk.
+    """
+
+    def per_device(q, k, v, m, scale, out, lse, d_out, d_lse):
+        grads = lambda k, v, m, causal: _multi_head_grads(
+            q, k, v, m, scale, out, lse, d_out, d_lse, is_causal=causal, block_q=ring.block_q, block_k=ring.block_k
+        )  # dq [Tc, N, H], dk [Sc, K, H], dv [Sc, K, V], dscale, in the accumulation dtype
+        zeros = lambda k, v: (
+            jnp.zeros(q.shape, scale.dtype), jnp.zeros(k.shape, scale.dtype), jnp.zeros(v.shape, scale.dtype),
+            jnp.zeros((), scale.dtype),
+        )
+        d = jax.lax.axis_index(ring.axis_name)
+
+        def step_grads(t, k, v, m):
+            src = (d - t) % ring.P
+            return ring.step(src, lambda: grads(k, v, m, False), lambda: grads(k, v, m, True), lambda: zeros(k, v))
+
+        dq, dk, dv, d_scale = step_grads(0, k, v, m)
+
+        def hop(carry, t):
+            dq, dk, dv, d_scale, k, v, m = carry
+            k, v, m, dk, dv = ring.hop(k), ring.hop(v), ring.hop(m), ring.hop(dk), ring.hop(dv)
+            g = step_grads(t, k, v, m)
+            dq, dk, dv, d_scale = dq + g[0], dk + g[1], dv + g[2], d_scale + g[3]
+            return (dq, dk, dv, d_scale, k, v, m), None
+
+        carry = (dq, dk, dv, d_scale, k, v, m)
+        (dq, dk, dv, d_scale, _, _, _), _ = jax.lax.scan(hop, carry, jnp.arange(1, ring.P))
+        dk, dv = ring.hop(dk), ring.hop(dv)  # the P-th hop: each chunk's gradient arrives at its owner
+        d_scale = jax.lax.psum(d_scale, ring.axis_name)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_scale
+
+    seq = PartitionSpec(ring.axis_name)
+    fn = ring.shard_map(per_device, m is not None, 4, (seq, seq, seq, PartitionSpec()))
+    return fn(q, k, v, m, scale, out, lse, d_out, d_lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, m, scale, ring):
+    return _ring_forward(q, k, v, m, scale, ring)
+
+
+def _ring_fwd(q, k, v, m, scale, ring):
+    out, lse = _ring_forward(q, k, v, m, scale, ring)
+    return (out, lse), (q, k, v, m, scale, out, lse)  # each device's own chunks: O((T + S) / P)
+
+
+def _ring_bwd(ring, residuals, cotangents):
+    q, k, v, m, scale, out, lse = residuals
+    d_out, d_lse = ring.place(cotangents[0], 0), ring.place(cotangents[1], 1)
+    dq, dk, dv, d_scale = _ring_backward(q, k, v, m, scale, out, lse, d_out, d_lse, ring)
+    return dq, dk, dv, None, d_scale
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def sharded_attention(

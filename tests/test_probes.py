@@ -135,6 +135,30 @@ def test_head_entropy_causal_mask_matches_numpy(rng):
         (lambda: probes.saturation_sweep(0, num_keys=1), ValueError, "num_keys"),
         (lambda: probes.saturation_sweep(0, dtype=jnp.float64), ValueError, "enable_x64"),
         (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 4))), ValueError, "cotangent"),
+        # reviewer findings: q, k, v are checked (by the core's checks) before the cotangent is blamed
+        (lambda: probes.attention_grads(np.ones(4), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5))), ValueError, r"q must have 2 dimensions \[T, H\], received shape \(4,\)"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones(3), np.ones((2, 5))), ValueError, r"v must have 2 dimensions \[S, V\], received shape \(3,\)"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 6)), np.ones((3, 5)), np.ones((2, 5))), ValueError, "same head dimension H"),
+        (lambda: probes.attention_grads(np.ones((2, 4), np.int32), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5))), TypeError, "q must have a floating dtype"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5)), mask=np.ones((4, 3), bool)), ValueError, r"mask must be broadcastable"),
+        # negative or non-finite gaps: P(D > x) would exceed 1
+        (lambda: probes.gap_survival(-0.5, 8), ValueError, r"x must be finite and >= 0.*-0\.5"),
+        (lambda: probes.gap_survival([0.1, np.inf], 8), ValueError, r"x must be finite and >= 0.*inf"),
+        (lambda: probes.gap_survival("1", 8), TypeError, "x must be a real number"),
+        (lambda: probes.predicted_laws((64,), 8, gap_threshold=-1.0), ValueError, r"gap_threshold must be finite and >= 0.*-1\.0"),
+        (lambda: probes.predicted_laws((64,), 8, gap_threshold=float("nan")), ValueError, r"gap_threshold must be finite.*nan"),
+        (lambda: probes.predicted_laws((64,), 8, gap_threshold=[1.0, 2.0]), ValueError, r"gap_threshold must be a scalar, received shape \(2,\)"),
+        (lambda: probes.underflow_gap(np.int32), TypeError, "dtype must be a floating dtype.*received int32"),
+        (lambda: probes.underflow_gap(bool), TypeError, "dtype must be a floating dtype.*received bool"),
+        # fits in log space: zeros, negatives, non-finite values, mismatched shapes
+        (lambda: probes.fit_power_law([0.0, 1.0, 2.0], [1.0, 2.0, 3.0]), ValueError, r"x must be finite and > 0.*\[0\. 1\. 2\.\]"),
+        (lambda: probes.fit_power_law([-1.0, 2.0], [1.0, 2.0]), ValueError, r"x must be finite and > 0"),
+        (lambda: probes.fit_power_law([1.0, 2.0], [1.0, 0.0]), ValueError, r"y must be finite and > 0"),
+        (lambda: probes.fit_power_law([1.0, 2.0, 3.0], [1.0, 2.0]), ValueError, r"x and y must both have shape \[P\], received x \(3,\) and y \(2,\)"),
+        (lambda: probes.fit_stretched_exp([-4.0, 4.0], [1.0, 2.0]), ValueError, r"x must be finite and >= 0"),
+        (lambda: probes.fit_stretched_exp([1.0, np.nan], [1.0, 2.0]), ValueError, r"x must be finite"),
+        (lambda: probes.fit_stretched_exp([1.0, 4.0], [1.0, np.inf]), ValueError, r"y must be finite and > 0"),
+        (lambda: probes.fit_stretched_exp([4.0, 4.0], [1.0, 2.0]), ValueError, "at least 2 distinct values"),
     ],
 )
 def test_invalid_input_messages(call, exc, message):

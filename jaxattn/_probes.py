@@ -756,6 +756,12 @@ def underflow_gap(dtype: Any) -> float:
     ``-ln(smallest normal float32) = 126 ln 2 = 87.3``; float64: ``1022 ln 2 = 708.4``. float16 input
     gets the float32 gradient rounded to float16, which keeps subnormals and rounds below half the
     smallest one to 0: ``25 ln 2 = 17.3``.
+
+    Args:
+      dtype: a floating dtype (``TypeError`` for integer or boolean dtypes, which have no underflow).
+
+    Returns:
+      the gap in nats, a float.
     """
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):

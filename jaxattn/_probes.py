@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import _masked_softmax, attention, attention_logits
+from jaxattn._attention import _masked_softmax, _validate_single, attention, attention_logits
 from jaxattn._checks import as_bool_array, as_float_array, check_broadcastable, softmax_dtype
 
 Array = jax.Array
@@ -312,13 +312,12 @@ def attention_grads(
       dict: ``logits [T, S]``, ``q [T, H]``, ``k [S, H]``, ``v [S, V]`` (gradients, in the input
       dtypes), ``weights [T, S]`` and ``loss`` (scalar, float32 or wider).
     """
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
+    # q, k, v, mask and scale get the core's own checks (ranks, matching H and S, mask shape, scale)
+    # first, so that a wrong q is blamed on q; only then is the cotangent checked against them.
+    q, k, v, _, _, _ = _validate_single(q, k, v, mask, None, scale)
     cotangent = as_float_array(cotangent, "cotangent")
-    T, S = q.shape[0] if q.ndim else 0, k.shape[0] if k.ndim else 0
-    V = v.shape[-1] if v.ndim else 0
-    if cotangent.shape != (T, V) or q.ndim != 2 or v.ndim != 2:
+    T, S, V = q.shape[0], k.shape[0], v.shape[1]
+    if cotangent.shape != (T, V):
         raise ValueError(
             f"cotangent must have shape [T, V] = ({T}, {V}) for q {tuple(q.shape)} [T, H] and v "
             f"{tuple(v.shape)} [S, V], received {tuple(cotangent.shape)}"
@@ -392,8 +391,12 @@ def _check_dtype(dtype: Any) -> Any:
 def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS, *, num_samples: int = 4096) -> dict:
     """Monte Carlo ``Var(q·k)`` for ``q, k ~ N(0, I_{d_k})``: the chapter's claim is ``Var = d_k``.
 
-    One compiled program and one draw: ``num_samples`` rows of independent N(0, 1) pairs, cut into
-    disjoint blocks of ``d_k`` columns, one block per ``d_k`` (so every ``d_k`` has its own vectors).
+    One compiled program. Each sample is a row of ``Σ d_k`` independent N(0, 1) pairs, cut into disjoint
+    blocks of ``d_k`` columns, one block per ``d_k`` (so every ``d_k`` has its own vectors). The rows
+    are drawn a block of rows at a time inside a ``lax.map``, so memory does not grow with
+    ``num_samples``: XLA's temporary buffers hold ``2 · max(2^18, Σ d_k)`` normals and their RNG state
+    (13 MiB at the defaults, ``num_samples = 4096`` and d_k = 8 … 4096; one draw of every pair at
+    once took 1.15 GiB), plus the ``[P, num_samples]`` products.
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -411,17 +414,31 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     var = dots.var(axis=1, ddof=1)
     d = np.asarray(dims, np.float64)
     # Var of the sample variance: (m4 - var²)/n, with m4 the fourth central moment.
-    m4 = ((dots - dots.mean(axis=1, keepdims=True)) ** 4).mean(axis=1)
-    return {"head_dims": np.asarray(dims), "variance": var, "ratio": var / d, "std_error": np.sqrt((m4 - var**2) / n) / d}
+    # Both moments biased (m4 >= m2² always), so the estimate is never the sqrt of a negative number.
+    centred = dots - dots.mean(axis=1, keepdims=True)
+    m2, m4 = (centred**2).mean(axis=1), (centred**4).mean(axis=1)
+    return {"head_dims": np.asarray(dims), "variance": var, "ratio": var / d, "std_error": np.sqrt((m4 - m2**2) / n) / d}
+
+
+_DOT_BLOCK = 2**18  # normals per operand (q or k) drawn per step of :func:`_dots`' loop, when Σ d_k fits
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _dots(key, dims, n):
-    # One draw for all d_k (one RNG op to compile), cut into disjoint column blocks of width d_k each.
-    z = jax.random.normal(key, (2, n, sum(dims)))  # q, k: [2, n, ΣH]
-    prod = z[0] * z[1]  # [n, ΣH]
+    # Rows of Σ d_k pairs, ``rows`` at a time (one RNG op to compile, memory bounded by the block), each
+    # row cut into disjoint column blocks of width d_k.
+    total = sum(dims)
+    rows = max(1, min(n, _DOT_BLOCK // total))
+    chunks = -(-n // rows)
     offsets = np.cumsum((0,) + dims)
-    return jnp.stack([jnp.sum(prod[:, a:b], axis=-1) for a, b in zip(offsets[:-1], offsets[1:])])  # [P, n]
+
+    def block(chunk_key):
+        z = jax.random.normal(chunk_key, (2, rows, total))  # q, k: [2, rows, ΣH]
+        prod = z[0] * z[1]  # [rows, ΣH]
+        return jnp.stack([jnp.sum(prod[:, a:b], axis=-1) for a, b in zip(offsets[:-1], offsets[1:])])  # [P, rows]
+
+    dots = jax.lax.map(block, jax.random.split(key, chunks))  # [chunks, P, rows]
+    return jnp.moveaxis(dots, 0, 1).reshape(len(dims), chunks * rows)[:, :n]  # [P, n]
 
 
 _ROW_FIELDS = (
@@ -679,6 +696,21 @@ def _normal_cdf(x: np.ndarray) -> np.ndarray:
 _GRID = np.linspace(-12.0, 12.0, 24001)  # quadrature grid for the top-two gap integrals (step 1e-3)
 
 
+def _check_gaps(x: Any, name: str) -> np.ndarray:
+    """``x`` as float64, each entry finite and >= 0 (a gap between two logits, in any unit)."""
+    arr = np.asarray(x)
+    if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise TypeError(f"{name} must be a real number or array of gaps >= 0, received dtype {arr.dtype.name}")
+    arr = arr.astype(np.float64)
+    bad = ~(np.isfinite(arr) & (arr >= 0))
+    if np.any(bad):
+        raise ValueError(
+            f"{name} must be finite and >= 0 (a gap between the two largest logits), received "
+            f"{arr[bad].ravel()[:4].tolist()} among shape {arr.shape}"
+        )
+    return arr
+
+
 def gap_survival(x: Any, num_keys: int) -> np.ndarray:
     """``P(D > x)`` for ``D`` the gap between the two largest of ``num_keys`` i.i.d. N(0, 1) values.
 
@@ -686,14 +718,14 @@ def gap_survival(x: Any, num_keys: int) -> np.ndarray:
     by the trapezoid rule in float64.
 
     Args:
-      x: gaps ``[...]`` (>= 0).
+      x: gaps ``[...]``, finite and >= 0 (``ValueError`` otherwise: ``P(D > x)`` is 1 for x < 0).
       num_keys: S >= 2.
 
     Returns:
       ``[...]`` float64.
     """
     S = _check_count(num_keys, "num_keys", 2)
-    x = np.asarray(x, np.float64)
+    x = _check_gaps(x, "x")
     t = _GRID
     integrand = _normal_pdf(t) * _normal_cdf(t - x[..., None]) ** (S - 1)
     return S * np.trapezoid(integrand, t, axis=-1)
@@ -724,8 +756,16 @@ def underflow_gap(dtype: Any) -> float:
     ``-ln(smallest normal float32) = 126 ln 2 = 87.3``; float64: ``1022 ln 2 = 708.4``. float16 input
     gets the float32 gradient rounded to float16, which keeps subnormals and rounds below half the
     smallest one to 0: ``25 ln 2 = 17.3``.
+
+    Args:
+      dtype: a floating dtype (``TypeError`` for integer or boolean dtypes, which have no underflow).
+
+    Returns:
+      the gap in nats, a float.
     """
     dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype (float16, bfloat16, float32 or float64), received {dtype.name}")
     if dtype == jnp.float16:
         return 25.0 * math.log(2.0)
     return float(-math.log(float(jnp.finfo(softmax_dtype(dtype)).tiny)))
@@ -737,7 +777,7 @@ def predicted_laws(head_dims: Sequence[int], num_keys: int, *, gap_threshold: fl
     Args:
       head_dims: ``d_k`` values ``[P]``.
       num_keys: S.
-      gap_threshold: if given, the logit gap past which a row's gradient is exactly zero (see
+      gap_threshold: if given (a finite scalar >= 0), the logit gap past which a row's gradient is exactly zero (see
         :func:`underflow_gap`); adds ``zero_fraction [P] = P(√d_k · D > gap_threshold)``.
 
     Returns:
@@ -763,27 +803,57 @@ def predicted_laws(head_dims: Sequence[int], num_keys: int, *, gap_threshold: fl
         "mean_logit_grad": math.sqrt(2.0 / math.pi) * f0 / np.sqrt(dims),
     }
     if gap_threshold is not None:
-        laws["zero_fraction"] = gap_survival(gap_threshold / np.sqrt(dims), num_keys)
+        threshold = _check_gaps(gap_threshold, "gap_threshold")
+        if threshold.ndim != 0:
+            raise ValueError(f"gap_threshold must be a scalar, received shape {threshold.shape}")
+        laws["zero_fraction"] = gap_survival(threshold / np.sqrt(dims), num_keys)
     return laws
 
 
-def _check_positive(y: Any) -> None:
-    y = np.asarray(y, np.float64)
+def _fit_data(x: Any, y: Any, *, x_min: str) -> tuple[np.ndarray, np.ndarray]:
+    """``x [P]``, ``y [P]`` as float64 for a fit in log space: y finite and > 0, x finite and ``x_min``."""
+    x, y = np.asarray(x), np.asarray(y)
+    for name, arr in (("x", x), ("y", y)):
+        if arr.dtype == np.bool_ or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+            raise TypeError(f"{name} must be a real array [P], received dtype {arr.dtype.name}")
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    if x.ndim != 1 or x.shape != y.shape:
+        raise ValueError(f"x and y must both have shape [P], received x {x.shape} and y {y.shape}")
     if not np.all(np.isfinite(y) & (y > 0)):
         raise ValueError(f"y must be finite and > 0 to fit in log space (an underflowed statistic?), received {y}")
+    x_ok = x > 0 if x_min == "> 0" else x >= 0
+    if not np.all(np.isfinite(x) & x_ok):
+        raise ValueError(f"x must be finite and {x_min} for this fit, received {x}")
+    if np.unique(x).size < 2:
+        raise ValueError(f"x must hold at least 2 distinct values to fit a line, received {x}")
+    return x, y
 
 
 def fit_power_law(x: Any, y: Any) -> tuple[float, float]:
-    """Least-squares ``y ≈ c · x^a`` in log-log (float64); returns ``(a, c)``."""
-    _check_positive(y)
-    lx, ly = np.log(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
-    a, b = np.polyfit(lx, ly, 1)
+    """Least-squares ``y ≈ c · x^a`` in log-log (float64); returns ``(a, c)``.
+
+    Args:
+      x: ``[P]``, finite and > 0 (e.g. the ``d_k`` values), at least 2 distinct.
+      y: ``[P]``, finite and > 0 (an underflowed 0 cannot be fitted in log space).
+
+    Returns:
+      ``(a, c)`` as floats. ``ValueError``/``TypeError`` for input outside those ranges.
+    """
+    x, y = _fit_data(x, y, x_min="> 0")
+    a, b = np.polyfit(np.log(x), np.log(y), 1)
     return float(a), float(np.exp(b))
 
 
 def fit_stretched_exp(x: Any, y: Any) -> tuple[float, float]:
-    """Least-squares ``y ≈ c · exp(-b √x)`` (``ln y`` linear in ``√x``, float64); returns ``(b, c)``."""
-    _check_positive(y)
-    sx, ly = np.sqrt(np.asarray(x, np.float64)), np.log(np.asarray(y, np.float64))
-    slope, intercept = np.polyfit(sx, ly, 1)
+    """Least-squares ``y ≈ c · exp(-b √x)`` (``ln y`` linear in ``√x``, float64); returns ``(b, c)``.
+
+    Args:
+      x: ``[P]``, finite and >= 0, at least 2 distinct.
+      y: ``[P]``, finite and > 0.
+
+    Returns:
+      ``(b, c)`` as floats. ``ValueError``/``TypeError`` for input outside those ranges.
+    """
+    x, y = _fit_data(x, y, x_min=">= 0")
+    slope, intercept = np.polyfit(np.sqrt(x), np.log(y), 1)
     return float(-slope), float(np.exp(intercept))

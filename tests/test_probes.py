@@ -135,6 +135,30 @@ def test_head_entropy_causal_mask_matches_numpy(rng):
         (lambda: probes.saturation_sweep(0, num_keys=1), ValueError, "num_keys"),
         (lambda: probes.saturation_sweep(0, dtype=jnp.float64), ValueError, "enable_x64"),
         (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 4))), ValueError, "cotangent"),
+        # reviewer findings: q, k, v are checked (by the core's checks) before the cotangent is blamed
+        (lambda: probes.attention_grads(np.ones(4), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5))), ValueError, r"q must have 2 dimensions \[T, H\], received shape \(4,\)"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones(3), np.ones((2, 5))), ValueError, r"v must have 2 dimensions \[S, V\], received shape \(3,\)"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 6)), np.ones((3, 5)), np.ones((2, 5))), ValueError, "same head dimension H"),
+        (lambda: probes.attention_grads(np.ones((2, 4), np.int32), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5))), TypeError, "q must have a floating dtype"),
+        (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5)), mask=np.ones((4, 3), bool)), ValueError, r"mask must be broadcastable"),
+        # negative or non-finite gaps: P(D > x) would exceed 1
+        (lambda: probes.gap_survival(-0.5, 8), ValueError, r"x must be finite and >= 0.*-0\.5"),
+        (lambda: probes.gap_survival([0.1, np.inf], 8), ValueError, r"x must be finite and >= 0.*inf"),
+        (lambda: probes.gap_survival("1", 8), TypeError, "x must be a real number"),
+        (lambda: probes.predicted_laws((64,), 8, gap_threshold=-1.0), ValueError, r"gap_threshold must be finite and >= 0.*-1\.0"),
+        (lambda: probes.predicted_laws((64,), 8, gap_threshold=float("nan")), ValueError, r"gap_threshold must be finite.*nan"),
+        (lambda: probes.predicted_laws((64,), 8, gap_threshold=[1.0, 2.0]), ValueError, r"gap_threshold must be a scalar, received shape \(2,\)"),
+        (lambda: probes.underflow_gap(np.int32), TypeError, "dtype must be a floating dtype.*received int32"),
+        (lambda: probes.underflow_gap(bool), TypeError, "dtype must be a floating dtype.*received bool"),
+        # fits in log space: zeros, negatives, non-finite values, mismatched shapes
+        (lambda: probes.fit_power_law([0.0, 1.0, 2.0], [1.0, 2.0, 3.0]), ValueError, r"x must be finite and > 0.*\[0\. 1\. 2\.\]"),
+        (lambda: probes.fit_power_law([-1.0, 2.0], [1.0, 2.0]), ValueError, r"x must be finite and > 0"),
+        (lambda: probes.fit_power_law([1.0, 2.0], [1.0, 0.0]), ValueError, r"y must be finite and > 0"),
+        (lambda: probes.fit_power_law([1.0, 2.0, 3.0], [1.0, 2.0]), ValueError, r"x and y must both have shape \[P\], received x \(3,\) and y \(2,\)"),
+        (lambda: probes.fit_stretched_exp([-4.0, 4.0], [1.0, 2.0]), ValueError, r"x must be finite and >= 0"),
+        (lambda: probes.fit_stretched_exp([1.0, np.nan], [1.0, 2.0]), ValueError, r"x must be finite"),
+        (lambda: probes.fit_stretched_exp([1.0, 4.0], [1.0, np.inf]), ValueError, r"y must be finite and > 0"),
+        (lambda: probes.fit_stretched_exp([4.0, 4.0], [1.0, 2.0]), ValueError, "at least 2 distinct values"),
     ],
 )
 def test_invalid_input_messages(call, exc, message):
@@ -458,3 +482,160 @@ def test_chunked_sweep_gives_the_same_numbers():
             for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
                 np.testing.assert_allclose(chunked[name][mode, 0, r], one[name], rtol=1e-3, atol=1e-30)
     assert chunked["entropy"].shape == (2, 1, 4, 4)
+
+
+# --- independent references and input checks (reviewer findings) ---
+
+
+def np_trial(q, k, v, r, scale):
+    """Every field of one sweep trial in float64 NumPy, gradients by the hand-derived formulas.
+
+    ``L = Σ r ⊙ softmax(c q kᵀ) v``: with ``g = r vᵀ``, ``∂L/∂z = p ⊙ (g - Σ_s p g)``, ``∂L/∂q = c ∂L/∂z k``,
+    ``∂L/∂k = c (∂L/∂z)ᵀ q``; the softmax Jacobian ``diag(p) - p pᵀ`` is formed and its Frobenius norm taken.
+    """
+    q, k, v, r = (np.asarray(x, np.float64) for x in (q, k, v, r))
+    dots = q @ k.T  # [T, S]
+    p = np_softmax(scale * dots)
+    g = r @ v.T  # [T, S], ∂L/∂p
+    dz = p * (g - (p * g).sum(-1, keepdims=True))
+    h = np_entropy(p)
+    return {
+        "entropy": h,
+        "normalized_entropy": h / math.log(k.shape[0]),
+        "max_weight": p.max(-1),
+        "jacobian_norm": np.sqrt((np_jacobian(p) ** 2).sum((-1, -2))),
+        "logit_grad_norm": np.linalg.norm(dz, axis=-1),
+        "q_grad_norm": np.linalg.norm(scale * dz @ k, axis=-1),
+        "k_grad_norm": np.linalg.norm(scale * dz.T @ q, axis=-1),
+        "dot_sq": np.mean(dots**2),
+        "dot_mean": np.mean(dots),
+    }, np.sort(scale * dots, -1)
+
+
+# (d_k index into DEFAULT_HEAD_DIMS, trial) of the small sweep: d_k = 8 (no row near saturation) and
+# d_k = 4096, trial 7 (unscaled: 3 rows whose top-two logit gap exceeds float32's 87.3, none within 10 of
+# it). The same d_k as test_vmapped_sweep_equals_the_single_trial_function: its compiled trials are reused.
+@pytest.mark.parametrize("p, r", [(0, 2), (9, 7)])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_every_trial_field_against_float64_numpy_and_the_sweep(scaled, p, r, small_sweep):
+    H = probes.DEFAULT_HEAD_DIMS[p]
+    T, S, V = SMALL["num_queries"], SMALL["num_keys"], SMALL["value_dim"]
+    key = jax.random.split(jax.random.key(7), (len(probes.DEFAULT_HEAD_DIMS), SMALL["num_trials"]))[p, r]
+    q, k, v, r_ = jax.jit(lambda key: _probes._draw(key, head_dim=H, T=T, S=S, V=V, dtype=jnp.float32))(key)
+    one = probes.sweep_trial_fn(H, num_queries=T, num_keys=S, value_dim=V)(key, scaled)
+    entry = {name: small_sweep[name][0 if scaled else 1, p, r] for name in one}
+    ref, z = np_trial(q, k, v, r_, 1 / math.sqrt(H) if scaled else 1.0)
+    assert set(one) == set(ref) | {"logit_grad_zero", "q_grad_zero", "jacobian_zero"}
+    # Rows whose other weights are all below float32's smallest normal number are exactly one-hot there:
+    # every gradient of the row, and the Jacobian, is exactly 0. The float64 gap says which rows.
+    gap = z[:, -1] - z[:, -2]
+    zero = gap > probes.underflow_gap(jnp.float32)
+    assert np.all(np.abs(gap - probes.underflow_gap(jnp.float32)) > 1.0)  # no row at the edge
+    assert zero.sum() == (3 if (H == 4096 and not scaled) else 0)
+    # float32 against float64. float32 rounds each logit by ~eps32·Σ_h |q_h k_h|, and quantities of size
+    # e^{-gap} inherit that times the gap: relative errors up to ~10·eps32·max|z| (1e-4 at the unscaled
+    # d_k = 4096's |z| ≈ 220); ∂L/∂q and ∂L/∂k sum signed terms of those (×4). Absolute floors: a saturated
+    # row's p_max rounds to 1, dropping its -p_max·log p_max ≈ 1 - p_max < eps32 from the entropy, and
+    # the float32 VJP's p·(g - Σ p g) at the largest weight cancels to ~eps32·|g| (times |k_s| for ∂L/∂q).
+    rtol = 40 * np.finfo(np.float32).eps * np.abs(z).max()
+    c_sqrt_h = 1.0 if scaled else math.sqrt(H)  # scale · √d_k
+    tol = {
+        "entropy": dict(rtol=rtol, atol=1e-7),
+        "normalized_entropy": dict(rtol=rtol, atol=1e-7),
+        "max_weight": dict(rtol=rtol, atol=0),
+        "jacobian_norm": dict(rtol=rtol, atol=1e-30),
+        "logit_grad_norm": dict(rtol=rtol, atol=1e-6),
+        "q_grad_norm": dict(rtol=4 * rtol, atol=1e-6 * c_sqrt_h),
+        "k_grad_norm": dict(rtol=4 * rtol, atol=1e-6 * c_sqrt_h),
+        "dot_sq": dict(rtol=1e-5, atol=0),
+        "dot_mean": dict(rtol=0, atol=1e-6 * math.sqrt(H)),
+    }
+    for source in (one, entry):
+        for name, expected in ref.items():
+            np.testing.assert_allclose(source[name], expected, err_msg=name, **tol[name])
+        for name in ("logit_grad_zero", "q_grad_zero", "jacobian_zero"):
+            np.testing.assert_array_equal(source[name], zero, err_msg=name)
+        assert np.all(np.asarray(source["jacobian_norm"])[zero] == 0) and np.all(np.asarray(source["logit_grad_norm"])[zero] == 0)
+
+
+def test_fits_recover_exact_constants_in_float64():
+    x = np.array([8.0, 64.0, 256.0, 1024.0, 4096.0])
+    a, c = probes.fit_power_law(x, 1.7 * x**-0.5)
+    assert abs(a + 0.5) < 1e-10 and abs(c / 1.7 - 1) < 1e-10, (a, c)
+    a, c = probes.fit_power_law([1, 2, 3], [3.0, 3.0 * 2**2.25, 3.0 * 3**2.25])  # int x, positive exponent
+    assert abs(a - 2.25) < 1e-10 and abs(c / 3 - 1) < 1e-10, (a, c)
+    b, c = probes.fit_stretched_exp(x, 2.0 * np.exp(-0.37 * np.sqrt(x)))  # y down to e^-23.7
+    assert abs(b - 0.37) < 1e-10 and abs(c / 2 - 1) < 1e-10, (b, c)
+    xz = np.array([0.0, 1.0, 9.0])  # x = 0 is a valid point of c·exp(-b√x)
+    b, c = probes.fit_stretched_exp(xz, 0.5 * np.exp(-1.3 * np.sqrt(xz)))
+    assert abs(b - 1.3) < 1e-10 and abs(c / 0.5 - 1) < 1e-10, (b, c)
+
+
+def test_grad_norms_against_numpy_on_known_gradients():
+    # float16 gradients: a zero row, a row of subnormal-sized entries (its square underflows float16, the
+    # entries do not), a row whose squares overflow float16 (300² > 65504): norms must be taken in float32.
+    rows = np.array([[0.0, 0.0, 0.0], [1e-7, 0.0, -1e-7], [300.0, -300.0, 1.0], [0.5, 2.0, -1.0]], np.float16)
+    grads = {"logits": rows, "q": rows[::-1], "k": rows[:3, :2], "v": rows}
+    norms = probes.grad_norms({name: jnp.asarray(x) for name, x in grads.items()})
+    for name, g in grads.items():
+        expected = np.linalg.norm(g.astype(np.float64), axis=-1)
+        assert norms[name].dtype == jnp.float32
+        np.testing.assert_allclose(norms[name], expected, rtol=1e-6, atol=0, err_msg=name)
+    assert np.asarray(norms["logits_zero"]).tolist() == [True, False, False, False]
+    assert np.asarray(norms["q_zero"]).tolist() == [False, False, False, True]
+    # A real underflow row: query 0 sees a logit gap of 100 > 87.3 (its row of ∂L/∂logits and ∂L/∂q is
+    # exactly 0 in float32), query 1 a gap of 2. v's gradient is pᵀ r, alive for both.
+    q = np.array([[1.0, 0.0], [0.02, 0.0]], np.float32)
+    k = np.array([[0.0, 1.0], [-100.0, 1.0]], np.float32)
+    v = np.array([[1.0, 2.0], [-1.0, 0.5]], np.float32)
+    r = np.array([[1.0, -1.0], [0.5, 2.0]], np.float32)
+    norms = probes.grad_norms(jax.jit(probes.attention_grads, static_argnames="scale")(q, k, v, r, scale=1.0))
+    p = np_softmax(q.astype(np.float64) @ k.T)
+    g = r.astype(np.float64) @ v.T
+    dz = p * (g - (p * g).sum(-1, keepdims=True))
+    np.testing.assert_allclose(norms["q"], np.linalg.norm(dz @ k, axis=-1), rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(norms["v"], np.linalg.norm(p.T @ r, axis=-1), rtol=1e-6)
+    assert np.asarray(norms["q_zero"]).tolist() == [True, False]
+    assert np.asarray(norms["logits_zero"]).tolist() == [True, False]
+
+
+ROW_PROBES = {
+    "entropy": probes.entropy,
+    "normalized_entropy": probes.normalized_entropy,
+    "max_weight": probes.max_weight,
+    "effective_support": probes.effective_support,
+    "row_stats": probes.row_stats,
+    "head_entropy": probes.head_entropy,
+    "head_entropy_normalized": lambda w, m: probes.head_entropy(w, m, normalized=True),
+    "softmax_jacobian": probes.softmax_jacobian,
+    "softmax_jacobian_norms": probes.softmax_jacobian_norms,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_PROBES))
+def test_row_probes_under_jit_and_vmap_equal_eager(name, rng):
+    B, T, S = 2, 4, 5
+    logits = rng.standard_normal((B, T, S)).astype(np.float32) * 3
+    keep = rng.random((B, T, S)) > 0.3
+    keep[0, 0] = False  # a fully masked row
+    keep[1, 1] = [False, False, True, False, False]  # a single key
+    f = ROW_PROBES[name]
+    xs = logits if name.startswith("softmax_jacobian") else np_softmax(logits, keep).astype(np.float32)
+    eager = [f(xs[b], keep[b]) for b in range(B)]
+    jitted = jax.jit(f)
+    for b in range(B):
+        jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7), jitted(xs[b], keep[b]), eager[b])
+    stacked = jax.tree.map(lambda *ys: np.stack(ys), *eager)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7), jax.vmap(f)(xs, keep), stacked)
+    assert np.all(np.isfinite(np.concatenate([np.ravel(x) for x in jax.tree.leaves(stacked)])))
+
+
+def test_dot_product_variance_memory_does_not_grow_with_samples():
+    # XLA's temporary buffers for the compiled program, d_k = 8 … 4096 and n = 2048 (the configuration of
+    # test_dot_product_variance_is_d_k_for_every_d_k, whose compiled program this is): one draw of every
+    # pair at once took 575 MiB (1.15 GiB at n = 4096); a block of rows at a time takes 13 MiB at any n.
+    compiled = _probes._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 2048).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 32 * 2**20
+    tiny = probes.dot_product_variance(1, (5, 7), num_samples=3)  # a ragged last block, cut to n
+    assert np.all(np.isfinite(tiny["std_error"])) and tiny["variance"].shape == (2,)
+    np.testing.assert_array_equal(np.asarray(_probes._dots(jax.random.key(1), (5, 7), 3)).shape, (2, 3))

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxattn import probes
-from jaxattn._probes import _draw, _sweep_program
+from jaxattn._probes import _chunks, _draw, _sweep_program
 
 F32 = np.dtype("float32")
 
@@ -42,7 +42,7 @@ def _best_interleaved(fns, repeats):
 def _programs(head_dims, trials, T, S, V, seed):
     """The sweep's keys, the one program, the single-trial functions, and the loop over them."""
     keys = jax.random.split(jax.random.key(seed), (len(head_dims), trials))  # [P, R], as saturation_sweep
-    static = dict(head_dims=tuple(head_dims), T=T, S=S, V=V, dtype=F32)
+    static = dict(head_dims=tuple(head_dims), T=T, S=S, V=V, dtype=F32, chunks=_chunks(head_dims, trials, T, S, V))  # as saturation_sweep
     fns = {d: probes.sweep_trial_fn(d, num_queries=T, num_keys=S, value_dim=V) for d in head_dims}
     trial_keys = [[keys[p, r] for r in range(trials)] for p in range(len(head_dims))]  # sliced before timing
 

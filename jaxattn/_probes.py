@@ -523,21 +523,40 @@ def _trial(key, scaled, *, head_dim, T, S, V, dtype):
     return _row_probes(**_trial_widths(key, scaled, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("head_dims", "T", "S", "V", "dtype", "batch"))
-def _sweep_program(keys, *, head_dims, T, S, V, dtype, batch=None):
+_CHUNK_ELEMENTS = 2**20  # automatic chunks: at most this many drawn numbers per d_k at a time (4 MiB f32)
+
+
+def _chunks(head_dims, R, T, S, V, trials_per_batch=None):
+    """Trials vmapped at a time, per ``d_k`` (``None``: all R). Automatic unless ``trials_per_batch`` is given.
+
+    Automatic: all R trials at once while their draws, ``R·(T+S)·(d_k+V)`` numbers, fit in
+    :data:`_CHUNK_ELEMENTS`; otherwise chunks of the largest power of two of trials that do. At large d_k the sweep is bound by drawing and
+    then consuming its random inputs, and a working set that stays in cache makes it about 1.5× faster
+    on a 2-core CPU (measured, d_k = 8 … 4096, 32 trials: 0.149 s → 0.089 s); small d_k keep one vmap (chunking
+    them only adds loop steps).
+    """
+    if trials_per_batch is not None:
+        return tuple(None if trials_per_batch >= R else trials_per_batch for _ in head_dims)
+    per_trial = [(T + S) * (d + V) for d in head_dims]
+    fit = [max(1, _CHUNK_ELEMENTS // n) for n in per_trial]  # trials whose draws fit
+    return tuple(None if f >= R else 2 ** (f.bit_length() - 1) for f in fit)  # a power of two that fits
+
+
+@functools.partial(jax.jit, static_argnames=("head_dims", "T", "S", "V", "dtype", "chunks"))
+def _sweep_program(keys, *, head_dims, T, S, V, dtype, chunks):
     """``[P, R]`` keys -> every probe ``[2, P, R, ...]`` in one compiled program.
 
     The tuple of ``head_dims`` is static: the trace unrolls over it, and each ``d_k`` runs at its own
     width, vmapped over its R trials and over the two scale modes (which share each trial's draw), as
     far as the ``[T, S]`` logits, weights and ``∂L/∂logits``; those are stacked over ``d_k`` and the row
     probes that do not see ``d_k`` run once on the stack (one copy to compile instead of P). This is
-    :func:`_trial` for every key and mode. ``batch=None`` vmaps over all R trials at once; otherwise
-    ``lax.map`` runs the vmapped trial over chunks of ``batch`` trials (the same numbers, memory bounded
-    by the chunk).
+    :func:`_trial` for every key and mode. ``chunks[p]`` (see :func:`_chunks`) is ``None`` to vmap over
+    all R trials of ``head_dims[p]`` at once, or a count: ``lax.map`` then runs the vmapped trial over
+    chunks of that many trials (the same numbers, memory bounded by the chunk).
     """
     modes = jnp.array([True, False])
     per_dim = []
-    for p, head_dim in enumerate(head_dims):
+    for p, (head_dim, batch) in enumerate(zip(head_dims, chunks)):
         trial = functools.partial(_trial_widths, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
         both = lambda key, trial=trial: jax.vmap(trial, in_axes=(None, 0))(key, modes)  # key -> [2, ...]
         if batch is None:
@@ -597,9 +616,11 @@ def saturation_sweep(
       num_queries, num_keys, value_dim: T, S, V of each trial.
       dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
-      trials_per_batch: ``None`` (default) vmaps all trials at once; an int runs the same vmapped program
-        over chunks of that many trials with ``lax.map`` inside the one compiled program, bounding memory
-        for large runs (memory grows like R · (T + S) · max(head_dims)). Results are identical.
+      trials_per_batch: an int runs the same vmapped program over chunks of that many trials with
+        ``lax.map`` inside the one compiled program, bounding memory (which otherwise grows like
+        R · (T + S) · max(head_dims)). ``None`` (default) picks per d_k: all trials at once while their
+        draws fit in 2²⁰ numbers, chunks that fit otherwise (faster at large d_k: the working set stays in
+        cache). Results are identical whatever the chunks.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
@@ -614,10 +635,9 @@ def saturation_sweep(
     V = _check_count(value_dim, "value_dim")
     dtype = _check_dtype(dtype)
     batch = None if trials_per_batch is None else _check_count(trials_per_batch, "trials_per_batch")
-    if batch is not None and batch >= R:
-        batch = None
+    chunks = _chunks(dims, R, T, S, V, batch)
     keys = jax.random.split(_as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
+    out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, chunks=chunks)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),

@@ -482,6 +482,12 @@ def test_chunked_sweep_gives_the_same_numbers():
             for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
                 np.testing.assert_allclose(chunked[name][mode, 0, r], one[name], rtol=1e-3, atol=1e-30)
     assert chunked["entropy"].shape == (2, 1, 4, 4)
+    # Automatic chunks (trials_per_batch=None): all trials at once while a d_k's draws fit in 2^20 numbers.
+    lab = (8, 64, 1024, 2048, 4096)
+    assert _probes._chunks(lab, 32, 16, 16, 16) == (None, None, 16, 8, 4)  # 32·32·(1024+16) > 2^20 ≥ 16·32·(…)
+    assert _probes._chunks(lab, 32, 16, 16, 16, 8) == (8,) * 5 and _probes._chunks(lab, 4, 16, 16, 16, 8) == (None,) * 5
+    for d, c in zip(lab, _probes._chunks(lab, 32, 16, 16, 16)):
+        assert (32 if c is None else c) * 32 * (d + 16) <= 2**20
 
 
 # --- independent references and input checks (reviewer findings) ---

@@ -6,8 +6,9 @@ does. Both are compiled before timing (compile times are printed apart). Each d_
 in both. Measured in one run:
   * "the lab's sweep": d_k = 8 … 4096, the lab's default 32 trials × 16 queries × 16 keys;
   * "many small trials": d_k = 8 … 64, 256 trials, where each trial is cheap;
-  * per d_k (--per-dk, on by default): the same comparison one d_k at a time, next to the time the
-    program spends drawing the trials' random inputs alone, which no batching can remove. It shows
+  * per d_k (on by default; --no-per-dk skips it): the same comparison one d_k at a time, next to a
+    program that only draws the trials' random inputs (in the same chunks) and sums them: work no
+    batching can remove. It shows
     where the speed-up comes from (per-call overhead, which batching removes) and where it cannot
     (work that grows with d_k, the same in both).
 """
@@ -94,16 +95,18 @@ def bench(name, head_dims, trials, T, S, V, repeats, seed):
 def per_dk(head_dims, trials, T, S, V, repeats, seed):
     """The comparison one d_k at a time, with the batched draw of the inputs timed alone."""
     print(f"per d_k ({trials} trials, T = {T}, S = {S}, V = {V}; times per trial and scale mode, best of {repeats}):")
-    print("  d_k | loop (ms/call) | program (ms) | of which drawing (ms) | speed-up | ceiling loop/drawing")
+    print("  d_k | loop (ms/call) | program (ms) | drawing alone (ms) | speed-up | loop / drawing alone")
     for d in head_dims:
         keys, _, vmapped, loop = _programs((d,), trials, T, S, V, seed)
-        draw = jax.jit(jax.vmap(lambda key, d=d: _draw(key, head_dim=d, T=T, S=S, V=V, dtype=F32)))
+        (chunk,) = _chunks((d,), trials, T, S, V)  # drawn in the same chunks as the program draws them
+        one_draw = lambda key, d=d: sum(x.sum() for x in _draw(key, head_dim=d, T=T, S=S, V=V, dtype=F32))  # read once
+        draw = jax.jit(lambda keys, f=one_draw, c=chunk: jax.lax.map(f, keys, batch_size=c) if c else jax.vmap(f)(keys))
         drawn = lambda: jax.block_until_ready(draw(keys[0]))
         vmapped(), loop(), drawn()  # compile
         t_vmap, t_loop, t_draw = _best_interleaved([vmapped, loop, drawn], repeats)
         n = 2 * trials  # the program draws once per trial for both modes; the loop once per call
         print(
-            f"  {d:4d} | {1e3 * t_loop / n:14.3f} | {1e3 * t_vmap / n:12.4f} | {1e3 * t_draw / n:21.4f} |"
+            f"  {d:4d} | {1e3 * t_loop / n:14.3f} | {1e3 * t_vmap / n:12.4f} | {1e3 * t_draw / n:18.4f} |"
             f" {t_loop / t_vmap:7.1f}x | {t_loop / t_draw:7.1f}x",
             flush=True,
         )

@@ -109,6 +109,29 @@ def test_entropy_is_exactly_zero_not_nan_for_saturated_rows():
     assert bool(jnp.all(jnp.isfinite(grad)))
 
 
+def test_entropy_keeps_the_largest_weights_term_when_it_rounds_to_one():
+    # Logit gaps 5 … 80: from a gap of ~17 the largest float32 weight is exactly 1 and p·log p = 0 there,
+    # yet the row's entropy is ε(1 + gap) with ε the other weights' sum; the lost ε is 1/(1 + gap) of it.
+    gaps = np.array([5.0, 12.0, 17.0, 20.0, 30.0, 50.0, 80.0])
+    z = np.stack([np.zeros_like(gaps), -gaps, -gaps - 1.0, -gaps - 3.0], axis=-1)  # [7, 4] logits
+    w = jax.nn.softmax(jnp.asarray(z, jnp.float32), axis=-1)
+    assert np.all(np.asarray(w)[2:, 0] == 1.0)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    eps = e[:, 1:].sum(-1)
+    p = e / (1 + eps)[:, None]
+    exact = np.log1p(eps) + (p * (z.max(-1, keepdims=True) - z)).sum(-1)  # log Z + Σ p (max z - z), float64
+    np.testing.assert_allclose(probes.entropy(w), exact, rtol=1e-6)
+    np.testing.assert_allclose(probes.row_stats(w)["entropy"], exact, rtol=1e-6)
+    np.testing.assert_allclose(probes.normalized_entropy(w), exact / np.log(4), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.vmap(probes.entropy))(w), exact, rtol=1e-6)
+    plain = -jnp.sum(jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)), 0.0), axis=-1)
+    assert np.asarray(plain / exact - 1)[3] < -0.04  # the plain sum loses ~1/21 at a gap of 20
+    # The derivative is the plain sum's, -(log p + 1); a row that is not a distribution is summed as it is.
+    g = jax.grad(lambda w: probes.entropy(w).sum())(w)
+    np.testing.assert_allclose(g[:2], -(np.log(np.asarray(w[:2], np.float64)) + 1), rtol=1e-5)
+    assert probes.entropy(np.array([0.5, 0.2])) == pytest.approx(-(0.5 * math.log(0.5) + 0.2 * math.log(0.2)), rel=1e-6)
+
+
 def test_head_entropy_causal_mask_matches_numpy(rng):
     L, N, T = 2, 3, 5
     logits = rng.standard_normal((L, N, T, T)).astype(np.float32)

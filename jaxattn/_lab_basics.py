@@ -266,7 +266,7 @@ def readout_norm_mean(value_dim: int) -> float:
     """``E‖r‖`` for the sweep's read-out row ``r ~ N(0, I_V / V)``: ``√(2/V) Γ((V+1)/2) / Γ(V/2)`` (→ 1).
 
     Given ``r``, the read-out difference of two keys' values ``r·(v_a - v_b)`` is ``N(0, 2‖r‖²)``, so
-    ``E|r·(v_a - v_b)| = (2/√π) E‖r‖``: every gradient law carries this factor (0.984 at V = 16).
+    ``E|r·(v_a - v_b)| = (2/√π) E‖r‖``: every gradient law carries this factor (0.985 at V = 16).
     """
     V = int(value_dim)
     return math.sqrt(2.0 / V) * math.exp(math.lgamma((V + 1) / 2) - math.lgamma(V / 2))
@@ -295,7 +295,8 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
     :func:`key_gap_median`) and ``c = 2`` for the Jacobian. Means: ``c · d_k^a``, predicted ``a = -1/2`` and
     ``c`` from the gap density at 0, ``f_D(0)``; ``∂L/∂q`` and ``∂L/∂k`` tend to constants,
     ``√(2/π) f_D(0) E‖r‖`` and ``(2T/S) f_D(0) E‖r‖ / √π``, fitted as ``C (1 + κ/√d_k)``. A median that is 0
-    at some fitted ``d_k`` (float16, bfloat16) is reported as not fitted, with the ``d_k`` where it is 0.
+    at some fitted ``d_k`` (gradients in float16, ``1 - max weight`` already in float32) is reported as not
+    fitted, with the ``d_k`` where it is 0.
     Zero-gradient fraction: ``P(√d_k · D > g_dtype)``.
     """
     dims = np.asarray(summary["head_dims"])

@@ -47,10 +47,15 @@ DEFAULT_HEAD_DIMS = tuple(2**i for i in range(3, 13))  # 8, 16, ..., 4096
 
 
 def _rows(x: Any, name: str, axes: str) -> Array:
+    return _weights(x, name, axes)[0]
+
+
+def _weights(x: Any, name: str = "weights", axes: str = "[..., S]") -> tuple[Array, float]:
+    """``x`` in at least float32, and the machine epsilon of its own dtype (the rounding it was given with)."""
     x = as_float_array(x, name)
     if x.ndim < 1:
         raise ValueError(f"{name} must have at least 1 dimension {axes}, received shape {tuple(x.shape)}")
-    return x.astype(softmax_dtype(x.dtype))
+    return x.astype(softmax_dtype(x.dtype)), float(jnp.finfo(x.dtype).eps)
 
 
 def _keep(mask: Any, shape: tuple[int, ...], name: str = "mask") -> Array | None:
@@ -73,13 +78,14 @@ def _xlogx(p: Array) -> Array:
     return jnp.where(positive, safe * jnp.log(safe), 0.0)
 
 
-def _entropy(p: Array, keep: Array | None) -> Array:
+def _entropy(p: Array, keep: Array | None, ulp: float | None = None) -> Array:
     """``-Σ p log p`` per row, keeping the largest weight's term on saturated rows of a distribution.
 
     When a row is nearly one-hot, its largest weight rounds to 1 (``1 - p_max`` below half an ulp) and
     ``p_max log p_max`` to 0, while the other weights still carry entropy: their sum ε is exactly the
     lost ``1 - p_max``, and the lost term ``-p_max log p_max ≈ ε`` is a fraction ``1/(1 + gap)`` of the
-    entropy (5% at a logit gap of 20 in float32). For a row that sums to 1 (within ``4·S`` ulps) whose
+    entropy (5% at a logit gap of 20 in float32). For a row that sums to 1 (within one ``ulp`` of the
+    dtype the weights came in, plus ``4·S`` ulps of ``p``'s) whose
     largest weight exceeds 1/2, that term is computed as ``p_max · log1p(-ε)`` with ε summed from the
     other weights (no cancellation); any other row is summed as it is. The derivative is always that of
     the plain sum, ``-(log p_s + 1)`` (the correction enters through ``stop_gradient``).
@@ -93,7 +99,9 @@ def _entropy(p: Array, keep: Array | None) -> Array:
     is_max = jax.nn.one_hot(jnp.argmax(p, axis=-1), S, dtype=jnp.bool_)  # [..., S]
     others = jnp.sum(jnp.where(is_max, 0.0, p), axis=-1, keepdims=True)  # [..., 1], ε
     p_max = jnp.max(p, axis=-1, keepdims=True)  # [..., 1]
-    tolerance = 4 * S * float(jnp.finfo(p.dtype).eps)
+    # Rounding a distribution to its dtype moves its sum by at most ulp/2; computing it (softmax, sums) in
+    # p's dtype by a few ulps per key.
+    tolerance = (0.0 if ulp is None else ulp) + 4 * S * float(jnp.finfo(p.dtype).eps)
     use = (jnp.abs(p_max + others - 1.0) <= tolerance) & (others < 0.5)  # [..., 1]
     safe = jnp.where(use, others, 0.0)  # log1p(-ε) finite, with a finite gradient, wherever it is not used
     plain = -jnp.sum(terms, axis=-1)
@@ -120,8 +128,8 @@ def entropy(weights: Any, mask: Any = None) -> Array:
     Returns:
       ``[...]`` in at least float32. A fully masked (all-zero) row has entropy 0.
     """
-    p = _rows(weights, "weights", "[..., S]")
-    return _entropy(p, _keep(mask, p.shape))
+    p, ulp = _weights(weights)
+    return _entropy(p, _keep(mask, p.shape), ulp)
 
 
 def normalized_entropy(weights: Any, mask: Any = None) -> Array:
@@ -136,11 +144,11 @@ def normalized_entropy(weights: Any, mask: Any = None) -> Array:
     Returns:
       ``[...]`` in ``[0, 1]`` (up to rounding), at least float32.
     """
-    p = _rows(weights, "weights", "[..., S]")
+    p, ulp = _weights(weights)
     keep = _keep(mask, p.shape)
     n = _num_keys(p, keep)
     log_n = jnp.log(jnp.where(n > 1, n, 2.0))
-    return jnp.where(n > 1, _entropy(p, keep) / log_n, 0.0)
+    return jnp.where(n > 1, _entropy(p, keep, ulp) / log_n, 0.0)
 
 
 def max_weight(weights: Any, mask: Any = None) -> Array:
@@ -170,9 +178,9 @@ def effective_support(weights: Any, mask: Any = None) -> Array:
     Returns:
       ``[...]``; 0 for a row with no unmasked key.
     """
-    p = _rows(weights, "weights", "[..., S]")
+    p, ulp = _weights(weights)
     keep = _keep(mask, p.shape)
-    return jnp.where(_num_keys(p, keep) > 0, jnp.exp(_entropy(p, keep)), 0.0)
+    return jnp.where(_num_keys(p, keep) > 0, jnp.exp(_entropy(p, keep, ulp)), 0.0)
 
 
 def row_stats(weights: Any, mask: Any = None) -> dict[str, Array]:
@@ -186,10 +194,10 @@ def row_stats(weights: Any, mask: Any = None) -> dict[str, Array]:
       dict of ``[...]`` arrays: ``entropy`` (nats), ``normalized_entropy``, ``max_weight``,
       ``effective_support`` and ``num_keys`` (unmasked keys per row).
     """
-    p = _rows(weights, "weights", "[..., S]")
+    p, ulp = _weights(weights)
     keep = _keep(mask, p.shape)
     n = _num_keys(p, keep)
-    h = _entropy(p, keep)
+    h = _entropy(p, keep, ulp)
     masked = p if keep is None else jnp.where(keep, p, 0.0)
     return {
         "entropy": h,
@@ -214,12 +222,12 @@ def head_entropy(weights: Any, mask: Any = None, *, normalized: bool = False) ->
     Returns:
       ``[...]``.
     """
-    p = _rows(weights, "weights", "[..., T, S]")
+    p, ulp = _weights(weights, axes="[..., T, S]")
     if p.ndim < 2:
         raise ValueError(f"weights must have at least 2 dimensions [..., T, S], received shape {tuple(p.shape)}")
     keep = _keep(mask, p.shape)
     n = _num_keys(p, keep)
-    h = _entropy(p, keep)
+    h = _entropy(p, keep, ulp)
     if normalized:
         h = jnp.where(n > 1, h / jnp.log(jnp.where(n > 1, n, 2.0)), 0.0)
     rows = (n > 0).astype(h.dtype)
@@ -553,7 +561,7 @@ def _chunks(head_dims, R, T, S, V, trials_per_batch=None):
 
     Automatic: all R trials at once while their draws, ``R·(T+S)·(d_k+V)`` numbers, fit in
     :data:`_CHUNK_ELEMENTS`; otherwise chunks of the largest power of two of trials that do. At large d_k the sweep is bound by drawing and
-    then consuming its random inputs, and a working set that stays in cache makes it about 1.5× faster
+    then consuming its random inputs, and a working set that stays in cache makes it about 1.7× faster
     on a 2-core CPU (measured, d_k = 8 … 4096, 32 trials: 0.149 s → 0.089 s); small d_k keep one vmap (chunking
     them only adds loop steps).
     """
@@ -638,11 +646,11 @@ def saturation_sweep(
       num_queries, num_keys, value_dim: T, S, V of each trial.
       dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
-      trials_per_batch: an int runs the same vmapped program over chunks of that many trials with
-        ``lax.map`` inside the one compiled program, bounding memory (which otherwise grows like
-        R · (T + S) · max(head_dims)). ``None`` (default) picks per d_k: all trials at once while their
-        draws fit in 2²⁰ numbers, chunks that fit otherwise (faster at large d_k: the working set stays in
-        cache). Results are identical whatever the chunks.
+      trials_per_batch: ``None`` (default) picks the chunks per d_k: all trials at once while their
+        draws fit in 2²⁰ numbers, power-of-two chunks of trials that fit otherwise (``lax.map`` over the
+        vmapped trial inside the one compiled program: memory bounded, and faster at large d_k because the
+        working set stays in cache). An int replaces them with fixed chunks of that many trials for every
+        d_k. Results are identical whatever the chunks.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
@@ -827,7 +835,8 @@ def predicted_laws(head_dims: Sequence[int], num_keys: int, *, gap_threshold: fl
       ``median_jacobian = 2 exp(-m_S √d_k)``, ``median_entropy = (1 + m_S √d_k) exp(-m_S √d_k)``,
       ``mean_jacobian = f_D(0) / √d_k``, ``mean_entropy = (π²/6) f_D(0) / √d_k``,
       ``mean_one_minus_max = ln 2 · f_D(0) / √d_k``, ``mean_logit_grad = √(2/π) f_D(0) / √d_k``
-      (for a unit-variance read-out of unit-variance values).
+      (for a read-out of norm exactly 1 against unit-variance values; the sweep's ``r ~ N(0, I/V)`` has
+      ``E‖r‖ = √(2/V) Γ((V+1)/2) / Γ(V/2)``, 0.985 at V = 16, which multiplies it: see the lab's ``fit_laws``).
     """
     dims = np.asarray(_check_head_dims(head_dims), np.float64)
     m = gap_median(num_keys)

@@ -130,6 +130,18 @@ def test_entropy_keeps_the_largest_weights_term_when_it_rounds_to_one():
     g = jax.grad(lambda w: probes.entropy(w).sum())(w)
     np.testing.assert_allclose(g[:2], -(np.log(np.asarray(w[:2], np.float64)) + 1), rtol=1e-5)
     assert probes.entropy(np.array([0.5, 0.2])) == pytest.approx(-(0.5 * math.log(0.5) + 0.2 * math.log(0.2)), rel=1e-6)
+    # Half-precision maps: the largest weight rounds to 1 much earlier (logit gap 10 in float16), and the
+    # sum-to-1 test allows for the rounding of the input dtype; a non-distribution stays a plain sum.
+    z16 = np.array([[0.0, -10.0], [0.0, -7.0]])
+    w16 = jax.nn.softmax(jnp.asarray(z16, jnp.float32), axis=-1).astype(jnp.float16)
+    assert np.asarray(w16)[0, 0] == 1.0
+    e16 = np.exp(-np.array([10.0, 7.0]))
+    exact16 = np.log1p(e16) + e16 / (1 + e16) * np.array([10.0, 7.0])
+    np.testing.assert_allclose(probes.entropy(w16), exact16, rtol=2e-3)  # float16 rounding of the small weight
+    for dtype in (jnp.float16, jnp.bfloat16):
+        half = jnp.asarray([0.5, 0.2], dtype)
+        plain_half = -sum(float(x) * math.log(float(x)) for x in np.asarray(half, np.float64))
+        assert float(probes.entropy(half)) == pytest.approx(plain_half, rel=1e-6)
 
 
 def test_head_entropy_causal_mask_matches_numpy(rng):
@@ -665,6 +677,8 @@ def test_dot_product_variance_memory_does_not_grow_with_samples():
     # pair at once took 575 MiB (1.15 GiB at n = 4096); a block of rows at a time takes 13 MiB at any n.
     compiled = _probes._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 2048).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 32 * 2**20
+    four_times = _probes._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 8192).compile()  # not run
+    assert four_times.memory_analysis().temp_size_in_bytes <= 1.1 * compiled.memory_analysis().temp_size_in_bytes
     tiny = probes.dot_product_variance(1, (5, 7), num_samples=3)  # a ragged last block, cut to n
     assert np.all(np.isfinite(tiny["std_error"])) and tiny["variance"].shape == (2,)
     np.testing.assert_array_equal(np.asarray(_probes._dots(jax.random.key(1), (5, 7), 3)).shape, (2, 3))

@@ -181,7 +181,6 @@ def _main():  # pragma: no cover - runs in the subprocess
         chunk = T // 4
         own = chunk * (N * 4 + K * 4 + K * 3 + 1 + N * 3 + N) + 1  # q, k, v, mask, out [T,N,V], lse [N,T]; scale
         assert residuals and per_device <= own, (per_device, own, [(x.shape, x.dtype) for x in residuals])
-        # and the backward really is a ring: the gradient's jaxpr sends the key/value gradients round
         # and the backward really is a ring: each hop sends k, v, mask and the gradients dk, dv; one more
         # hop brings dk, dv home (the transpose of the forward's ring would send only dk, dv)
         jaxpr = str(jax.make_jaxpr(vjp)((jnp.zeros((T, N, 3)), jnp.zeros((N, T)))))
@@ -195,8 +194,9 @@ def _main():  # pragma: no cover - runs in the subprocess
             T, N, K = 8, 2, 1
             q, k, v = (rng.standard_normal((T, n, 2)) for n in (N, K, K))
             m = on(seq_mesh, PartitionSpec("seq"), np.arange(T) != 2)[0]
-            f = jax.jit(functools.partial(ring_fn(True, True, scale=0.7), m=m))  # one compile for all evaluations
-            check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
+            # scale is an argument too: its gradient is each device's share, summed round the ring (psum)
+            f = jax.jit(lambda q, k, v, s: ring_fn(True, True, scale=s)(q, k, v, m))  # one compile for all
+            check_grads(f, (q, k, v, np.float64(0.7)), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
     def batched(B, T, N, K, H=4):
         return (

@@ -2,8 +2,8 @@
 
     model = jaxattn.gpt2.lab_model(*jaxattn.gpt2.load("gpt2"))
     maps = jaxattn.trophy.sentence_maps(model, jaxattn.trophy.SENTENCES["big"])
-    print(jaxattn.trophy.render_part3(maps, layer=5, head=1))
-    print(jaxattn.trophy.render_part4(jaxattn.trophy.compare(model)))
+    part3 = jaxattn.trophy.render_part3(maps, layer=5, head=1)      # text; experiments/trophy.py prints it
+    part4 = jaxattn.trophy.render_part4(jaxattn.trophy.compare(model))
 
 A model plugs in through :class:`LabModel` (name, causal flag, tokenize, attentions, optional scorer).
 """

@@ -135,15 +135,21 @@ def _matmul_gflops(dtype, n: int, rounds: int = 3) -> float:
     return 2.0 * n**3 / best / 1e9
 
 
-def _available_bytes() -> float:
+def _proc_bytes(path: str, field: str) -> int | None:
+    """A ``field: N kB`` line of a /proc file, in bytes (None where there is no such file or line)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return float("inf")
+    return None
+
+
+def _available_bytes() -> float:
+    available = _proc_bytes("/proc/meminfo", "MemAvailable")
+    return float("inf") if available is None else float(available)
 
 
 def _time_config(cfg: dict, impls: list[str], args, seed: int) -> dict:
@@ -191,14 +197,8 @@ def _time_config(cfg: dict, impls: list[str], args, seed: int) -> dict:
 def _peak_rss() -> int:
     """This process's peak resident memory in bytes: VmHWM (ru_maxrss would include the parent's, as
     Linux carries it across fork and exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _proc_bytes("/proc/self/status", "VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if peak is None else peak
 
 
 def _peak_memory_child(cfg: dict, impl: str, seed: int) -> dict:

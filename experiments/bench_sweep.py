@@ -41,7 +41,7 @@ def _best_interleaved(fns, repeats):
 
 
 def _programs(head_dims, trials, T, S, V, seed):
-    """The sweep's keys, the one program, the single-trial functions, and the loop over them."""
+    """The sweep's keys, the single-trial functions, the keys sliced per (d_k, trial), the one program, the loop."""
     keys = jax.random.split(jax.random.key(seed), (len(head_dims), trials))  # [P, R], as saturation_sweep
     static = dict(head_dims=tuple(head_dims), T=T, S=S, V=V, dtype=F32, chunks=_chunks(head_dims, trials, T, S, V))  # as saturation_sweep
     fns = {d: probes.sweep_trial_fn(d, num_queries=T, num_keys=S, value_dim=V) for d in head_dims}
@@ -59,18 +59,17 @@ def _programs(head_dims, trials, T, S, V, seed):
                     out.append(jax.block_until_ready(one(key, scaled)))
         return out
 
-    return keys, fns, vmapped, loop
+    return keys, fns, trial_keys, vmapped, loop
 
 
 def bench(name, head_dims, trials, T, S, V, repeats, seed):
-    keys, fns, vmapped, loop = _programs(head_dims, trials, T, S, V, seed)
+    keys, fns, trial_keys, vmapped, loop = _programs(head_dims, trials, T, S, V, seed)
     compile_vmap = _time(vmapped)
     compile_loop = _time(lambda: [jax.block_until_ready(fns[d](keys[0, 0], True)) for d in head_dims])
     # Like for like: the program draws each trial once for both modes; this loop does too (one call per
     # trial of the same single-trial function vmapped over the two modes).
     modes = np.array([True, False])
     pairs = {d: jax.jit(jax.vmap(fns[d], in_axes=(None, 0))) for d in head_dims}
-    trial_keys = [[keys[p, r] for r in range(trials)] for p in range(len(head_dims))]
 
     def loop_pairs():
         return [jax.block_until_ready(pairs[d](key, modes)) for p, d in enumerate(head_dims) for key in trial_keys[p]]
@@ -97,7 +96,7 @@ def per_dk(head_dims, trials, T, S, V, repeats, seed):
     print(f"per d_k ({trials} trials, T = {T}, S = {S}, V = {V}; times per trial and scale mode, best of {repeats}):")
     print("  d_k | loop (ms/call) | program (ms) | drawing alone (ms) | speed-up | loop / drawing alone")
     for d in head_dims:
-        keys, _, vmapped, loop = _programs((d,), trials, T, S, V, seed)
+        keys, _, _, vmapped, loop = _programs((d,), trials, T, S, V, seed)
         (chunk,) = _chunks((d,), trials, T, S, V)  # drawn in the same chunks as the program draws them
         one_draw = lambda key, d=d: sum(x.sum() for x in _draw(key, head_dim=d, T=T, S=S, V=V, dtype=F32))  # read once
         draw = jax.jit(lambda keys, f=one_draw, c=chunk: jax.lax.map(f, keys, batch_size=c) if c else jax.vmap(f)(keys))

@@ -368,10 +368,7 @@ def _fit_constant(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
 
 def _fit_inverse_sqrt(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Least squares ``y·√d = C + Cκ/√d`` (the law with its first correction); returns ``(C, κ)``."""
-    d = np.asarray(d, np.float64)
-    A = np.stack([np.ones_like(d), 1 / np.sqrt(d)], axis=1)
-    (c0, c1), *_ = np.linalg.lstsq(A, np.asarray(y, np.float64) * np.sqrt(d), rcond=None)
-    return float(c0), float(c1 / c0)
+    return _fit_constant(d, np.asarray(y, np.float64) * np.sqrt(np.asarray(d, np.float64)))
 
 
 def zero_fractions(sweep_data: dict[str, Any]) -> dict[str, Any]:

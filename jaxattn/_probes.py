@@ -96,8 +96,8 @@ def _entropy(p: Array, keep: Array | None, ulp: float | None = None) -> Array:
     S = p.shape[-1]
     if S < 2:
         return -jnp.sum(terms, axis=-1)
-    is_max = jax.nn.one_hot(jnp.argmax(p, axis=-1), S, dtype=jnp.bool_)  # [..., S]
-    others = jnp.sum(jnp.where(is_max, 0.0, p), axis=-1, keepdims=True)  # [..., 1], ε
+    complement, is_max = _complement(p)  # [..., S]: 1 - p_s, with 1 - p_max summed from the others
+    others = jnp.sum(jnp.where(is_max, complement, 0.0), axis=-1, keepdims=True)  # [..., 1], ε
     p_max = jnp.max(p, axis=-1, keepdims=True)  # [..., 1]
     # Rounding a distribution to its dtype moves its sum by at most ulp/2; computing it (softmax, sums) in
     # p's dtype by a few ulps per key.

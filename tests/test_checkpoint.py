@@ -136,19 +136,7 @@ def test_broken_checkpoint_is_refused_with_its_message(good, tmp_path, name, fmt
     assert issubclass(CheckpointError, ValueError)
 
 
-@pytest.fixture
-def offline_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache with the hub switched off: nothing here may touch the network."""
-    import huggingface_hub.constants as constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
-
-
-def test_offline_hub_id_with_nothing_cached_gives_one_clear_error(offline_cache):
+def test_offline_hub_id_with_nothing_cached_gives_one_clear_error(offline_hub):
     with pytest.raises(CheckpointError) as info:
         gpt2.load("gpt2-medium")
     message = str(info.value)
@@ -159,10 +147,10 @@ def test_offline_hub_id_with_nothing_cached_gives_one_clear_error(offline_cache)
     assert isinstance(info.value, HubUnavailableError)  # the one case the lab may replace by its bundled encoder
 
 
-def test_hub_id_served_from_the_cache_offline(good, offline_cache):
+def test_hub_id_served_from_the_cache_offline(good, offline_hub):
     """The hub path is the cached path: a snapshot laid out as huggingface_hub does loads offline."""
     commit = "0" * 40
-    repo = offline_cache / "models--tiny-gpt2"
+    repo = offline_hub / "models--tiny-gpt2"
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     shutil.copytree(good["safetensors"], repo / "snapshots" / commit)
@@ -180,7 +168,7 @@ def test_hub_id_served_from_the_cache_offline(good, offline_cache):
         ("bad name!", r"^bad name!: no such directory"),
     ],
 )
-def test_paths_that_are_not_directories(offline_cache, name, message):
+def test_paths_that_are_not_directories(offline_hub, name, message):
     with pytest.raises(CheckpointError, match=message):
         resolve(name, required=["config.json"])
 

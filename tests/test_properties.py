@@ -1,7 +1,6 @@
 """Invariants of attention, checked by hypothesis over shapes, values, masks and scales."""
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -59,7 +59,6 @@ def test_four_device_check(four_device_results, check):
 
 
 def _main():  # pragma: no cover - runs in the subprocess
-    import functools
     import time
     import traceback
 

@@ -191,18 +191,6 @@ FALLBACK_LINE = ("GPT-2 unavailable (offline, not cached): running parts 3-4 on 
                  "pass --model to choose")
 
 
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """The Hugging Face hub switched off, with an empty cache: GPT-2 cannot be reached, no network."""
-    import huggingface_hub.constants as constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    return cache
-
-
 @pytest.fixture(scope="module")
 def script_main():
     import runpy

@@ -527,7 +527,10 @@ def _width_probes(q, k, v, r, scale):
 def _row_probes(logits, weights, logit_grad, **reduced):
     """The rest of :func:`_probe_rows`, on ``[..., T, S]`` rows: any leading axes (the sweep stacks all d_k)."""
     stats = row_stats(weights)
-    jac = _jacobian_norms(_masked_softmax(logits, None))["frobenius"]  # [..., T]
+    # The Jacobian of the softmax the core computed (in float32 or wider). When q, k, v are in that dtype
+    # (logit_grad's dtype is theirs), the map is that softmax itself; otherwise it was rounded to their dtype.
+    p = weights if logit_grad.dtype == logits.dtype else _masked_softmax(logits, None)
+    jac = _jacobian_norms(p)["frobenius"]  # [..., T]
     return {
         "entropy": stats["entropy"],
         "normalized_entropy": stats["normalized_entropy"],
@@ -551,6 +554,125 @@ def _trial_widths(key, scaled, *, head_dim, T, S, V, dtype):
 def _trial(key, scaled, *, head_dim, T, S, V, dtype):
     """One random trial at one static ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
     return _row_probes(**_trial_widths(key, scaled, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
+
+
+# --- Gram sampling: every statistic of a trial depends on q and k only through their Gram matrix. ---
+#
+# A trial's logits are q·k, ‖∂L/∂q_t‖ = c‖Σ_s G_ts k_s‖ needs the k_s·k_s', ‖∂L/∂k_s‖ the q_t·q_t', and
+# v, r do not see d_k: every probe is a function of the Gram matrix X Xᵀ of X = [q; k] ([T+S, d_k]),
+# i.e. invariant under any rotation of R^{d_k}. Write X = L Uᵀ (LQ decomposition: U has orthonormal
+# columns, L is [T+S, min(T+S, d_k)] lower-triangular with a positive diagonal): the rows of L are
+# q and k in coordinates of an orthonormal basis of their span, with the same Gram matrix, so every
+# probe computed on them equals the probe computed on X (to rounding). For Gaussian X, Bartlett's
+# decomposition gives L's law: independent entries, L_ij ~ N(0, 1) below the diagonal (j < i, j < d_k),
+# L_ii ~ χ_{d_k - i} (0-based i < d_k), zero elsewhere. Drawing L costs (T+S)² numbers whatever d_k, and
+# every d_k has the same shape, so d_k can be a traced argument: one function for every d_k.
+
+
+_CHI_CANDIDATES = 3  # candidates drawn up front per χ sample (P(all rejected) ≤ 0.05³ per sample)
+
+
+def _chi(key, df):
+    """χ samples (square roots of χ²_df), ``df >= 1`` a float array; exact, by Marsaglia & Tsang (2000).
+
+    χ²_df = 2·Gamma(df/2). Gamma(a ≥ 1) by Marsaglia–Tsang's rejection: every entry takes the first
+    accepted candidate of a sequence. The first :data:`_CHI_CANDIDATES` candidates of every entry are
+    drawn at once; entries with none accepted (the acceptance rate is ≥ 95%, ≥ 99.8% for a ≥ 16: rare)
+    continue one candidate per round in a ``lax.while_loop``, which usually runs no round at all.
+    a < 1 uses Gamma(a) = Gamma(a + 1)·U^{1/a}. Written out because ``jax.random.chisquare`` samples each
+    entry in its own loop with its own key splits, several times slower under ``vmap`` on a CPU.
+    """
+    dt = jnp.result_type(float)
+    a = jnp.asarray(df, dt) / 2
+    boost = a < 1
+    d = jnp.where(boost, a + 1, a) - 1 / 3
+    c = jax.lax.rsqrt(9 * d)
+    boost_key, first_key, loop_key = jax.random.split(key, 3)
+
+    def candidates(key, shape):  # -> accepted [shape], value [shape]; shape is [..., *df.shape]
+        x_key, u_key = jax.random.split(key)
+        x = jax.random.normal(x_key, shape, dt)
+        u = jax.random.uniform(u_key, shape, dt)
+        cs, ds = jnp.broadcast_to(c, shape), jnp.broadcast_to(d, shape)
+        v = (1 + cs * x) ** 3
+        pos = jnp.where(v > 0, v, 1)  # log(v) only where v > 0 (v <= 0 is rejected)
+        return (v > 0) & (jnp.log(u) < 0.5 * x * x + ds - ds * pos + ds * jnp.log(pos)), ds * pos
+
+    ok, value = candidates(first_key, (_CHI_CANDIDATES, *a.shape))  # [K, ...]
+    first = jnp.argmax(ok, axis=0)  # the first accepted candidate (0 if none)
+    start = (jnp.zeros((), jnp.int32), jnp.any(ok, axis=0), jnp.take_along_axis(value, first[None], axis=0)[0])
+
+    def round_(state):
+        i, done, gamma = state
+        ok, value = candidates(jax.random.fold_in(loop_key, i), a.shape)
+        return i + 1, done | ok, jnp.where(done, gamma, value)
+
+    _, _, gamma = jax.lax.while_loop(lambda s: ~jnp.all(s[1]), round_, start)
+    u = jax.random.uniform(boost_key, a.shape, dt)
+    gamma = gamma * jnp.where(boost, u ** (1 / a), 1)
+    return jnp.sqrt(2 * gamma)
+
+
+@functools.lru_cache(maxsize=None)
+def _lower_gather(n):
+    """Index map for :func:`_gram_factor`: ``[n, n]`` positions in ``z`` of the strictly lower entries, else ``m``."""
+    rows, cols = np.tril_indices(n, -1)
+    index = np.full((n, n), len(rows), np.int32)
+    index[rows, cols] = np.arange(len(rows))
+    return index
+
+
+def _gram_factor(z, chi_key, head_dim, n):
+    """``L [n, n]``: Bartlett's factor of ``X Xᵀ`` for ``X [n, head_dim]`` with N(0, 1) entries (``head_dim`` traced).
+
+    ``z``: ``n(n-1)/2`` N(0, 1) numbers for the strictly lower entries; ``chi_key`` draws the diagonal.
+    Columns ``j >= head_dim`` are zero (for ``head_dim < n`` the Gram matrix has rank ``head_dim``).
+    """
+    lower = jnp.concatenate([z, jnp.zeros((1,), z.dtype)])[_lower_gather(n)]  # [n, n], a gather (a scatter is slower)
+    i = jnp.arange(n)
+    df = head_dim - i  # row i's diagonal entry is χ_{d_k - i} while i < d_k
+    diag = jnp.where(df > 0, _chi(chi_key, jnp.maximum(df, 1)), 0)  # [n]
+    return jnp.where(i[:, None] == i[None, :], diag[:, None], jnp.where(i[None, :] < head_dim, lower, 0))
+
+
+def _draw_gram(key, head_dim, *, T, S, V, dtype):
+    """One trial as :func:`_draw`, with q and k in coordinates of their span: ``q [T, T+S]``, ``k [S, T+S]``."""
+    n = T + S
+    m = n * (n - 1) // 2
+    z_key, chi_key = jax.random.split(key)
+    z = jax.random.normal(z_key, (m + n * V,))  # one draw: L's lower entries, then v and r (fewer RNG ops)
+    L = _gram_factor(z[:m], chi_key, head_dim, n)  # [n, n]
+    vr = z[m:].reshape(n, V)
+    return L[:T].astype(dtype), L[T:].astype(dtype), vr[T:].astype(dtype), (vr[:T] / math.sqrt(V)).astype(dtype)
+
+
+def _gram_trial_widths(key, scaled, head_dim, *, T, S, V, dtype):
+    """:func:`_trial_widths` from :func:`_draw_gram`: ``head_dim`` is a traced int."""
+    q, k, v, r = _draw_gram(key, head_dim, T=T, S=S, V=V, dtype=dtype)
+    acc = softmax_dtype(dtype)
+    scale = jnp.where(scaled, 1 / jnp.sqrt(jnp.asarray(head_dim, acc)), jnp.ones((), acc))
+    return _width_probes(q, k, v, r, scale)
+
+
+def _gram_trial(key, scaled, head_dim, *, T, S, V, dtype):
+    return _row_probes(**_gram_trial_widths(key, scaled, head_dim, T=T, S=S, V=V, dtype=dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("T", "S", "V", "dtype", "batch"))
+def _gram_program(keys, head_dims, *, T, S, V, dtype, batch):
+    """``[P, R]`` keys, ``[P]`` int head dims -> every probe ``[2, P, R, ...]``: one vmap over all P·R trials.
+
+    Each trial runs both scale modes on its draw; ``batch`` (``None`` or a count) chunks the trials with
+    ``lax.map`` (same numbers, memory bounded by the chunk).
+    """
+    P, R = keys.shape
+    modes = jnp.array([True, False])
+    trial = functools.partial(_gram_trial_widths, T=T, S=S, V=V, dtype=dtype)
+    both = lambda args: jax.vmap(trial, in_axes=(None, 0, None))(args[0], modes, args[1])  # [2, ...]
+    flat = (keys.reshape(P * R), jnp.repeat(jnp.asarray(head_dims, jnp.int32), R))
+    out = jax.vmap(both)(flat) if batch is None else jax.lax.map(both, flat, batch_size=batch)  # [P·R, 2, ...]
+    out = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0).reshape(2, P, R, *x.shape[2:]), out)  # [2, P, R, ...]
+    return _row_probes(**out)
 
 
 _CHUNK_ELEMENTS = 2**20  # automatic chunks: at most this many drawn numbers per d_k at a time (4 MiB f32)
@@ -602,21 +724,56 @@ def _trial_fn(head_dim, T, S, V, dtype):
     return jax.jit(functools.partial(_trial, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
 
 
-def sweep_trial_fn(head_dim: int, *, num_queries: int = 16, num_keys: int = 16, value_dim: int = 16, dtype: Any = jnp.float32):
-    """The jitted single-trial function the sweep vmaps at one ``d_k``: ``f(key, scaled) -> dict``.
+@functools.lru_cache(maxsize=None)
+def _gram_trial_fn(T, S, V, dtype):
+    return jax.jit(functools.partial(_gram_trial, T=T, S=S, V=V, dtype=dtype))
 
-    ``f(key, scaled)`` draws one trial at ``d_k = head_dim`` from ``key`` exactly as
-    :func:`saturation_sweep` does and returns its per-row probes (the sweep's fields without the leading
-    ``[2, P, R]`` axes); ``scaled`` is a (traced) bool. The same arguments return the same compiled
-    function. For benchmarks (a Python loop over it against :func:`saturation_sweep`) and for debugging
-    one trial: the sweep's trial ``r`` at ``head_dims[p]`` used the key
-    ``jax.random.split(key, (P, R))[p, r]``.
+
+@functools.lru_cache(maxsize=None)
+def _gram_trial_at(head_dim, T, S, V, dtype):
+    return functools.partial(_gram_trial_fn(T, S, V, dtype), head_dim=np.int32(head_dim))
+
+
+SAMPLINGS = ("gram", "vectors")
+
+
+def _check_sampling(sampling: Any, dtype: Any) -> str:
+    """``None`` picks ``"gram"`` for float32 and wider, ``"vectors"`` for narrower dtypes (see :func:`saturation_sweep`)."""
+    if sampling is None:
+        return "gram" if jnp.finfo(dtype).bits >= 32 else "vectors"
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be None or one of {SAMPLINGS}, received {sampling!r}")
+    return sampling
+
+
+def sweep_trial_fn(
+    head_dim: int,
+    *,
+    num_queries: int = 16,
+    num_keys: int = 16,
+    value_dim: int = 16,
+    dtype: Any = jnp.float32,
+    sampling: str | None = None,
+):
+    """The jitted single-trial function the sweep vmaps: ``f(key, scaled) -> dict`` at ``d_k = head_dim``.
+
+    ``f(key, scaled)`` draws one trial from ``key`` exactly as :func:`saturation_sweep` with the same
+    ``sampling`` does and returns its per-row probes (the sweep's fields without the leading
+    ``[2, P, R]`` axes); ``scaled`` is a (traced) bool. The sweep's trial ``r`` at ``head_dims[p]`` used
+    the key ``jax.random.split(key, (P, R))[p, r]``. The same arguments return the same object.
+    ``sampling`` as in :func:`saturation_sweep` (``None``: by ``dtype``). ``"gram"``: one compiled
+    function for every ``d_k`` (``d_k`` is one of its traced arguments, bound here); ``"vectors"``: one
+    per ``d_k``. For benchmarks (a Python loop over it
+    against :func:`saturation_sweep`) and for debugging one trial.
     """
     (head_dim,) = _check_head_dims((head_dim,))
     T = _check_count(num_queries, "num_queries")
     S = _check_count(num_keys, "num_keys", 2)
     V = _check_count(value_dim, "value_dim")
-    return _trial_fn(head_dim, T, S, V, _check_dtype(dtype))
+    dtype = _check_dtype(dtype)
+    if _check_sampling(sampling, dtype) == "gram":
+        return _gram_trial_at(head_dim, T, S, V, dtype)
+    return _trial_fn(head_dim, T, S, V, dtype)
 
 
 def saturation_sweep(
@@ -628,6 +785,7 @@ def saturation_sweep(
     num_keys: int = 16,
     value_dim: int = 16,
     dtype: Any = jnp.float32,
+    sampling: str | None = None,
     trials_per_batch: int | None = None,
 ) -> dict[str, Any]:
     """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
@@ -636,8 +794,24 @@ def saturation_sweep(
     ``r [T, V]`` with N(0, 1/V) entries, runs the core :func:`jaxattn.attention` with ``scale=1/sqrt(d_k)``
     and ``scale=1`` on the same draws, and records per query row: entropy, normalised entropy, max
     weight, the Frobenius norm of the softmax Jacobian, ``‖∂L/∂logits‖`` and ``‖∂L/∂q‖`` for
-    ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``. One compiled
-    program holds every ``d_k``, each at its own shape (no padding), vmapped over trials and modes.
+    ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``.
+
+    How q and k are drawn (``sampling``; ``None``, the default, picks ``"gram"`` for float32 and wider
+    and ``"vectors"`` for narrower dtypes):
+      * ``"gram"``: q and k in coordinates of an orthonormal basis of their span, ``[T, T+S]``
+        and ``[S, T+S]``, drawn from Bartlett's decomposition of their Gram matrix. Every probe here is
+        a function of the Gram matrix of ``[q; k]`` (the logits, and the norms of ``∂L/∂q``, ``∂L/∂k``
+        are invariant under rotations of R^{d_k}), so each probe has exactly the law it has for
+        ``d_k``-dimensional Gaussian vectors, up to rounding. A trial costs the same at every ``d_k``,
+        and every ``d_k`` has one shape: the program is one ``vmap`` over all ``(d_k, trial)`` pairs.
+        Rounding is not rotation-invariant: in float16 the entries of ``∂L/∂q`` underflow one coordinate
+        at a time, and coordinates of size ``√d_k`` underflow less often than N(0, 1) ones, so the
+        fraction of exactly-zero ``∂L/∂q`` rows differs (measured at d_k = 1024, 4096 rows: 0.27–0.29
+        against 0.33). Hence the default only for float32 and wider, where the two agree. For ``d_k``
+        far below ``T + S``, ``"vectors"`` is cheaper.
+      * ``"vectors"``: the ``d_k``-dimensional vectors themselves. The trace unrolls over the static
+        ``head_dims``, each at its own width, vmapped over its trials (and chunked, see
+        ``trials_per_batch``); the cost grows with ``d_k``, drawing the vectors dominates it.
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -646,17 +820,18 @@ def saturation_sweep(
       num_queries, num_keys, value_dim: T, S, V of each trial.
       dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
-      trials_per_batch: ``None`` (default) picks the chunks per d_k: all trials at once while their
-        draws fit in 2²⁰ numbers, power-of-two chunks of trials that fit otherwise (``lax.map`` over the
-        vmapped trial inside the one compiled program: memory bounded, and faster at large d_k because the
-        working set stays in cache). An int replaces them with fixed chunks of that many trials for every
-        d_k. Results are identical whatever the chunks.
+      sampling: ``None``, ``"gram"`` or ``"vectors"``, above. The two draw different numbers from one key.
+      trials_per_batch: ``None`` (default): ``"gram"`` vmaps every trial at once; ``"vectors"`` picks
+        chunks per d_k, all trials at once while their draws fit in 2²⁰ numbers, power-of-two chunks of
+        trials that fit otherwise (``lax.map`` over the vmapped trial inside the one compiled program:
+        memory bounded, and faster at large d_k because the working set stays in cache). An int runs
+        chunks of that many trials (every d_k). Results are identical whatever the chunks.
 
     Returns:
-      dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
-      ``[2, P, R, T]`` (``entropy``, ``normalized_entropy``, ``max_weight``, ``jacobian_norm``,
-      ``logit_grad_norm``, ``q_grad_norm``, ``logit_grad_zero``, ``q_grad_zero``, ``jacobian_zero``),
-      ``k_grad_norm [2, P, R, S]`` and ``dot_sq``, ``dot_mean [2, P, R]``.
+      dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries (``sampling`` included), and
+      NumPy arrays ``[2, P, R, T]`` (``entropy``, ``normalized_entropy``, ``max_weight``,
+      ``jacobian_norm``, ``logit_grad_norm``, ``q_grad_norm``, ``logit_grad_zero``, ``q_grad_zero``,
+      ``jacobian_zero``), ``k_grad_norm [2, P, R, S]`` and ``dot_sq``, ``dot_mean [2, P, R]``.
     """
     dims = _check_head_dims(head_dims)
     R = _check_count(num_trials, "num_trials")
@@ -664,10 +839,17 @@ def saturation_sweep(
     S = _check_count(num_keys, "num_keys", 2)
     V = _check_count(value_dim, "value_dim")
     dtype = _check_dtype(dtype)
+    sampling = _check_sampling(sampling, dtype)
     batch = None if trials_per_batch is None else _check_count(trials_per_batch, "trials_per_batch")
-    chunks = _chunks(dims, R, T, S, V, batch)
     keys = jax.random.split(_as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, chunks=chunks)
+    if sampling == "gram":
+        if max(dims) >= 2**31:
+            raise ValueError(f"head_dims must be below 2**31 (an int32 in the program), received {max(dims)}")
+        batch = None if batch is None or batch >= len(dims) * R else batch
+        out = _gram_program(keys, np.asarray(dims, np.int32), T=T, S=S, V=V, dtype=dtype, batch=batch)
+    else:
+        chunks = _chunks(dims, R, T, S, V, batch)
+        out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, chunks=chunks)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),
@@ -677,6 +859,7 @@ def saturation_sweep(
         num_keys=S,
         value_dim=V,
         dtype=dtype.name,
+        sampling=sampling,
     )
     return result
 
@@ -697,7 +880,7 @@ def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0
     """
     qs = np.asarray(quantiles, np.float64)
     summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
-    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype") if k in result})
+    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype", "sampling") if k in result})
     dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
     dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
     var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2

@@ -14,7 +14,7 @@ Gradients through the core attention by ``jax.grad``, for any ``scale``::
 
 Monte Carlo: Var(q·k) and the saturation sweep (one ``jit(vmap(...))`` program)::
 
-    dot_product_variance, saturation_sweep, summarize_sweep, sweep_trial_fn, DEFAULT_HEAD_DIMS
+    dot_product_variance, saturation_sweep, summarize_sweep, sweep_trial_fn, DEFAULT_HEAD_DIMS, SAMPLINGS
 
 The laws the unscaled sweep follows (float64 NumPy), and fits::
 
@@ -24,6 +24,7 @@ The laws the unscaled sweep follows (float64 NumPy), and fits::
 
 from jaxattn._probes import (
     DEFAULT_HEAD_DIMS,
+    SAMPLINGS,
     attention_grads,
     dot_product_variance,
     effective_support,
@@ -49,6 +50,7 @@ from jaxattn._probes import (
 
 __all__ = [
     "DEFAULT_HEAD_DIMS",
+    "SAMPLINGS",
     "attention_grads",
     "dot_product_variance",
     "effective_support",

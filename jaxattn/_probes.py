@@ -558,14 +558,16 @@ def _trial(key, scaled, *, head_dim, T, S, V, dtype):
 
 # --- Gram sampling: every statistic of a trial depends on q and k only through their Gram matrix. ---
 #
-# A trial's logits are q·k, ‖∂L/∂q_t‖ = c‖Σ_s G_ts k_s‖ needs the k_s·k_s', ‖∂L/∂k_s‖ the q_t·q_t', and
-# v, r do not see d_k: every probe is a function of the Gram matrix X Xᵀ of X = [q; k] ([T+S, d_k]),
-# i.e. invariant under any rotation of R^{d_k}. Write X = L Uᵀ (LQ decomposition: U has orthonormal
-# columns, L is [T+S, min(T+S, d_k)] lower-triangular with a positive diagonal): the rows of L are
+# A trial's logits are q·k, ‖∂L/∂q_t‖ = c‖Σ_s Z_ts k_s‖ (Z = ∂L/∂logits) needs the k_s·k_s', ‖∂L/∂k_s‖
+# the q_t·q_t', and v, r do not see d_k: every probe is a function of the Gram matrix X Xᵀ of X = [q; k]
+# ([T+S, d_k]), i.e. invariant under any rotation of R^{d_k}. Write X = L Uᵀ (LQ decomposition: U has
+# orthonormal columns; L is [T+S, min(T+S, d_k)], lower-triangular, lower-trapezoidal when d_k < T+S,
+# with a positive diagonal in its first min(T+S, d_k) rows): the rows of L are
 # q and k in coordinates of an orthonormal basis of their span, with the same Gram matrix, so every
 # probe computed on them equals the probe computed on X (to rounding). For Gaussian X, Bartlett's
 # decomposition gives L's law: independent entries, L_ij ~ N(0, 1) below the diagonal (j < i, j < d_k),
-# L_ii ~ χ_{d_k - i} (0-based i < d_k), zero elsewhere. Drawing L costs (T+S)² numbers whatever d_k, and
+# L_ii ~ χ_{d_k - i} (0-based i < d_k), zero elsewhere (rows i >= d_k: d_k normals, no diagonal entry).
+# Drawing L costs (T+S)² numbers whatever d_k, and
 # every d_k has the same shape, so d_k can be a traced argument: one function for every d_k.
 
 
@@ -575,8 +577,12 @@ _CHI_CANDIDATES = 3  # candidates drawn up front per χ sample (P(all rejected) 
 def _chi(key, df):
     """χ samples (square roots of χ²_df), ``df >= 1`` a float array; exact, by Marsaglia & Tsang (2000).
 
-    χ²_df = 2·Gamma(df/2). Gamma(a ≥ 1) by Marsaglia–Tsang's rejection: every entry takes the first
-    accepted candidate of a sequence. The first :data:`_CHI_CANDIDATES` candidates of every entry are
+    χ²_df = 2·Gamma(df/2). Gamma(a ≥ 1) by Marsaglia–Tsang's rejection: with d = a - 1/3, c = 1/√(9d),
+    x ~ N(0, 1), w = c·x > -1 and u ~ U(0, 1), accept d·(1 + w)³ when
+    ``log u < x²/2 + d·(3 log1p(w) - w(3 + w(3 + w)))``, which is Marsaglia–Tsang's
+    ``x²/2 + d - d·v + d·log v`` (v = (1 + w)³) without its cancellation of terms of size d: in float32 at
+    d ≈ 2²⁵ that form's rounding is larger than the log-ratio it tests (variance of χ² off by 22%).
+    Every entry takes the first accepted candidate of a sequence. The first :data:`_CHI_CANDIDATES` candidates of every entry are
     drawn at once; entries with none accepted (the acceptance rate is ≥ 95%, ≥ 99.8% for a ≥ 16: rare)
     continue one candidate per round in a ``lax.while_loop``, which usually runs no round at all.
     a < 1 uses Gamma(a) = Gamma(a + 1)·U^{1/a}. Written out because ``jax.random.chisquare`` samples each
@@ -593,10 +599,12 @@ def _chi(key, df):
         x_key, u_key = jax.random.split(key)
         x = jax.random.normal(x_key, shape, dt)
         u = jax.random.uniform(u_key, shape, dt)
-        cs, ds = jnp.broadcast_to(c, shape), jnp.broadcast_to(d, shape)
-        v = (1 + cs * x) ** 3
-        pos = jnp.where(v > 0, v, 1)  # log(v) only where v > 0 (v <= 0 is rejected)
-        return (v > 0) & (jnp.log(u) < 0.5 * x * x + ds - ds * pos + ds * jnp.log(pos)), ds * pos
+        ds = jnp.broadcast_to(d, shape)
+        w = jnp.broadcast_to(c, shape) * x
+        positive = w > -1  # v = (1 + w)³ > 0; v <= 0 is rejected
+        w = jnp.where(positive, w, 0.0)  # log1p finite wherever it is not used
+        log_ratio = 0.5 * x * x + ds * (3 * jnp.log1p(w) - w * (3 + w * (3 + w)))
+        return positive & (jnp.log(u) < log_ratio), ds * (1 + w) ** 3
 
     ok, value = candidates(first_key, (_CHI_CANDIDATES, *a.shape))  # [K, ...]
     first = jnp.argmax(ok, axis=0)  # the first accepted candidate (0 if none)
@@ -790,11 +798,12 @@ def saturation_sweep(
 ) -> dict[str, Any]:
     """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
 
-    Each trial draws ``q [T, d_k]``, ``k [S, d_k]``, ``v [S, V]`` with N(0, 1) entries and a read-out
-    ``r [T, V]`` with N(0, 1/V) entries, runs the core :func:`jaxattn.attention` with ``scale=1/sqrt(d_k)``
-    and ``scale=1`` on the same draws, and records per query row: entropy, normalised entropy, max
-    weight, the Frobenius norm of the softmax Jacobian, ``‖∂L/∂logits‖`` and ``‖∂L/∂q‖`` for
-    ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``.
+    Each trial draws ``q [T, d_k]``, ``k [S, d_k]``, ``v [S, V]`` with N(0, 1) entries (q and k in the
+    law of such vectors, see ``sampling``) and a read-out ``r [T, V]`` with N(0, 1/V) entries, runs the
+    core :func:`jaxattn.attention` with ``scale=1/sqrt(d_k)`` and ``scale=1`` on the same draws, and
+    records per query row: entropy, normalised entropy, max weight, the Frobenius norm of the softmax
+    Jacobian, ``‖∂L/∂logits‖`` and ``‖∂L/∂q‖`` for ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those
+    are exactly zero in ``dtype``; per key ``‖∂L/∂k‖``; per trial the moments of ``q·k``.
 
     How q and k are drawn (``sampling``; ``None``, the default, picks ``"gram"`` for float32 and wider
     and ``"vectors"`` for narrower dtypes):
@@ -825,7 +834,8 @@ def saturation_sweep(
         chunks per d_k, all trials at once while their draws fit in 2²⁰ numbers, power-of-two chunks of
         trials that fit otherwise (``lax.map`` over the vmapped trial inside the one compiled program:
         memory bounded, and faster at large d_k because the working set stays in cache). An int runs
-        chunks of that many trials (every d_k). Results are identical whatever the chunks.
+        chunks of that many trials (``"vectors"``: of each d_k's trials; ``"gram"``: of all ``(d_k,
+        trial)`` pairs). Results are identical whatever the chunks.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries (``sampling`` included), and

@@ -125,7 +125,7 @@ def per_dk(head_dims, trials, T, S, V, repeats, seed):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5, help="best of this many timings (default 5)")
+    parser.add_argument("--repeats", type=int, default=10, help="best of this many timings (default 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials", type=int, default=32, help="trials per d_k of the lab's sweep (default 32, the lab's)")
     parser.add_argument("--small-trials", type=int, default=256, help="trials per d_k, small configuration (default 256; 0 skips)")

@@ -23,7 +23,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   [ "$status" -eq 0 ] || failed=1
 }
 step devices 60 python -c "import jax; print(jax.__version__, jax.devices())"
-step bench_sweep 150 python experiments/bench_sweep.py
+step bench_sweep 150 python experiments/bench_sweep.py --repeats 5
 step bench_attention 200 python experiments/bench_attention.py --gpu --no-memory --seconds-per-config 2 \
   --max-rounds 5 --long-T 8192 32768 --out "$out"
 cat "$out/status.txt"

@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials", type=int, default=32, help="random trials per d_k in the sweep (default 32)")
     parser.add_argument("--trials-per-batch", type=int, default=None,
-                        help="vmap this many trials at a time inside the one program, instead of the automatic chunks per d_k")
+                        help="vmap this many trials at a time inside the one program (float16/bfloat16: of each d_k; float32/64: of all (d_k, trial) pairs), instead of the default")
     parser.add_argument("--queries", type=int, default=16, help="query rows per trial (default 16)")
     parser.add_argument("--keys", type=int, default=16, help="keys per row, S (default 16)")
     parser.add_argument("--model", default=None,

@@ -562,13 +562,13 @@ def _trial(key, scaled, *, head_dim, T, S, V, dtype):
 # the q_t·q_t', and v, r do not see d_k: every probe is a function of the Gram matrix X Xᵀ of X = [q; k]
 # ([T+S, d_k]), i.e. invariant under any rotation of R^{d_k}. Write X = L Uᵀ (LQ decomposition: U has
 # orthonormal columns; L is [T+S, min(T+S, d_k)], lower-triangular, lower-trapezoidal when d_k < T+S,
-# with a positive diagonal in its first min(T+S, d_k) rows): the rows of L are
-# q and k in coordinates of an orthonormal basis of their span, with the same Gram matrix, so every
-# probe computed on them equals the probe computed on X (to rounding). For Gaussian X, Bartlett's
-# decomposition gives L's law: independent entries, L_ij ~ N(0, 1) below the diagonal (j < i, j < d_k),
-# L_ii ~ χ_{d_k - i} (0-based i < d_k), zero elsewhere (rows i >= d_k: d_k normals, no diagonal entry).
-# Drawing L costs (T+S)² numbers whatever d_k, and
-# every d_k has the same shape, so d_k can be a traced argument: one function for every d_k.
+# with a positive diagonal in its first min(T+S, d_k) rows): the rows of L are q and k in coordinates of
+# an orthonormal basis of their span, with the same Gram matrix, so every probe computed on them equals
+# the probe computed on X (to rounding). For Gaussian X, Bartlett's decomposition gives L's law:
+# independent entries, L_ij ~ N(0, 1) below the diagonal (j < i, j < d_k), L_ii ~ χ_{d_k - i} (0-based
+# i < d_k), zero elsewhere (rows i >= d_k: d_k normals, no diagonal entry). Drawing L costs (T+S)²
+# numbers whatever d_k, and every d_k has the same shape, so d_k can be a traced argument: one function
+# for every d_k.
 
 
 _CHI_CANDIDATES = 3  # candidates drawn up front per χ sample (P(all rejected) ≤ 0.05³ per sample)
@@ -582,9 +582,10 @@ def _chi(key, df):
     ``log u < x²/2 + d·(3 log1p(w) - w(3 + w(3 + w)))``, which is Marsaglia–Tsang's
     ``x²/2 + d - d·v + d·log v`` (v = (1 + w)³) without its cancellation of terms of size d: in float32 at
     d ≈ 2²⁵ that form's rounding is larger than the log-ratio it tests (variance of χ² off by 22%).
-    Every entry takes the first accepted candidate of a sequence. The first :data:`_CHI_CANDIDATES` candidates of every entry are
-    drawn at once; entries with none accepted (the acceptance rate is ≥ 95%, ≥ 99.8% for a ≥ 16: rare)
-    continue one candidate per round in a ``lax.while_loop``, which usually runs no round at all.
+    Every entry takes the first accepted candidate of a sequence. The first :data:`_CHI_CANDIDATES`
+    candidates of every entry are drawn at once; entries with none accepted (the acceptance rate is
+    ≥ 95%, ≥ 99.8% for a ≥ 16: rare) continue one candidate per round in a ``lax.while_loop``, which
+    usually runs no round at all.
     a < 1 uses Gamma(a) = Gamma(a + 1)·U^{1/a}. Written out because ``jax.random.chisquare`` samples each
     entry in its own loop with its own key splits, several times slower under ``vmap`` on a CPU.
     """

@@ -354,7 +354,8 @@ def test_sweep_unscaled_entropy_falls_monotonically_scaled_stays_in_a_band(small
     assert s["max_weight"]["median"][1][-1] > 0.999
     # Scaled: flat across d_k = 8 … 4096. Measured on this sweep (seed 7, 1024 rows per d_k): max/min of the
     # means 1.009 (entropy), 1.041 (max weight), 1.016 (‖J‖), 1.065 (‖∂L/∂logits‖), 1.073 (‖∂L/∂q‖), 1.077
-    # (‖∂L/∂k‖); bands about twice that spread (or more: the vectors draw of 256 rows gave 1.049 and 1.134).
+    # (‖∂L/∂k‖). The bands are about twice the largest spread seen with either sampling (the vectors'
+    # 256 rows per d_k gave 1.049 for max weight and 1.134 for ‖∂L/∂logits‖).
     for name, band in [("entropy", 1.03), ("max_weight", 1.1), ("jacobian_norm", 1.03), ("logit_grad_norm", 1.25),
                        ("q_grad_norm", 1.25), ("k_grad_norm", 1.25)]:
         scaled = s[name]["mean"][0]
@@ -534,9 +535,10 @@ def test_chunked_sweep_gives_the_same_numbers(sampling):
             for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
                 np.testing.assert_allclose(chunked[name][mode, 0, r], one[name], rtol=1e-3, atol=1e-30)
     assert chunked["entropy"].shape == (2, 1, 4, 4)
-    if sampling == "gram":
-        return
-    # Automatic chunks (trials_per_batch=None): all trials at once while a d_k's draws fit in 2^20 numbers.
+
+
+def test_automatic_chunks_of_the_vectors_sampling():
+    # trials_per_batch=None: all trials of a d_k at once while their draws fit in 2^20 numbers.
     lab = (8, 64, 1024, 2048, 4096)
     assert _probes._chunks(lab, 32, 16, 16, 16) == (None, None, 16, 8, 4)  # 32·32·(1024+16) > 2^20 ≥ 16·32·(…)
     assert _probes._chunks(lab, 32, 16, 16, 16, 8) == (8,) * 5 and _probes._chunks(lab, 4, 16, 16, 16, 8) == (None,) * 5

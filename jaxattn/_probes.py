@@ -672,7 +672,7 @@ def _gram_program(keys, head_dims, *, T, S, V, dtype, batch):
     """``[P, R]`` keys, ``[P]`` int head dims -> every probe ``[2, P, R, ...]``: one vmap over all P·R trials.
 
     Each trial runs both scale modes on its draw; ``batch`` (``None`` or a count) chunks the trials with
-    ``lax.map`` (same numbers, memory bounded by the chunk).
+    ``lax.map`` (the same numbers up to rounding, memory bounded by the chunk).
     """
     P, R = keys.shape
     modes = jnp.array([True, False])
@@ -713,7 +713,7 @@ def _sweep_program(keys, *, head_dims, T, S, V, dtype, chunks):
     probes that do not see ``d_k`` run once on the stack (one copy to compile instead of P). This is
     :func:`_trial` for every key and mode. ``chunks[p]`` (see :func:`_chunks`) is ``None`` to vmap over
     all R trials of ``head_dims[p]`` at once, or a count: ``lax.map`` then runs the vmapped trial over
-    chunks of that many trials (the same numbers, memory bounded by the chunk).
+    chunks of that many trials (the same numbers up to rounding, memory bounded by the chunk).
     """
     modes = jnp.array([True, False])
     per_dim = []
@@ -726,6 +726,28 @@ def _sweep_program(keys, *, head_dims, T, S, V, dtype, chunks):
             per_dim.append(jax.lax.map(both, keys[p], batch_size=batch))  # [R, 2, ...]
     stacked = jax.tree.map(lambda *xs: jnp.moveaxis(jnp.stack(xs), 2, 0), *per_dim)  # [2, P, R, ...]
     return _row_probes(**stacked)
+
+
+_GRAM_CHUNK_ELEMENTS = 2**19  # "gram" on a CPU: automatic chunks of at most this many drawn numbers
+
+
+def _gram_chunk(pairs, T, S, V):
+    """Automatic chunk of ``(d_k, trial)`` pairs for ``sampling="gram"`` (``None``: all at once).
+
+    On a CPU, all pairs at once while their draws (``(T+S)(T+S-1)/2 + (T+S)·V`` normals and
+    ``2·_CHI_CANDIDATES + 1`` numbers per χ, ``T+S`` of them) fit in :data:`_GRAM_CHUNK_ELEMENTS`,
+    otherwise chunks of the largest power of two of pairs that do: the working set then stays in cache
+    (measured on a 2-core CPU, 4 MiB of L2 per core, T = S = V = 16, d_k = 8 … 4096, best of 7:
+    1024 trials 0.397 s → 0.251 s; 64 trials 0.021 s → 0.017 s; 32 trials, 320 pairs, fit and are
+    not chunked, where chunks of 160 were slower, 0.0060 s → 0.0074 s). On a GPU or TPU a chunk only
+    removes parallelism: there the pairs are never chunked automatically.
+    """
+    if jax.default_backend() != "cpu":
+        return None
+    n = T + S
+    per_pair = n * (n - 1) // 2 + n * V + (2 * _CHI_CANDIDATES + 1) * n
+    fit = max(1, _GRAM_CHUNK_ELEMENTS // per_pair)
+    return None if fit >= pairs else 2 ** (fit.bit_length() - 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -831,12 +853,15 @@ def saturation_sweep(
       dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
         come back in ``dtype``). float64 needs ``jax.enable_x64``.
       sampling: ``None``, ``"gram"`` or ``"vectors"``, above. The two draw different numbers from one key.
-      trials_per_batch: ``None`` (default): ``"gram"`` vmaps every trial at once; ``"vectors"`` picks
-        chunks per d_k, all trials at once while their draws fit in 2²⁰ numbers, power-of-two chunks of
-        trials that fit otherwise (``lax.map`` over the vmapped trial inside the one compiled program:
-        memory bounded, and faster at large d_k because the working set stays in cache). An int runs
-        chunks of that many trials (``"vectors"``: of each d_k's trials; ``"gram"``: of all ``(d_k,
-        trial)`` pairs). Results are identical whatever the chunks.
+      trials_per_batch: ``None`` (default) picks chunks: ``"vectors"`` per d_k, all trials at once while
+        their draws fit in 2²⁰ numbers, power-of-two chunks of trials that fit otherwise; ``"gram"``, on
+        a CPU, chunks of all ``(d_k, trial)`` pairs in the same way with 2¹⁹ numbers (256 pairs for
+        T = S = V = 16, so the lab's 32 trials × 10 d_k run at once), and never on a GPU or TPU. A
+        chunk is a ``lax.map`` step over the vmapped trial inside the one compiled program: memory
+        bounded, and on a CPU faster, because the working set stays in cache. An int runs chunks of that
+        many trials (``"vectors"``: of each d_k's trials; ``"gram"``: of all ``(d_k, trial)`` pairs).
+        Results are the same whatever the chunks, up to rounding (each chunk size compiles its own
+        kernels; float32: relative differences of order 1e-7).
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries (``sampling`` included), and
@@ -856,7 +881,9 @@ def saturation_sweep(
     if sampling == "gram":
         if max(dims) >= 2**31:
             raise ValueError(f"head_dims must be below 2**31 (an int32 in the program), received {max(dims)}")
-        batch = None if batch is None or batch >= len(dims) * R else batch
+        pairs = len(dims) * R
+        batch = _gram_chunk(pairs, T, S, V) if batch is None else batch
+        batch = None if batch is None or batch >= pairs else batch
         out = _gram_program(keys, np.asarray(dims, np.int32), T=T, S=S, V=V, dtype=dtype, batch=batch)
     else:
         chunks = _chunks(dims, R, T, S, V, batch)

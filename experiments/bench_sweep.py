@@ -10,18 +10,22 @@ way the sweep can draw q and k (probes.saturation_sweep's `sampling`):
 and for two configurations:
   * "the lab's sweep": d_k = 8 … 4096, the lab's default 32 trials × 16 queries × 16 keys;
   * "many small trials": d_k = 8 … 64, 256 trials.
+--breakdown adds, for "gram", what the lab's program spends its time on, and the speed-up of the trial
+without its row probes.
 --per-dk adds, for "vectors", the comparison one d_k at a time next to a program that only draws the
 trials' random inputs (in the same chunks) and sums them: work no batching can remove, which grows with d_k.
 """
 
 import argparse
+import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import probes
-from jaxattn._probes import _chunks, _draw, _gram_program, _sweep_program
+from jaxattn._probes import _chunks, _draw, _draw_gram, _gram_chunk, _gram_program, _gram_trial_widths, _sweep_program
 
 F32 = np.dtype("float32")
 
@@ -46,7 +50,8 @@ def _programs(head_dims, trials, T, S, V, seed, sampling):
     keys = jax.random.split(jax.random.key(seed), (len(head_dims), trials))  # [P, R], as saturation_sweep
     if sampling == "gram":  # as saturation_sweep
         dims = np.asarray(head_dims, np.int32)
-        program = lambda: _gram_program(keys, dims, T=T, S=S, V=V, dtype=F32, batch=None)
+        batch = _gram_chunk(keys.size, T, S, V)  # the chunks saturation_sweep picks (on a CPU, 256 pairs past 425)
+        program = lambda: _gram_program(keys, dims, T=T, S=S, V=V, dtype=F32, batch=batch)
     else:
         chunks = _chunks(head_dims, trials, T, S, V)
         program = lambda: _sweep_program(keys, head_dims=tuple(head_dims), T=T, S=S, V=V, dtype=F32, chunks=chunks)
@@ -123,6 +128,41 @@ def per_dk(head_dims, trials, T, S, V, repeats, seed):
         )
 
 
+def breakdown(trials, T, S, V, repeats, seed):
+    """sampling="gram", the lab's sweep taken apart: what the program's time goes to, and the speed-up of
+    the trial without its row probes (both sides lose them: work removed from the trial leaves the loop too)."""
+    head_dims = probes.DEFAULT_HEAD_DIMS
+    keys, fns, trial_keys, vmapped, loop = _programs(head_dims, trials, T, S, V, seed, "gram")
+    flat = (keys.reshape(-1), jnp.repeat(jnp.asarray(head_dims, jnp.int32), trials))
+    modes = jnp.array([True, False])
+    widths = functools.partial(_gram_trial_widths, T=T, S=S, V=V, dtype=F32)
+    both = jax.vmap(widths, in_axes=(None, 0, None))  # (key, modes, d_k): the program's trial, both modes
+    no_rows = jax.jit(jax.vmap(both, in_axes=(0, None, 0)))
+    draw_sum = lambda key, d: sum(x.sum() for x in _draw_gram(key, d, T=T, S=S, V=V, dtype=F32))  # read once
+    draw = jax.jit(jax.vmap(draw_sum))
+    one_no_rows = jax.jit(widths)
+    dims = [np.int32(d) for d in head_dims]
+
+    def loop_no_rows():
+        return [jax.block_until_ready(one_no_rows(key, scaled, dims[p])) for p in range(len(head_dims))
+                for key in trial_keys[p] for scaled in (True, False)]
+
+    fns_ = [vmapped, lambda: jax.block_until_ready(no_rows(flat[0], modes, flat[1])),
+            lambda: jax.block_until_ready(draw(*flat)), loop, loop_no_rows]
+    for f in fns_:
+        f()  # compile
+    t_all, t_no_rows, t_draw, t_loop, t_loop_no_rows = _best_interleaved(fns_, repeats)
+    n = 2 * len(head_dims) * trials
+    print(f"breakdown, sampling='gram', the lab's sweep ({trials} trials; best of {repeats}, interleaved; µs per trial and mode):")
+    print(f"  one program: {t_all * 1e3:.2f} ms ({1e6 * t_all / n:.1f} µs) = drawing q, k, v, r {t_draw * 1e3:.2f} ms"
+          f" + the core attention's forward and backward {(t_no_rows - t_draw) * 1e3:.2f} ms"
+          f" + the row probes {(t_all - t_no_rows) * 1e3:.2f} ms (by difference)")
+    print(f"  the whole trial:         loop {t_loop * 1e3:7.1f} ms ({1e6 * t_loop / n:5.1f} µs per call),"
+          f" program {t_all * 1e3:6.2f} ms: {t_loop / t_all:.1f}x")
+    print(f"  without its row probes:  loop {t_loop_no_rows * 1e3:7.1f} ms ({1e6 * t_loop_no_rows / n:5.1f} µs per call),"
+          f" program {t_no_rows * 1e3:6.2f} ms: {t_loop_no_rows / t_no_rows:.1f}x", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10, help="best of this many timings (default 10)")
@@ -131,6 +171,7 @@ def main():
     parser.add_argument("--small-trials", type=int, default=256, help="trials per d_k, small configuration (default 256; 0 skips)")
     parser.add_argument("--sampling", default="gram,vectors", help="comma-separated: gram, vectors (default both)")
     parser.add_argument("--per-dk", action="store_true", help="add the per-d_k breakdown of sampling='vectors'")
+    parser.add_argument("--breakdown", action="store_true", help="add what the lab's gram program's time goes to")
     args = parser.parse_args()
     samplings = [s for s in args.sampling.split(",") if s]
     bad = [s for s in samplings if s not in probes.SAMPLINGS]
@@ -142,6 +183,8 @@ def main():
         bench("the lab's sweep", probes.DEFAULT_HEAD_DIMS, args.trials, 16, 16, 16, args.repeats, args.seed, sampling)
         if args.small_trials:
             bench("many small trials", (8, 16, 32, 64), args.small_trials, 16, 16, 16, args.repeats, args.seed, sampling)
+    if args.breakdown:
+        breakdown(args.trials, 16, 16, 16, args.repeats, args.seed)
     if args.per_dk:
         per_dk(probes.DEFAULT_HEAD_DIMS, args.trials, 16, 16, 16, args.repeats, args.seed)
 

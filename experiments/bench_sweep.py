@@ -14,6 +14,8 @@ and for two configurations:
   * "many small trials": d_k = 8 … 64, 256 trials.
 --breakdown adds, for "gram", what the lab's program spends its time on, and the speed-up of the trial
 without its row probes.
+--chunks 32,1024 adds, for "gram", the program at those trial counts as one vmap and in chunks of
+(d_k, trial) pairs, the automatic chunk marked.
 --per-dk adds, for "vectors", the comparison one d_k at a time next to a program that only draws the
 trials' random inputs (in the same chunks) and sums them: work no batching can remove, which grows with d_k.
 """
@@ -175,6 +177,24 @@ def breakdown(trials, T, S, V, repeats, seed):
               f" {t_wait / t_prog:.1f}x and {t_asy / t_prog:.1f}x", flush=True)
 
 
+def chunk_sizes(trials, T, S, V, repeats, seed):
+    """sampling="gram": the lab's d_k at ``trials`` per d_k, the program as one vmap and in chunks of pairs."""
+    head_dims = probes.DEFAULT_HEAD_DIMS
+    keys = jax.random.split(jax.random.key(seed), (len(head_dims), trials))
+    dims = np.asarray(head_dims, np.int32)
+    pairs = keys.size
+    auto = _gram_chunk(pairs, T, S, V)
+    sizes = [None] + sorted({c for c in (128, 256, 512, pairs // 2, auto) if c and c < pairs})
+    fns = [lambda b=b: jax.block_until_ready(_gram_program(keys, dims, T=T, S=S, V=V, dtype=F32, batch=b)) for b in sizes]
+    for f in fns:
+        f()  # compile
+    times = _best_interleaved(fns, repeats)
+    cells = [f"{'one vmap' if b is None else f'chunks of {b}'}{' (automatic)' if b == auto else ''}: {1e3 * t:.1f} ms"
+             for b, t in zip(sizes, times)]
+    print(f"gram program, {trials} trials × {len(head_dims)} d_k = {pairs} pairs (best of {repeats}): " + "; ".join(cells),
+          flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10, help="best of this many timings (default 10)")
@@ -184,6 +204,7 @@ def main():
     parser.add_argument("--sampling", default="gram,vectors", help="comma-separated: gram, vectors (default both)")
     parser.add_argument("--per-dk", action="store_true", help="add the per-d_k breakdown of sampling='vectors'")
     parser.add_argument("--breakdown", action="store_true", help="add what the lab's gram program's time goes to")
+    parser.add_argument("--chunks", default="", help="comma-separated trial counts: time the gram program in chunks")
     args = parser.parse_args()
     samplings = [s for s in args.sampling.split(",") if s]
     bad = [s for s in samplings if s not in probes.SAMPLINGS]
@@ -195,6 +216,8 @@ def main():
         bench("the lab's sweep", probes.DEFAULT_HEAD_DIMS, args.trials, 16, 16, 16, args.repeats, args.seed, sampling)
         if args.small_trials:
             bench("many small trials", (8, 16, 32, 64), args.small_trials, 16, 16, 16, args.repeats, args.seed, sampling)
+    for trials in [int(t) for t in args.chunks.split(",") if t]:
+        chunk_sizes(trials, 16, 16, 16, args.repeats, args.seed)
     if args.breakdown:
         breakdown(args.trials, 16, 16, 16, args.repeats, args.seed)
     if args.per_dk:

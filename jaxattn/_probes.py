@@ -728,25 +728,22 @@ def _sweep_program(keys, *, head_dims, T, S, V, dtype, chunks):
     return _row_probes(**stacked)
 
 
-_GRAM_CHUNK_ELEMENTS = 2**19  # "gram" on a CPU: automatic chunks of at most this many drawn numbers
-
-
 def _gram_chunk(pairs, T, S, V):
     """Automatic chunk of ``(d_k, trial)`` pairs for ``sampling="gram"`` (``None``: all at once).
 
-    On a CPU, all pairs at once while their draws (``(T+S)(T+S-1)/2 + (T+S)·V`` normals and
-    ``2·_CHI_CANDIDATES + 1`` numbers per χ, ``T+S`` of them) fit in :data:`_GRAM_CHUNK_ELEMENTS`,
-    otherwise chunks of the largest power of two of pairs that do: the working set then stays in cache
-    (measured on a 2-core CPU, 4 MiB of L2 per core, T = S = V = 16, d_k = 8 … 4096, best of 7:
-    1024 trials 0.397 s → 0.251 s; 64 trials 0.021 s → 0.017 s; 32 trials, 320 pairs, fit and are
-    not chunked, where chunks of 160 were slower, 0.0060 s → 0.0074 s). On a GPU or TPU a chunk only
-    removes parallelism: there the pairs are never chunked automatically.
+    On a CPU, all pairs at once while their draws (``(T+S)(T+S-1)/2 + (T+S)·V`` normals, and
+    ``2·_CHI_CANDIDATES + 1`` numbers for each of the ``T+S`` χ) fit in :data:`_CHUNK_ELEMENTS`, as for
+    ``"vectors"``; otherwise chunks of the largest power of two of pairs that fit, so the working set
+    stays in cache. At T = S = V = 16 that is up to 851 pairs at once, then chunks of 512 (measured by
+    ``python experiments/bench_sweep.py --chunks 32,64,1024`` on a 2-core CPU: 1024 trials × 10 d_k,
+    468 ms as one vmap, 288 ms in chunks of 512; at 32 and 64 trials chunks gained nothing). On a GPU or
+    TPU a chunk only takes parallelism away: there the pairs are never chunked automatically.
     """
     if jax.default_backend() != "cpu":
         return None
     n = T + S
     per_pair = n * (n - 1) // 2 + n * V + (2 * _CHI_CANDIDATES + 1) * n
-    fit = max(1, _GRAM_CHUNK_ELEMENTS // per_pair)
+    fit = max(1, _CHUNK_ELEMENTS // per_pair)
     return None if fit >= pairs else 2 ** (fit.bit_length() - 1)
 
 
@@ -855,8 +852,8 @@ def saturation_sweep(
       sampling: ``None``, ``"gram"`` or ``"vectors"``, above. The two draw different numbers from one key.
       trials_per_batch: ``None`` (default) picks chunks: ``"vectors"`` per d_k, all trials at once while
         their draws fit in 2²⁰ numbers, power-of-two chunks of trials that fit otherwise; ``"gram"``, on
-        a CPU, chunks of all ``(d_k, trial)`` pairs in the same way with 2¹⁹ numbers (256 pairs for
-        T = S = V = 16, so the lab's 32 trials × 10 d_k run at once), and never on a GPU or TPU. A
+        a CPU, chunks all ``(d_k, trial)`` pairs in the same way (at T = S = V = 16: up to 851 pairs
+        at once, chunks of 512 beyond), and never on a GPU or TPU. A
         chunk is a ``lax.map`` step over the vmapped trial inside the one compiled program: memory
         bounded, and on a CPU faster, because the working set stays in cache. An int runs chunks of that
         many trials (``"vectors"``: of each d_k's trials; ``"gram"``: of all ``(d_k, trial)`` pairs).

@@ -524,17 +524,17 @@ def test_zero_gradient_fraction_law_per_dtype(dtype, head_dims, S):
 
 @pytest.mark.parametrize("sampling", ["gram", "vectors"])
 def test_chunked_sweep_gives_the_same_numbers(sampling):
-    # lax.map over chunks of 2 trials against the single-trial function, key by key.
+    # lax.map over chunks of 3 trials (and a remainder of 2) against the single-trial function, key by key.
     config = dict(num_queries=4, num_keys=8, value_dim=2, sampling=sampling)
-    chunked = probes.saturation_sweep(7, head_dims=(64,), num_trials=4, trials_per_batch=2, **config)
-    keys = jax.random.split(jax.random.key(7), (1, 4))
+    chunked = probes.saturation_sweep(7, head_dims=(64,), num_trials=5, trials_per_batch=3, **config)
+    keys = jax.random.split(jax.random.key(7), (1, 5))
     trial = probes.sweep_trial_fn(64, **config)
-    for r in range(4):
+    for r in range(5):
         for mode in (0, 1):
             one = trial(keys[0, r], mode == 0)
             for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
                 np.testing.assert_allclose(chunked[name][mode, 0, r], one[name], rtol=1e-3, atol=1e-30)
-    assert chunked["entropy"].shape == (2, 1, 4, 4)
+    assert chunked["entropy"].shape == (2, 1, 5, 4)
 
 
 def test_automatic_chunks_of_the_vectors_sampling():
@@ -547,12 +547,13 @@ def test_automatic_chunks_of_the_vectors_sampling():
 
 
 def test_automatic_chunks_of_the_gram_sampling(monkeypatch):
-    # trials_per_batch=None, on a CPU: all (d_k, trial) pairs at once while their draws fit in 2^19 numbers.
-    per_pair = 32 * 31 // 2 + 32 * 16 + 7 * 32  # T = S = V = 16: 1232 numbers, so 425 pairs fit
-    assert 256 * per_pair <= 2**19 < 512 * per_pair
+    # trials_per_batch=None, on a CPU: all (d_k, trial) pairs at once while their draws fit in 2^20 numbers.
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the rule under test, whatever runs the tests
+    per_pair = 32 * 31 // 2 + 32 * 16 + 7 * 32  # T = S = V = 16: 1232 numbers, so 851 pairs fit
+    assert 512 * per_pair <= 2**20 < 1024 * per_pair and 851 * per_pair <= 2**20 < 852 * per_pair
     assert _probes._gram_chunk(320, 16, 16, 16) is None  # the lab's 32 trials × 10 d_k: at once
-    assert _probes._gram_chunk(425, 16, 16, 16) is None and _probes._gram_chunk(426, 16, 16, 16) == 256
-    assert _probes._gram_chunk(10240, 16, 16, 16) == 256
+    assert _probes._gram_chunk(851, 16, 16, 16) is None and _probes._gram_chunk(852, 16, 16, 16) == 512
+    assert _probes._gram_chunk(10240, 16, 16, 16) == 512
     # saturation_sweep hands the program the automatic chunk, an explicit one instead, none on a GPU.
     # (The chunked program's numbers are checked in test_chunked_sweep_gives_the_same_numbers.)
     seen = []
@@ -566,7 +567,7 @@ def test_automatic_chunks_of_the_gram_sampling(monkeypatch):
 
     monkeypatch.setattr(_probes, "_gram_program", record)
     config = dict(head_dims=(8, 16), num_trials=3, num_queries=2, num_keys=2, value_dim=1)
-    monkeypatch.setattr(_probes, "_GRAM_CHUNK_ELEMENTS", 2 * (6 + 4 + 28))  # 2 pairs of T = S = 2, V = 1
+    monkeypatch.setattr(_probes, "_CHUNK_ELEMENTS", 2 * (6 + 4 + 28))  # 2 pairs of T = S = 2, V = 1
     for batch in (None, 4, 6, 100):
         with pytest.raises(Called):
             probes.saturation_sweep(3, trials_per_batch=batch, **config)

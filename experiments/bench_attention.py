@@ -24,11 +24,12 @@ import platform
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from jaxattn.io import atomic_write
 
 GIB = 1024**3
 IMPLS_CPU = ("xla", "dense", "naive", "blockwise")
@@ -246,13 +247,6 @@ def _configs(args, dtype: str) -> list[dict]:
     return configs
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _fmt_time(entry: dict | None) -> str:
     if not entry:
         return "–"
@@ -450,12 +444,12 @@ def main() -> None:
         ratios = ", ".join(f"{name} {value:.2f}" for name, value in record["ratios"].items())
         print(f"  {times}; matmul {record['matmul_gflops']:.0f} GFLOP/s; ratios: {ratios}", flush=True)
         report["derived"] = _derived(report)
-        _write_atomic(json_path, json.dumps(report, indent=1))
-        _write_atomic(md_path, _render(report, impls))
+        atomic_write(json_path, json.dumps(report, indent=1))
+        atomic_write(md_path, _render(report, impls))
 
     report["derived"] = _derived(report)
-    _write_atomic(json_path, json.dumps(report, indent=1))
-    _write_atomic(md_path, _render(report, impls))
+    atomic_write(json_path, json.dumps(report, indent=1))
+    atomic_write(md_path, _render(report, impls))
     print("\n".join(report["derived"]))
     print(f"wrote {json_path} and {md_path}")
 

@@ -12,7 +12,6 @@ in the output folder it names.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxattn import gpt2
-from jaxattn._checkpoint import atomic_write
+from jaxattn.io import write_json
 
 
 def _timed(fn) -> float:
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
               "platform": jax.devices()[0].platform, "jaxattn_s": t_ours, "huggingface_s": t_theirs,
               "median_jaxattn_s": m_ours, "median_huggingface_s": m_theirs, "ratio": ratio,
               "max_abs_logits_diff": max_logit, "max_abs_attention_diff": max_att}
-    atomic_write(out / "bench_gpt2.json", json.dumps(record, indent=1) + "\n")
+    write_json(out / "bench_gpt2.json", record)
     print(f"wrote {out}/bench_gpt2.json")
     return 0
 

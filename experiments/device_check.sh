@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# The one prepared run for a session that is lent a GPU (the device tool: ../../.library/device/README.md
-# from here): the two benchmarks whose numbers this project could not measure on CPU, in about 6 minutes,
-# results in $1 (devices.txt, bench_sweep.txt, bench_attention.txt/.json/.md, status.txt).
-#   * bench_sweep.py: issue 3's speed-up of the one jit(vmap) sweep over a Python loop, waiting for each
-#     result and asynchronous (≥ 20× target);
+# The benchmarks that need a GPU, in one command of about 6 minutes; results in $1 (devices.txt,
+# bench_sweep.txt, bench_attention.txt/.json/.md, status.txt).
+#   * bench_sweep.py: the speed-up of the one jit(vmap) sweep over a Python loop, waiting for each
+#     result and asynchronous;
 #   * bench_attention.py --gpu: bf16 blockwise and dense attention against jax.nn.dot_product_attention
 #     with implementation='xla' and 'cudnn', GPT-2 shapes and T = 8k, 32k (peak memory skipped).
 # It needs only jax (with CUDA) and numpy, which the device image has: jaxattn is used from the tree.
-# Call it with a limit that leaves room for a rerun in a 15-minute budget, e.g.
-#   run(command="bash experiments/device_check.sh $OUT", timeout_s=420)
+#   bash experiments/device_check.sh OUT
 # Exit status: 0 only if every step succeeded; each step's status is in status.txt.
 set -uo pipefail
 out=${1:-device-output}

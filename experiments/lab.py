@@ -13,18 +13,14 @@ import os
 import sys
 import time
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, never a display
-
-from jaxattn import _lab_basics as lab  # noqa: E402
-from jaxattn import gpt2, probes  # noqa: E402
+from jaxattn import gpt2, lab, probes
+from jaxattn.io import write_json
 
 
 def run_part1(args) -> dict:
     data = lab.part1(args.seed)
     print(lab.render_part1(data))
-    path = lab.write_json(os.path.join(args.out, "part1.json"), data)
+    path = write_json(os.path.join(args.out, "part1.json"), data)
     print(f"wrote {path}")
     if not data["rows_ok"]:
         raise SystemExit("part 1: a row of A does not sum to 1 within 1e-6")
@@ -65,7 +61,7 @@ def run_part2(args) -> dict:
     png = lab.save_figure(fig, os.path.join(args.out, "part2_sweep.png"))
     data = {"seed": args.seed, "side_by_side": pairs, "config": cfg, "table": rows, "scaled_band": band,
             "zero_fractions": zeros, "laws": laws, "summaries": sweep["summaries"], "seconds": seconds}
-    path = lab.write_json(os.path.join(args.out, "part2.json"), data)
+    path = write_json(os.path.join(args.out, "part2.json"), data)
     print(f"wrote {path}\nwrote {png}")
     return data
 
@@ -121,7 +117,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trials", type=int, default=32, help="random trials per d_k in the sweep (default 32)")
     parser.add_argument("--trials-per-batch", type=int, default=None,
-                        help="vmap this many trials at a time inside the one program (float16/bfloat16: of each d_k; float32/64: of all (d_k, trial) pairs), instead of the default")
+                        help="vmap this many trials of each d_k at a time inside the one program (bounds memory; default all)")
     parser.add_argument("--queries", type=int, default=16, help="query rows per trial (default 16)")
     parser.add_argument("--keys", type=int, default=16, help="keys per row, S (default 16)")
     parser.add_argument("--model", default=None,

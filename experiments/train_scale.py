@@ -13,15 +13,15 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 from jaxattn import train
+from jaxattn.io import atomic_write
 
-SCALES = ("sqrt", "none")
-SCALE_LABEL = {"sqrt": "1/√d_k", "none": "1"}
+SCALES = {"scaled": None, "unscaled": 1.0}  # name -> the core's scale (None = 1/√d_k)
+SCALE_LABEL = {"scaled": "1/√d_k", "unscaled": "1"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,14 +43,6 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.head_dims, args.learning_rates, args.seeds, args.steps, args.warmup = [16, 64], [3e-3], [0], 100, 10
     return args
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def progress_line(label: str, start: float):
@@ -121,12 +113,8 @@ def plot(histories: dict, runs: dict, args, path_stem: str) -> list[str]:
         fig.suptitle(f"{name}: mean over seeds {args.seeds}, solid = 1/√d_k, dashed = unscaled", fontsize=9)
         fig.tight_layout()
         out = f"{path_stem}{name}.png"
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".tmp-", suffix=".png")
-        os.close(fd)
-        fig.savefig(tmp, dpi=80)
+        atomic_write(out, lambda f, fig=fig: fig.savefig(f, format="png", dpi=80))
         plt.close(fig)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
         paths.append(out)
     return paths
 
@@ -151,7 +139,7 @@ def main() -> None:
         label = f"d_k={d_k:<4} ({i + 1}/{len(args.head_dims)}, {len(spec)} runs vmapped)"
         h = train.train(
             config, task, opt,
-            seeds=[s[2] for s in spec], learning_rates=[s[1] for s in spec], scales=[s[0] for s in spec],
+            seeds=[s[2] for s in spec], learning_rates=[s[1] for s in spec], scales=[SCALES[s[0]] for s in spec],
             progress=progress_line(label, start),
         )
         for r, s in zip(train.summarize(h, threshold=args.threshold), spec):
@@ -170,7 +158,7 @@ def main() -> None:
         f"# Does it train without √d_k?\n\nseeds {args.seeds}, {args.steps} steps, threshold {args.threshold} "
         f"nats, chance {task.chance_loss:.3f} nats, wall time {wall:.0f} s\n\n"
     )
-    write_atomic(stem + "summary.md", (header + md).encode())
+    atomic_write(stem + "summary.md", (header + md).encode())
     series = {
         str(d_k): {
             "runs": [{"scale": s[0], "learning_rate": s[1], "seed": s[2]} for s in runs[d_k]],
@@ -190,7 +178,7 @@ def main() -> None:
         "series": series,
         "wall_time_s": wall,
     }
-    write_atomic(stem + "history.json", json.dumps(payload, allow_nan=True).encode())
+    atomic_write(stem + "history.json", json.dumps(payload, allow_nan=True).encode())
     pngs = plot(histories, runs, args, stem)
     print("wrote", ", ".join([stem + "summary.md", stem + "history.json", *pngs]))
 

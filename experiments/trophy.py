@@ -14,13 +14,14 @@ PNG grid (all layers x heads) per sentence into the output folder it names.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from jaxattn import bert, gpt2, trophy
-from jaxattn._checkpoint import CheckpointError, HubUnavailableError, atomic_write
+from jaxattn import bert, gpt2
+from jaxattn import lab as trophy
+from jaxattn.checkpoint import CheckpointError, HubUnavailableError
+from jaxattn.io import atomic_write, write_json
 
 DEFAULT_GPT2 = "gpt2"
 ENCODER = "minilm"  # --model value for the bundled all-MiniLM-L6-v2
@@ -42,12 +43,12 @@ def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
         params, config, tokenizer = bert.load()
         line = (f"model: {bert.BUNDLED_NAME} (bundled BERT encoder, bidirectional): {config.num_hidden_layers} "
                 f"layers x {config.num_attention_heads} heads, d_model={config.hidden_size}, d_k={config.head_dim}")
-        lab = bert.lab_model(params, config, tokenizer)
+        lab = trophy.lab_model(bert, params, config, tokenizer, name=bert.BUNDLED_NAME)
     else:
         params, config, tokenizer = gpt2.load(model)
         line = (f"model: {model} (GPT-2, causal): {config.n_layer} layers x {config.n_head} heads, "
                 f"d_model={config.n_embd}, d_k={config.head_dim}")
-        lab = gpt2.lab_model(params, config, tokenizer, name=str(model))
+        lab = trophy.lab_model(gpt2, params, config, tokenizer, name=str(model))
     return lab, f"{line} (loaded in {time.perf_counter() - t0:.1f} s)"
 
 
@@ -68,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     seed = None
     if args.random_gpt2:
         t0 = time.perf_counter()
-        params, config, tokenizer = gpt2.random_model(args.random_gpt2, seed=args.seed)
+        texts = [t + trophy.RESOLUTION_PROMPT + r for t in trophy.SENTENCES.values() for r in trophy.RESOLUTIONS.values()]
+        params, config, tokenizer = gpt2.random_model(args.random_gpt2, seed=args.seed, texts=texts)
         name = f"random-gpt2-{args.random_gpt2}"
         seed = args.seed
         print(f"NOTE: {name} is a RANDOM, untrained GPT-2-{args.random_gpt2} (seed {args.seed}) with a byte-level "
               f"BPE trained on the lab's sentences: its maps show the machinery, not what GPT-2 learned.")
         print(f"model: {name}: {config.n_layer} layers x {config.n_head} heads, d_model={config.n_embd}, "
               f"d_k={config.head_dim} (loaded in {time.perf_counter() - t0:.1f} s)")
-        model = gpt2.lab_model(params, config, tokenizer, name=name)
+        model = trophy.lab_model(gpt2, params, config, tokenizer, name=name)
     else:
         try:
             model, line = load_model(args.model)
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": name, "seed": seed,
               "part3": {"layer": layer, "head": head, "focus_head": list(focus)},
               "part4": comparison.to_json()}
-    atomic_write(out / "trophy.json", json.dumps(result, indent=1) + "\n")
+    write_json(out / "trophy.json", result)
     atomic_write(out / "part3.txt", part3 + "\n")
     atomic_write(out / "part4.txt", part4 + "\n")
     for key, m in comparison.maps.items():

@@ -91,3 +91,40 @@ def check_scale(scale: Any, head_dim: int) -> Any:
 def softmax_dtype(dtype: Any) -> Any:
     """The dtype softmax runs in: the input's, but at least float32."""
     return jnp.promote_types(dtype, jnp.float32)
+
+
+def check_int(value: Any, name: str, minimum: int = 1, *, what: str = "") -> int:
+    """``value`` as a Python int ``>= minimum``; ``ValueError`` naming ``name`` otherwise (bools refused).
+
+    ``what`` says what the number counts (e.g. "rows per tile") and is added to the message.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        detail = f" ({what})" if what else ""
+        raise ValueError(f"{name} must be {bound}{detail}, received {value!r}")
+    return int(value)
+
+
+def as_key(key: Any, name: str = "key") -> jax.Array:
+    """A ``jax.random`` key from a key (new-style or raw ``uint32[2]``) or an int seed."""
+    if isinstance(key, bool):
+        raise TypeError(f"{name} must be a jax.random key or an int seed, received {key!r}")
+    if isinstance(key, (int, np.integer)):
+        return jax.random.key(int(key))
+    key = jnp.asarray(key)
+    if not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
+        raise TypeError(
+            f"{name} must be a jax.random key or an int seed, received an array of dtype {key.dtype} "
+            f"and shape {tuple(key.shape)}"
+        )
+    return key
+
+
+def check_float_dtype(dtype: Any, name: str = "dtype") -> Any:
+    """``dtype`` as a floating ``numpy.dtype``; float64 needs 64-bit JAX."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating dtype, received {dtype.name}")
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError(f"{name} float64 needs 64-bit JAX: run inside `with jax.enable_x64(True):`")
+    return dtype

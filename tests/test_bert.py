@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jaxattn import bert
-from jaxattn import trophy
-from jaxattn._checkpoint import CheckpointError
+from jaxattn import lab as trophy
+from jaxattn.checkpoint import CheckpointError
 
 ATOL = 1e-4  # parity with Hugging Face (float32, different op order)
 SELF_ATOL = 1e-5  # our own padded vs unpadded runs
@@ -367,13 +367,13 @@ def test_missing_package_says_how_to_install(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The lab's parts 3-4 on the real encoder (jaxattn.trophy through bert.lab_model).
+# The lab's parts 3-4 on the real encoder (jaxattn.lab through lab_model).
 # ----------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def lab(model):
-    return bert.lab_model(*model)
+    return trophy.lab_model(bert, *model, name=bert.BUNDLED_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -387,8 +387,6 @@ def test_lab_model_is_bidirectional_without_a_scorer(lab, model):
     ids, labels = lab.tokenize(SENTENCES[0])
     assert labels[0] == "[CLS]" and labels[-1] == "[SEP]" and len(labels) == len(ids) == 17
     np.testing.assert_array_equal(lab.attentions(ids, 1.0), np.asarray(bert.forward(params, config, ids, scale=1.0).attentions))
-    with pytest.raises(TypeError, match="params, config and tokenizer together"):
-        bert.lab_model(params)
 
 
 def test_part4_it_row_changes_on_the_real_encoder(comparison):

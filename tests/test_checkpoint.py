@@ -12,7 +12,7 @@ from safetensors.numpy import load_file, save_file
 
 from gpt2_checkpoints import edit_config, hf_model, save_checkpoint, train_tokenizer
 from jaxattn import gpt2
-from jaxattn._checkpoint import (
+from jaxattn.checkpoint import (
     CheckpointError,
     ConfigSchema,
     HubUnavailableError,

@@ -9,7 +9,7 @@ import pytest
 
 import jaxattn
 from jaxattn import probes
-from jaxattn import _probes
+from jaxattn.probes import _sweep  # the sweep's internals, tested on purpose
 
 
 
@@ -313,31 +313,21 @@ def test_dot_product_variance_is_d_k_for_every_d_k():
 
 
 SMALL = dict(num_trials=8, num_queries=32, num_keys=16, value_dim=4)
-GRAM = dict(SMALL, num_trials=32)  # trials of the Gram sampling cost the same at every d_k: afford more
 
 
 @pytest.fixture(scope="module")
 def small_sweep():
-    """The default sweep in float32: ``sampling="gram"``."""
-    return probes.saturation_sweep(7, **GRAM)
+    """A small sweep in float32 over the default d_k = 8 … 4096."""
+    return probes.saturation_sweep(7, **SMALL)
 
 
-@pytest.fixture(scope="module")
-def vectors_sweep():
-    """The same sweep drawing the d_k-dimensional vectors themselves."""
-    return probes.saturation_sweep(7, sampling="vectors", **SMALL)
-
-
-@pytest.mark.parametrize("sampling", ["gram", "vectors"])
-def test_sweep_shapes_and_var_ratio(sampling, small_sweep, vectors_sweep):
-    res = small_sweep if sampling == "gram" else vectors_sweep
+def test_sweep_shapes_and_var_ratio(small_sweep):
+    res = small_sweep
     P, R = len(probes.DEFAULT_HEAD_DIMS), res["num_trials"]
-    assert res["sampling"] == sampling
     assert res["entropy"].shape == (2, P, R, 32)
     assert res["k_grad_norm"].shape == (2, P, R, 16)
     assert res["dot_sq"].shape == (2, P, R)
     summary = probes.summarize_sweep(res)
-    assert summary["sampling"] == sampling
     assert np.all(np.abs(summary["var_ratio"] - 1) < 0.1), summary["var_ratio"]
     assert summary["entropy"]["quantiles"].shape == (2, P, 3)
 
@@ -352,10 +342,8 @@ def test_sweep_unscaled_entropy_falls_monotonically_scaled_stays_in_a_band(small
     assert mean[-1] < 0.1 * mean[0]
     assert s["entropy"]["median"][1][-1] < 1e-3  # toward one-hot
     assert s["max_weight"]["median"][1][-1] > 0.999
-    # Scaled: flat across d_k = 8 … 4096. Measured on this sweep (seed 7, 1024 rows per d_k): max/min of the
-    # means 1.009 (entropy), 1.041 (max weight), 1.016 (‖J‖), 1.065 (‖∂L/∂logits‖), 1.073 (‖∂L/∂q‖), 1.077
-    # (‖∂L/∂k‖). The bands are about twice the largest spread seen with either sampling (the vectors'
-    # 256 rows per d_k gave 1.049 for max weight and 1.134 for ‖∂L/∂logits‖).
+    # Scaled: flat across d_k = 8 … 4096. The bands are about twice the largest spread seen on sweeps of
+    # 256 to 1024 rows per d_k (1.049 for max weight and 1.134 for ‖∂L/∂logits‖ at 256 rows).
     for name, band in [("entropy", 1.03), ("max_weight", 1.1), ("jacobian_norm", 1.03), ("logit_grad_norm", 1.25),
                        ("q_grad_norm", 1.25), ("k_grad_norm", 1.25)]:
         scaled = s[name]["mean"][0]
@@ -387,13 +375,13 @@ def test_sweep_scaled_level_matches_a_float64_numpy_monte_carlo(small_sweep, rng
 
 
 def test_vmapped_sweep_equals_the_single_trial_function(small_sweep):
-    keys = jax.random.split(jax.random.key(7), (10, GRAM["num_trials"]))
+    keys = jax.random.split(jax.random.key(7), (10, SMALL["num_trials"]))
     # Unscaled float32 logits reach ~100; the two programs sum them in different orders, and e^{-gap}
     # turns their last-bit differences into relative differences of up to ~1e-2 on saturated rows.
     for p, r, mode, rtol in [(0, 0, 0, 1e-4), (9, 5, 0, 1e-4), (0, 3, 1, 5e-2), (9, 1, 1, 5e-2)]:
         trial = probes.sweep_trial_fn(probes.DEFAULT_HEAD_DIMS[p], num_queries=32, num_keys=16, value_dim=4)
         one = trial(keys[p, r], mode == 0)
-        assert set(one) == set(small_sweep) - {"head_dims", "scaled", "num_trials", "num_queries", "num_keys", "value_dim", "dtype", "sampling"}
+        assert set(one) == set(small_sweep) - {"head_dims", "scaled", "num_trials", "num_queries", "num_keys", "value_dim", "dtype"}
         for name in ("entropy", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm", "dot_sq"):
             np.testing.assert_allclose(one[name], small_sweep[name][mode, p, r], rtol=rtol, atol=1e-30)
     assert probes.sweep_trial_fn(8) is probes.sweep_trial_fn(8, num_queries=16)  # compiled once per configuration
@@ -403,10 +391,10 @@ def test_vmapped_sweep_equals_the_single_trial_function(small_sweep):
 
 def test_one_trial_against_float64_numpy():
     T, S, V, H = 8, 8, 4, 32
-    draw = jax.jit(lambda key: _probes._draw(key, head_dim=H, T=T, S=S, V=V, dtype=jnp.float32))
+    draw = jax.jit(lambda key: _sweep._draw(key, head_dim=H, T=T, S=S, V=V, dtype=jnp.float32))
     q, k, v, r = draw(jax.random.key(3))
     assert q.shape == (T, H) and k.shape == (S, H) and v.shape == (S, V) and r.shape == (T, V)
-    rows = jax.jit(_probes._probe_rows)(q, k, v, r, jnp.float32(1.0))
+    rows = jax.jit(_sweep._probe_rows)(q, k, v, r, jnp.float32(1.0))
     qn, kn, vn, rn = (np.asarray(x, np.float64) for x in (q, k, v, r))
     p = np_softmax(qn @ kn.T)
     dz = p * (rn @ vn.T - (p * (rn @ vn.T)).sum(-1, keepdims=True))
@@ -455,10 +443,10 @@ LAW_DIMS = (64, 128, 256, 512, 1024)
 @pytest.fixture(scope="module")
 def law_sweep():
     with jax.enable_x64(True):
-        # sampling="gram" (float64's default): 128 trials cost what 32 did at d_k = 64 with the vectors.
         return probes.saturation_sweep(11, head_dims=LAW_DIMS, num_trials=128, num_queries=64, num_keys=8, value_dim=16, dtype=jnp.float64)
 
 
+@pytest.mark.slow  # a long statistical run: `make test-slow`
 def test_median_law_stretched_exponential_in_sqrt_d_k(law_sweep):
     s = probes.summarize_sweep(law_sweep)
     m = probes.gap_median(8)
@@ -473,10 +461,11 @@ def test_median_law_stretched_exponential_in_sqrt_d_k(law_sweep):
     assert abs(b / m - 1) < 0.1 and abs(c - 1) < 0.2, (b, c)  # 1 - p_max ≈ p_2 ≈ e^{-gap}
 
 
+@pytest.mark.slow  # a long statistical run: `make test-slow`
 def test_median_laws_of_the_query_and_key_gradients(law_sweep):
     # ∂L/∂q_t = Σ_s ∂L/∂z_ts k_s carries |k_a - k_b| ≈ √(2 d_k): median c·√d_k·exp(-m_S √d_k).
     # ∂L/∂k_s = Σ_t ∂L/∂z_ts q_t is led by the row where key s is closest to the top: b = median_s min_t G_ts.
-    from jaxattn import _lab_basics as lab
+    from jaxattn import lab
 
     s = probes.summarize_sweep(law_sweep)
     sqrt_d = np.sqrt(LAW_DIMS)
@@ -494,6 +483,7 @@ def test_median_laws_of_the_query_and_key_gradients(law_sweep):
     assert abs(probes.fit_power_law(LAW_DIMS, s["q_grad_norm"]["mean"][1])[0]) < 0.15  # exponent ≈ 0, not -1/2
 
 
+@pytest.mark.slow  # a long statistical run: `make test-slow`
 def test_mean_law_power_minus_one_half(law_sweep):
     s = probes.summarize_sweep(law_sweep)
     laws = probes.predicted_laws(LAW_DIMS, 8)
@@ -508,6 +498,7 @@ def test_mean_law_power_minus_one_half(law_sweep):
     assert abs(constant / np.mean(laws["mean_one_minus_max"] * sqrt_d) - 1) < 0.15
 
 
+@pytest.mark.slow  # a long statistical run: `make test-slow`
 @pytest.mark.parametrize(
     "dtype, head_dims, S",
     [(jnp.float16, (1024,), 4), (jnp.float32, (4096,), 2), (jnp.bfloat16, (4096,), 2)],  # one d_k each: compile time
@@ -522,10 +513,9 @@ def test_zero_gradient_fraction_law_per_dtype(dtype, head_dims, S):
     assert np.all(zero[0] == 0)  # scaled: never
 
 
-@pytest.mark.parametrize("sampling", ["gram", "vectors"])
-def test_chunked_sweep_gives_the_same_numbers(sampling):
+def test_chunked_sweep_gives_the_same_numbers():
     # lax.map over chunks of 3 trials (and a remainder of 2) against the single-trial function, key by key.
-    config = dict(num_queries=4, num_keys=8, value_dim=2, sampling=sampling)
+    config = dict(num_queries=4, num_keys=8, value_dim=2)
     chunked = probes.saturation_sweep(7, head_dims=(64,), num_trials=5, trials_per_batch=3, **config)
     keys = jax.random.split(jax.random.key(7), (1, 5))
     trial = probes.sweep_trial_fn(64, **config)
@@ -535,47 +525,6 @@ def test_chunked_sweep_gives_the_same_numbers(sampling):
             for name in ("entropy", "jacobian_norm", "logit_grad_norm", "dot_sq"):
                 np.testing.assert_allclose(chunked[name][mode, 0, r], one[name], rtol=1e-3, atol=1e-30)
     assert chunked["entropy"].shape == (2, 1, 5, 4)
-
-
-def test_automatic_chunks_of_the_vectors_sampling():
-    # trials_per_batch=None: all trials of a d_k at once while their draws fit in 2^20 numbers.
-    lab = (8, 64, 1024, 2048, 4096)
-    assert _probes._chunks(lab, 32, 16, 16, 16) == (None, None, 16, 8, 4)  # 32·32·(1024+16) > 2^20 ≥ 16·32·(…)
-    assert _probes._chunks(lab, 32, 16, 16, 16, 8) == (8,) * 5 and _probes._chunks(lab, 4, 16, 16, 16, 8) == (None,) * 5
-    for d, c in zip(lab, _probes._chunks(lab, 32, 16, 16, 16)):
-        assert (32 if c is None else c) * 32 * (d + 16) <= 2**20
-
-
-def test_automatic_chunks_of_the_gram_sampling(monkeypatch):
-    # trials_per_batch=None, on a CPU: all (d_k, trial) pairs at once while their draws fit in 2^20 numbers.
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the rule under test, whatever runs the tests
-    per_pair = 32 * 31 // 2 + 32 * 16 + 7 * 32  # T = S = V = 16: 1232 numbers, so 851 pairs fit
-    assert 512 * per_pair <= 2**20 < 1024 * per_pair and 851 * per_pair <= 2**20 < 852 * per_pair
-    assert _probes._gram_chunk(320, 16, 16, 16) is None  # the lab's 32 trials × 10 d_k: at once
-    assert _probes._gram_chunk(851, 16, 16, 16) is None and _probes._gram_chunk(852, 16, 16, 16) == 512
-    assert _probes._gram_chunk(10240, 16, 16, 16) == 512
-    # saturation_sweep hands the program the automatic chunk, an explicit one instead, none on a GPU.
-    # (The chunked program's numbers are checked in test_chunked_sweep_gives_the_same_numbers.)
-    seen = []
-
-    class Called(Exception):
-        pass
-
-    def record(keys, head_dims, **kw):
-        seen.append((keys.shape, kw["batch"]))
-        raise Called
-
-    monkeypatch.setattr(_probes, "_gram_program", record)
-    config = dict(head_dims=(8, 16), num_trials=3, num_queries=2, num_keys=2, value_dim=1)
-    monkeypatch.setattr(_probes, "_CHUNK_ELEMENTS", 2 * (6 + 4 + 28))  # 2 pairs of T = S = 2, V = 1
-    for batch in (None, 4, 6, 100):
-        with pytest.raises(Called):
-            probes.saturation_sweep(3, trials_per_batch=batch, **config)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    with pytest.raises(Called):
-        probes.saturation_sweep(3, **config)
-    assert _probes._gram_chunk(10240, 16, 16, 16) is None
-    assert seen == [((2, 3), 2), ((2, 3), 4), ((2, 3), None), ((2, 3), None), ((2, 3), None)]
 
 
 # --- independent references and input checks (reviewer findings) ---
@@ -606,26 +555,22 @@ def np_trial(q, k, v, r, scale):
     }, np.sort(scale * dots, -1)
 
 
-# (sampling, d_k index into DEFAULT_HEAD_DIMS, trial, unscaled rows past float32's underflow gap) of the
-# small sweeps: d_k = 8 (no row near saturation) and d_k = 4096 (unscaled: a few rows whose top-two logit
-# gap exceeds float32's 87.3, none within 1 of it: 3 rows at least 10 from it for vectors trial 7, 4 rows
-# at least 11 for gram trial 30). The same d_k as test_vmapped_sweep_equals_the_single_trial_function.
-TRIAL_CASES = [("vectors", 0, 2, 0), ("vectors", 9, 7, 3), ("gram", 0, 2, 0), ("gram", 9, 30, 4)]
+# (d_k index into DEFAULT_HEAD_DIMS, trial, unscaled rows past float32's underflow gap) of the small
+# sweep: d_k = 8 (no row near saturation) and d_k = 4096 (unscaled: 3 rows whose top-two logit gap exceeds
+# float32's 87.3, all at least 10 from it). The same d_k as test_vmapped_sweep_equals_the_single_trial_function.
+TRIAL_CASES = [(0, 2, 0), (9, 7, 3)]
 
 
-@pytest.mark.parametrize("sampling, p, r, saturated", TRIAL_CASES)
+@pytest.mark.parametrize("p, r, saturated", TRIAL_CASES)
 @pytest.mark.parametrize("scaled", [True, False])
-def test_every_trial_field_against_float64_numpy_and_the_sweep(scaled, sampling, p, r, saturated, small_sweep, vectors_sweep):
+def test_every_trial_field_against_float64_numpy_and_the_sweep(scaled, p, r, saturated, small_sweep):
     H = probes.DEFAULT_HEAD_DIMS[p]
-    sweep = small_sweep if sampling == "gram" else vectors_sweep
+    sweep = small_sweep
     T, S, V, R = (sweep[name] for name in ("num_queries", "num_keys", "value_dim", "num_trials"))
     key = jax.random.split(jax.random.key(7), (len(probes.DEFAULT_HEAD_DIMS), R))[p, r]
-    if sampling == "gram":  # q [T, T+S], k [S, T+S]: coordinates in their span, with the Gram matrix of d_k-dim vectors
-        draw = lambda key: _probes._draw_gram(key, H, T=T, S=S, V=V, dtype=jnp.float32)
-    else:
-        draw = lambda key: _probes._draw(key, head_dim=H, T=T, S=S, V=V, dtype=jnp.float32)
+    draw = lambda key: _sweep._draw(key, head_dim=H, T=T, S=S, V=V, dtype=jnp.float32)
     q, k, v, r_ = jax.jit(draw)(key)
-    one = probes.sweep_trial_fn(H, num_queries=T, num_keys=S, value_dim=V, sampling=sampling)(key, scaled)
+    one = probes.sweep_trial_fn(H, num_queries=T, num_keys=S, value_dim=V)(key, scaled)
     entry = {name: sweep[name][0 if scaled else 1, p, r] for name in one}
     ref, z = np_trial(q, k, v, r_, 1 / math.sqrt(H) if scaled else 1.0)
     assert set(one) == set(ref) | {"logit_grad_zero", "q_grad_zero", "jacobian_zero"}
@@ -737,103 +682,10 @@ def test_dot_product_variance_memory_does_not_grow_with_samples():
     # XLA's temporary buffers for the compiled program, d_k = 8 … 4096 and n = 2048 (the configuration of
     # test_dot_product_variance_is_d_k_for_every_d_k, whose compiled program this is): one draw of every
     # pair at once took 575 MiB (1.15 GiB at n = 4096); a block of rows at a time takes 13 MiB at any n.
-    compiled = _probes._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 2048).compile()
+    compiled = _sweep._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 2048).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 32 * 2**20
-    four_times = _probes._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 8192).compile()  # not run
+    four_times = _sweep._dots.lower(jax.random.key(0), probes.DEFAULT_HEAD_DIMS, 8192).compile()  # not run
     assert four_times.memory_analysis().temp_size_in_bytes <= 1.1 * compiled.memory_analysis().temp_size_in_bytes
     tiny = probes.dot_product_variance(1, (5, 7), num_samples=3)  # a ragged last block, cut to n
     assert np.all(np.isfinite(tiny["std_error"])) and tiny["variance"].shape == (2,)
-    np.testing.assert_array_equal(np.asarray(_probes._dots(jax.random.key(1), (5, 7), 3)).shape, (2, 3))
-
-
-# --- the Gram sampling (saturation_sweep's default in float32 and wider) ---
-
-
-@pytest.mark.parametrize("candidates", [3, 1])  # 1: about 1 in 37 df = 1 samples (a = 1.5) runs the while_loop
-@pytest.mark.parametrize("df", [1, 2, 5, 33, 4096, 2**26 - 2])
-def test_chi_sampler_against_the_chi_square_law(df, candidates, monkeypatch):
-    from scipy import stats
-
-    monkeypatch.setattr(_probes, "_CHI_CANDIDATES", candidates)
-    n = 20_000
-    x = np.asarray(jax.jit(_probes._chi)(jax.random.key(df), jnp.full((n,), df, jnp.float32)), np.float64)
-    assert np.all(x > 0) and np.all(np.isfinite(x))
-    assert stats.kstest(x**2, stats.chi2(df).cdf).pvalue > 1e-3  # seeded: deterministic
-    z = (x**2 - df) / math.sqrt(2 * df)  # E χ² = df, Var χ² = 2 df
-    assert abs(z.mean()) < 5 / math.sqrt(n)
-    # At df = 2^26 the textbook acceptance test's float32 rounding gave a variance of 0.78 (22 σ off).
-    assert abs(z.var() - 1) < 5 * math.sqrt((2 + 12 / df) / n), z.var()  # Var of z² ≈ 2 + 12/df
-    assert abs(x.mean() / (math.sqrt(2) * math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2))) - 1) < 0.01  # E χ
-
-
-@pytest.mark.parametrize("d", [3, 12, 40])  # below, at and above n = T + S = 12
-def test_gram_factor_has_the_law_of_the_gram_matrix(d):
-    # L Lᵀ must be Wishart(d, I_n): E = d I, Var of an off-diagonal entry d, of a diagonal entry 2d, rank
-    # min(n, d); and the law of its largest eigenvalue that of X Xᵀ for X [n, d] drawn directly.
-    from scipy import stats
-
-    n, samples = 12, 20_000
-    keys = jax.random.split(jax.random.key(d), samples)
-    with jax.enable_x64(True):
-        draw = lambda key: _probes._gram_factor(jax.random.normal(jax.random.fold_in(key, 1), (n * (n - 1) // 2,)), key, d, n)
-        L = np.asarray(jax.jit(jax.vmap(draw))(keys))  # [samples, n, n]
-    assert np.all(L[:, :, min(n, d):] == 0) and np.all(np.triu(L, 1) == 0)
-    index = _probes._lower_gather(n)  # the strictly lower entries take z one to one
-    assert sorted(index[np.tril_indices(n, -1)]) == list(range(n * (n - 1) // 2)) and np.all(index[np.triu_indices(n)] == n * (n - 1) // 2)
-    G = L @ L.transpose(0, 2, 1)
-    se = lambda var: 5 * math.sqrt(var / samples)
-    np.testing.assert_allclose(G.mean(0), d * np.eye(n), atol=se(2 * d))
-    off = G[:, np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]]  # [samples, n(n-1)/2]
-    assert abs(off.var(0).mean() / d - 1) < 0.05
-    assert abs(G[:, range(n), range(n)].var(0).mean() / (2 * d) - 1) < 0.05
-    X = np.random.default_rng(d).standard_normal((samples // 4, n, d))
-    top = lambda M: np.linalg.eigvalsh(M)[:, -1]
-    assert stats.ks_2samp(top(G[: samples // 4]), top(X @ X.transpose(0, 2, 1))).pvalue > 1e-3
-
-
-@pytest.mark.parametrize("d", [5, 40])
-def test_probes_of_the_gram_coordinates_equal_the_probes_of_the_vectors(d, x64):
-    # Pathwise: for given q, k (d-dim), their coordinates in an orthonormal basis of their span (the LQ
-    # factor of X = [q; k], which is what the Gram sampling draws) give every probe of the trial.
-    T, S, V = 7, 5, 3
-    rng = np.random.default_rng(d)
-    X = rng.standard_normal((T + S, d))
-    v, r = rng.standard_normal((S, V)), rng.standard_normal((T, V)) / math.sqrt(V)
-    R = np.linalg.qr(X.T, mode="r")  # X = Rᵀ Qᵀ: L = Rᵀ, [T+S, min(T+S, d)]
-    L = np.zeros((T + S, T + S))
-    L[:, : R.shape[0]] = R.T
-    np.testing.assert_allclose(L @ L.T, X @ X.T, atol=1e-10)
-    for scale in (1 / math.sqrt(d), 1.0):
-        vectors = jax.jit(_probes._probe_rows)(X[:T], X[T:], v, r, scale)
-        gram = jax.jit(_probes._probe_rows)(L[:T], L[T:], v, r, scale)
-        for name in vectors:
-            np.testing.assert_allclose(gram[name], vectors[name], rtol=1e-9, atol=1e-12, err_msg=name)
-
-
-def test_gram_and_vectors_sweeps_agree_in_law(x64):
-    # Two-sample KS tests, one value per trial (a trial's rows share its keys), 1024 trials a side.
-    from scipy import stats
-
-    config = dict(head_dims=(8, 256), num_trials=1024, num_queries=8, num_keys=8, value_dim=4, dtype=jnp.float64)
-    gram = probes.saturation_sweep(1, sampling="gram", **config)
-    vectors = probes.saturation_sweep(2, sampling="vectors", **config)
-    for name in ("entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm"):
-        for mode in (0, 1):
-            for p in (0, 1):
-                pvalue = stats.ks_2samp(gram[name][mode, p, :, 0], vectors[name][mode, p, :, 0]).pvalue
-                assert pvalue > 1e-4, (name, mode, p, pvalue)
-
-
-def test_sampling_is_chosen_by_dtype_and_checked():
-    assert probes.SAMPLINGS == ("gram", "vectors")
-    config = dict(head_dims=(16,), num_trials=2, num_queries=2, num_keys=2, value_dim=2)
-    assert probes.saturation_sweep(0, **config)["sampling"] == "gram"
-    assert probes.saturation_sweep(0, dtype=jnp.bfloat16, **config)["sampling"] == "vectors"
-    assert probes.saturation_sweep(0, dtype=jnp.float16, **config)["sampling"] == "vectors"
-    with pytest.raises(ValueError, match="sampling must be None or one of"):
-        probes.saturation_sweep(0, sampling="qr", **config)
-    with pytest.raises(ValueError, match="sampling"):
-        probes.sweep_trial_fn(16, sampling="Gram")
-    # One compiled single-trial function serves every d_k of the Gram sampling.
-    f8, f4096 = probes.sweep_trial_fn(8), probes.sweep_trial_fn(4096)
-    assert f8 is probes.sweep_trial_fn(8) and f8.func is f4096.func
+    np.testing.assert_array_equal(np.asarray(_sweep._dots(jax.random.key(1), (5, 7), 3)).shape, (2, 3))

@@ -36,7 +36,7 @@ def step(state, batch, lr, scale):
 @pytest.fixture(scope="module")
 def history():
     """Two paired runs (same seed, scaled and unscaled) for OPT.total_steps steps."""
-    return train.train(CONFIG, TASK, OPT, seeds=[3, 3], learning_rates=[1e-2, 1e-2], scales=["sqrt", "none"], chunk=3)
+    return train.train(CONFIG, TASK, OPT, seeds=[3, 3], learning_rates=[1e-2, 1e-2], scales=[None, 1.0], chunk=3)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def test_unscaled_initial_entropy_is_lower_than_scaled():
 def test_qk_layernorm_adds_parameters_and_runs():
     config = train.ModelConfig.for_task(TASK, d_model=16, num_heads=2, head_dim=8, qk_layernorm=True)
     params = train.init_params(0, config)
-    assert params["blocks"][0]["ln_q"]["g"].shape == (8,)
+    assert params["blocks"][0]["ln_q"]["scale"].shape == (8,)
     logits, captured = forward(params, train.recall_batch(0, TASK, B)["tokens"][0], 1.0, config=config)
     assert np.all(np.isfinite(logits)) and np.all(np.isfinite(captured["weights"]))
 
@@ -142,8 +142,10 @@ def test_configuration_errors(make, match):
 
 
 def test_resolve_scale():
-    assert train.resolve_scale("sqrt", 64) == train.resolve_scale(None, 64) == 0.125
-    assert train.resolve_scale("none", 64) == 1.0
+    assert train.resolve_scale(None, 64) == 0.125
+    assert train.resolve_scale(1.0, 64) == 1.0
+    with pytest.raises(TypeError, match="scale"):
+        train.resolve_scale("sqrt", 64)  # one vocabulary: None or a number, as in the core
     assert train.resolve_scale(0.5, 64) == 0.5
 
 
@@ -197,10 +199,10 @@ def test_logged_series_are_finite_with_documented_shapes(history):
 
 
 def test_same_seed_is_bit_for_bit_reproducible(history):
-    again = train.train(CONFIG, TASK, OPT, seeds=[3, 3], learning_rates=[1e-2, 1e-2], scales=["sqrt", "none"], chunk=3)
+    again = train.train(CONFIG, TASK, OPT, seeds=[3, 3], learning_rates=[1e-2, 1e-2], scales=[None, 1.0], chunk=3)
     for name in train.METRICS:
         np.testing.assert_array_equal(history[name], again[name], err_msg=name)
-    other = train.train(CONFIG, TASK, OPT, seeds=[4, 4], learning_rates=[1e-2, 1e-2], scales=["sqrt", "none"], chunk=3)
+    other = train.train(CONFIG, TASK, OPT, seeds=[4, 4], learning_rates=[1e-2, 1e-2], scales=[None, 1.0], chunk=3)
     assert not np.array_equal(history["loss"], other["loss"])
 
 

@@ -4,24 +4,21 @@ Part 1: a few tokens through :func:`jaxattn.attention`: Q, K, V, the map A, and 
 Part 2: the same attention with and without the division by ``sqrt(d_k)``: entropies side by side, then the
 saturation sweep over ``d_k`` (:func:`jaxattn.probes.saturation_sweep`) as a table, the laws its unscaled
 statistics follow (predicted and fitted), the fraction of exactly-zero gradients per dtype, and a log-log
-figure. Nothing here prints; the lab script renders and writes files (atomically, with :func:`write_json`
-and :func:`save_figure`).
+figure. Nothing here prints; the lab script renders and writes files (atomically, with
+:func:`jaxattn.io.write_json` and :func:`save_figure`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import _probes as probes
-from jaxattn._attention import attention
+from jaxattn import attention, probes
+from jaxattn.io import atomic_write
 
 ROW_SUM_TOLERANCE = 1e-6
 LOW_PRECISION_DTYPES = ("bfloat16", "float16", "float64")
@@ -501,46 +498,6 @@ def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, 
 # ----------------------------------------------------------------------------------------------------
 
 
-def to_jsonable(x: Any) -> Any:
-    """NumPy/JAX arrays and scalars to lists and Python numbers, recursively (non-finite floats to strings)."""
-    if isinstance(x, dict):
-        return {str(k): to_jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [to_jsonable(v) for v in x]
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return to_jsonable(np.asarray(x).tolist())
-    if isinstance(x, (np.bool_, bool)):
-        return bool(x)
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        x = float(x)
-        return x if math.isfinite(x) else str(x)
-    return x
-
-
-def _atomic(path: str, write) -> str:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    return os.path.abspath(path)
-
-
-def write_json(path: str, data: Any) -> str:
-    """Write ``data`` (via :func:`to_jsonable`) to ``path`` atomically; returns the absolute path."""
-    text = json.dumps(to_jsonable(data), indent=1)
-    return _atomic(path, lambda f: f.write(text.encode()))
-
-
 def save_figure(fig, path: str) -> str:
     """Save a matplotlib figure as PNG at ``path`` atomically; returns the absolute path."""
-    return _atomic(path, lambda f: fig.savefig(f, format="png"))
+    return str(atomic_write(path, lambda f: fig.savefig(f, format="png")))

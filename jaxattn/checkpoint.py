@@ -1,6 +1,6 @@
 """Model-agnostic checkpoint loading: config files, weight files, hub resolution, tokenizers.
 
-Nothing here knows about a particular architecture. A model module (``_gpt2``, later an encoder) hands
+Nothing here knows about a particular architecture. A model module (:mod:`jaxattn.gpt2`, :mod:`jaxattn.bert`) hands
 in a :class:`ConfigSchema` (which ``config.json`` fields it implements) and a table of expected weight
 shapes; these helpers read the files without PyTorch, refuse what the model does not implement and
 raise :class:`CheckpointError` naming the file and the key that is wrong.
@@ -490,13 +490,3 @@ class TextTokenizer:
             text = self.backend.decode([int(i)], skip_special_tokens=False)
             out.append(text if text else (self.backend.id_to_token(int(i)) or f"<{int(i)}>"))
         return out
-
-
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` through a temporary file and ``os.replace`` (never half-written)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    mode = "wb" if isinstance(data, bytes) else "w"
-    with open(tmp, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as f:
-        f.write(data)
-    os.replace(tmp, path)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxattn._probes import head_entropy
+from jaxattn.probes import head_entropy
 
 SENTENCES = {
     "big": "The trophy didn't fit in the suitcase because it was too big.",
@@ -180,13 +180,13 @@ def render_part3(maps: SentenceMaps, layer: int, head: int) -> str:
 
 def png_grid(maps: SentenceMaps, *, dpi: int = 110) -> bytes:
     """Every layer x head map of one sentence as one PNG (bytes; the caller writes the file)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     L, N, T, _ = maps.attentions.shape
-    fig, axes = plt.subplots(L, N, figsize=(1.1 * N + 1.5, 1.1 * L + 1.0), squeeze=False)
+    fig = Figure(figsize=(1.1 * N + 1.5, 1.1 * L + 1.0))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(L, N, squeeze=False)
     for layer in range(L):
         for head in range(N):
             ax = axes[layer, head]
@@ -200,7 +200,6 @@ def png_grid(maps: SentenceMaps, *, dpi: int = 110) -> bytes:
     fig.suptitle(f"{maps.model}: {maps.text}\nrows = queries, columns = keys ({T} tokens)", fontsize=8)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -424,3 +423,38 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
     lines.append(f"  all heads: {e['scaled'].mean():.3f} -> {e['unscaled'].mean():.3f} nats; heads whose entropy "
                  f"fell: {int(np.sum(e['unscaled'] < e['scaled']))} of {L * N}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# A bundled model as a LabModel.
+# ----------------------------------------------------------------------------------------------------
+
+
+def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: str) -> LabModel:
+    """A model of jaxattn's model API (``jaxattn.gpt2``, ``jaxattn.bert``) as a :class:`LabModel`.
+
+    ``module.forward(params, config, ids, scale=...)`` gives the maps. A module with ``log_prob``
+    (a causal language model) is causal and scores continuations; one without it (an encoder) is
+    bidirectional and has no scorer: it assigns no probability to a continuation, and the lab reports
+    none rather than a number from a head the model was never trained with.
+
+    Args:
+      module: the model's module.
+      params, config, tokenizer: from ``module.load()`` (or ``module.random_model()``).
+      name: shown in reports.
+    """
+    log_prob = getattr(module, "log_prob", None)
+
+    def tokenize(text: str) -> tuple[np.ndarray, list[str]]:
+        ids = tokenizer.encode(text)
+        return ids, tokenizer.labels(ids)
+
+    def attentions(ids: np.ndarray, scale: Any) -> np.ndarray:
+        return np.asarray(module.forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
+
+    def score(prefix: str, continuation: str) -> float:
+        p, c = tokenizer.encode(prefix), tokenizer.encode(continuation)
+        return float(log_prob(params, config, np.concatenate([p, c]), start=len(p)))
+
+    causal = log_prob is not None
+    return LabModel(name=name, causal=causal, tokenize=tokenize, attentions=attentions, score=score if causal else None)

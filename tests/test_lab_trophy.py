@@ -5,17 +5,21 @@ import json
 import numpy as np
 import pytest
 
-from jaxattn import gpt2, trophy
-from jaxattn._checkpoint import TextTokenizer, flatten
+from jaxattn import gpt2
+from jaxattn import lab as trophy
+from jaxattn.checkpoint import TextTokenizer, flatten
+
+
+TEXTS = [t + trophy.RESOLUTION_PROMPT + r for t in trophy.SENTENCES.values() for r in trophy.RESOLUTIONS.values()]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A random tiny GPT-2 with a byte-level BPE trained here, saved and loaded back as a checkpoint."""
-    params, config, tokenizer = gpt2.random_model("tiny", seed=1)
+    params, config, tokenizer = gpt2.random_model("tiny", seed=1, texts=TEXTS)
     directory = gpt2.save(tmp_path_factory.mktemp("tiny"), params, config, tokenizer)
     loaded = gpt2.load(directory)
-    return gpt2.lab_model(*loaded, name="tiny"), loaded, (params, config, tokenizer)
+    return trophy.lab_model(gpt2, *loaded, name="tiny"), loaded, (params, config, tokenizer)
 
 
 @pytest.fixture(scope="module")

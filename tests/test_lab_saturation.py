@@ -7,7 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from jaxattn import _lab_basics as lab
+from jaxattn import lab
+from jaxattn.io import write_json
 from jaxattn import probes
 
 DIMS = probes.DEFAULT_HEAD_DIMS
@@ -93,7 +94,7 @@ def test_files_are_written_atomically_and_parse(small, tmp_path):
     png = lab.save_figure(fig, str(tmp_path / "out" / "sweep.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    path = lab.write_json(str(tmp_path / "out" / "part2.json"), {"summary": summary, "inf": math.inf, "flag": np.bool_(True)})
+    path = write_json(str(tmp_path / "out" / "part2.json"), {"summary": summary, "inf": math.inf, "flag": np.bool_(True)})
     with open(path) as f:
         data = json.load(f)
     assert data["summary"]["head_dims"] == list(DIMS) and data["inf"] == "inf" and data["flag"] is True

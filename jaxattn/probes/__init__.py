@@ -1,0 +1,65 @@
+"""Probes of softmax saturation: what an attention map looks like, and what gradient flows through it.
+
+Every probe is a pure function of arrays that composes with ``jax.jit``/``jax.vmap`` and takes an
+optional boolean keep-mask (True = attend) broadcastable to the map. The maps, logits and gradients it
+measures come from the core (:func:`jaxattn.attention`, :func:`jaxattn.attention_logits` and its masked
+softmax): there is no second attention path.
+
+- row statistics of a map ``[..., S] -> [...]`` (``_rows``): :func:`entropy`,
+  :func:`normalized_entropy`, :func:`max_weight`, :func:`effective_support`, :func:`row_stats`,
+  :func:`head_entropy`;
+- the softmax Jacobian ``diag(p) - p pᵀ`` (``_jacobian``): :func:`softmax_jacobian`,
+  :func:`softmax_jacobian_norms`;
+- gradients through the core attention by ``jax.grad`` (``_grads``): :func:`attention_grads`,
+  :func:`grad_norms`;
+- Monte Carlo (``_sweep``): :func:`dot_product_variance`, the saturation sweep as one ``jit(vmap)``
+  program, :func:`saturation_sweep`, :func:`summarize_sweep`, :func:`sweep_trial_fn`;
+- the laws the unscaled sweep follows, float64 NumPy (``_laws``): :func:`gap_survival`,
+  :func:`gap_density_at_zero`, :func:`gap_median`, :func:`underflow_gap`, :func:`predicted_laws`,
+  :func:`fit_power_law`, :func:`fit_stretched_exp`.
+"""
+
+from jaxattn.probes._grads import attention_grads, grad_norms
+from jaxattn.probes._jacobian import softmax_jacobian, softmax_jacobian_norms
+from jaxattn.probes._laws import (
+    fit_power_law,
+    fit_stretched_exp,
+    gap_density_at_zero,
+    gap_median,
+    gap_survival,
+    predicted_laws,
+    underflow_gap,
+)
+from jaxattn.probes._rows import effective_support, entropy, head_entropy, max_weight, normalized_entropy, row_stats
+from jaxattn.probes._sweep import (
+    DEFAULT_HEAD_DIMS,
+    dot_product_variance,
+    saturation_sweep,
+    summarize_sweep,
+    sweep_trial_fn,
+)
+
+__all__ = [
+    "DEFAULT_HEAD_DIMS",
+    "attention_grads",
+    "dot_product_variance",
+    "effective_support",
+    "entropy",
+    "fit_power_law",
+    "fit_stretched_exp",
+    "gap_density_at_zero",
+    "gap_median",
+    "gap_survival",
+    "grad_norms",
+    "head_entropy",
+    "max_weight",
+    "normalized_entropy",
+    "predicted_laws",
+    "row_stats",
+    "saturation_sweep",
+    "softmax_jacobian",
+    "softmax_jacobian_norms",
+    "summarize_sweep",
+    "sweep_trial_fn",
+    "underflow_gap",
+]

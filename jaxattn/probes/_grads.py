@@ -1,0 +1,84 @@
+"""Gradients through the core attention by ``jax.grad``, for any ``scale``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn._attention import _validate_single, attention
+from jaxattn._checks import as_float_array, softmax_dtype
+
+Array = jax.Array
+
+
+
+
+def attention_grads(
+    q: Any,
+    k: Any,
+    v: Any,
+    cotangent: Any,
+    *,
+    mask: Any = None,
+    scale: Any = None,
+    is_causal: bool = False,
+) -> dict[str, Array]:
+    """Gradients of the linear read-out ``L = Σ cotangent ⊙ attention(q, k, v)`` by ``jax.grad``.
+
+    Any loss's gradient is the read-out of its cotangent at the attention output, so a random
+    ``cotangent`` probes what a generic loss sees. ``∂L/∂logits`` is taken exactly as the gradient with
+    respect to a zero additive ``bias`` (the core computes ``logits = scale · q kᵀ + bias``): the same
+    trick gives it inside a whole model (pass ``bias=zeros`` and differentiate with respect to it).
+
+    Args:
+      q: ``[T, H]``; k: ``[S, H]``; v: ``[S, V]``.
+      cotangent: ``[T, V]``, the read-out (``∂L/∂out``).
+      mask, scale, is_causal: as in :func:`jaxattn.attention`; ``scale=1.0`` is the unscaled variant.
+
+    Returns:
+      dict: ``logits [T, S]``, ``q [T, H]``, ``k [S, H]``, ``v [S, V]`` (gradients, in the input
+      dtypes), ``weights [T, S]`` and ``loss`` (scalar, float32 or wider).
+    """
+    # q, k, v, mask and scale get the core's own checks (ranks, matching H and S, mask shape, scale)
+    # first, so that a wrong q is blamed on q; only then is the cotangent checked against them.
+    q, k, v, _, _, _ = _validate_single(q, k, v, mask, None, scale)
+    cotangent = as_float_array(cotangent, "cotangent")
+    T, S, V = q.shape[0], k.shape[0], v.shape[1]
+    if cotangent.shape != (T, V):
+        raise ValueError(
+            f"cotangent must have shape [T, V] = ({T}, {V}) for q {tuple(q.shape)} [T, H] and v "
+            f"{tuple(v.shape)} [S, V], received {tuple(cotangent.shape)}"
+        )
+    bias = jnp.zeros((T, S), jnp.result_type(q, k))
+    return _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal)
+
+
+def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal):
+    acc = softmax_dtype(jnp.result_type(q, k, v))
+
+    def loss(q, k, v, bias):
+        out, weights = attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+        return jnp.sum(out.astype(acc) * cotangent.astype(acc)), weights
+
+    (value, weights), (dq, dk, dv, dz) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        q, k, v, bias
+    )
+    return {"logits": dz, "q": dq, "k": dk, "v": dv, "weights": weights, "loss": value}
+
+
+def grad_norms(grads: dict[str, Array]) -> dict[str, Array]:
+    """Per-row Euclidean norms of :func:`attention_grads`' gradients, and which rows are exactly zero.
+
+    Returns:
+      dict: ``logits [T]``, ``q [T]``, ``k [S]``, ``v [S]`` (norms, float32 or wider), and
+      ``logits_zero [T]``, ``q_zero [T]`` (bool: every entry of the row is exactly 0 in its dtype).
+    """
+    out = {}
+    for name in ("logits", "q", "k", "v"):
+        g = grads[name]
+        out[name] = jnp.linalg.norm(g.astype(softmax_dtype(g.dtype)), axis=-1)
+    out["logits_zero"] = jnp.all(grads["logits"] == 0, axis=-1)
+    out["q_zero"] = jnp.all(grads["q"] == 0, axis=-1)
+    return out

@@ -1,0 +1,305 @@
+"""Monte Carlo: the variance of ``q·k``, and the saturation sweep as one ``jit(vmap(...))`` program.
+
+Sweep results carry ``P`` (one entry per head dimension swept) and ``R`` (random trials) axes; their
+first axis, of size 2, is the scale mode: ``0`` = scaled by ``1/sqrt(d_k)``, ``1`` = unscaled. Axis
+alphabet as in the core (T queries, S keys, H = d_k, V = d_v).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._attention import _masked_softmax, attention_logits
+from jaxattn._checks import as_key, check_float_dtype, check_int, softmax_dtype
+from jaxattn.probes._grads import _attention_grads
+from jaxattn.probes._jacobian import _jacobian_norms
+from jaxattn.probes._rows import row_stats
+
+Array = jax.Array
+
+DEFAULT_HEAD_DIMS = tuple(2**i for i in range(3, 13))  # 8, 16, ..., 4096
+
+
+def _check_head_dims(head_dims: Sequence[int]) -> tuple[int, ...]:
+    dims = tuple(head_dims)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
+        raise ValueError(f"head_dims must be a non-empty sequence of positive ints, received {head_dims!r}")
+    return tuple(int(d) for d in dims)
+
+
+def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS, *, num_samples: int = 4096) -> dict:
+    """Monte Carlo ``Var(q·k)`` for ``q, k ~ N(0, I_{d_k})``: the chapter's claim is ``Var = d_k``.
+
+    One compiled program. Each sample is a row of ``Σ d_k`` independent N(0, 1) pairs, cut into disjoint
+    blocks of ``d_k`` columns, one block per ``d_k`` (so every ``d_k`` has its own vectors). The rows
+    are drawn a block of rows at a time inside a ``lax.map``, so memory does not grow with
+    ``num_samples``: XLA's temporary buffers hold ``2 · max(2^18, Σ d_k)`` normals and their RNG state
+    (13 MiB at the defaults, ``num_samples = 4096`` and d_k = 8 … 4096; one draw of every pair at
+    once took 1.15 GiB), plus the ``[P, num_samples]`` products.
+
+    Args:
+      key: a ``jax.random`` key or an int seed.
+      head_dims: the ``d_k`` values, ``[P]``.
+      num_samples: independent pairs per ``d_k``.
+
+    Returns:
+      dict of NumPy arrays ``[P]``: ``head_dims``, ``variance`` (unbiased sample variance, float64),
+      ``ratio`` (``variance / d_k``) and ``std_error`` (standard error of ``ratio``).
+    """
+    dims = _check_head_dims(head_dims)
+    n = check_int(num_samples, "num_samples", 2)
+    dots = _dots(as_key(key), dims, n)  # [P, n]
+    dots = np.asarray(dots, np.float64)
+    var = dots.var(axis=1, ddof=1)
+    d = np.asarray(dims, np.float64)
+    # Var of the sample variance: (m4 - var²)/n, with m4 the fourth central moment.
+    # Both moments biased (m4 >= m2² always), so the estimate is never the sqrt of a negative number.
+    centred = dots - dots.mean(axis=1, keepdims=True)
+    m2, m4 = (centred**2).mean(axis=1), (centred**4).mean(axis=1)
+    return {"head_dims": np.asarray(dims), "variance": var, "ratio": var / d, "std_error": np.sqrt((m4 - m2**2) / n) / d}
+
+
+_DOT_BLOCK = 2**18  # normals per operand (q or k) drawn per step of :func:`_dots`' loop, when Σ d_k fits
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _dots(key, dims, n):
+    # Rows of Σ d_k pairs, ``rows`` at a time (one RNG op to compile, memory bounded by the block), each
+    # row cut into disjoint column blocks of width d_k.
+    total = sum(dims)
+    rows = max(1, min(n, _DOT_BLOCK // total))
+    chunks = -(-n // rows)
+    offsets = np.cumsum((0,) + dims)
+
+    def block(chunk_key):
+        z = jax.random.normal(chunk_key, (2, rows, total))  # q, k: [2, rows, ΣH]
+        prod = z[0] * z[1]  # [rows, ΣH]
+        return jnp.stack([jnp.sum(prod[:, a:b], axis=-1) for a, b in zip(offsets[:-1], offsets[1:])])  # [P, rows]
+
+    dots = jax.lax.map(block, jax.random.split(key, chunks))  # [chunks, P, rows]
+    return jnp.moveaxis(dots, 0, 1).reshape(len(dims), chunks * rows)[:, :n]  # [P, n]
+
+
+def _draw(key, *, head_dim, T, S, V, dtype):
+    """One trial's ``q [T, H]``, ``k [S, H]``, ``v [S, V]`` with N(0, 1) entries and read-out ``r [T, V]`` (N(0, 1/V))."""
+    # One draw for everything (each separate draw costs XLA compile time, once per d_k in the sweep).
+    z = jax.random.normal(key, ((T + S) * (head_dim + V),))  # [(T+S)·(H+V)]
+    qk, vr = jnp.split(z.reshape(T + S, head_dim + V), [head_dim], axis=1)  # [T+S, H], [T+S, V]
+    q = qk[:T].astype(dtype)  # [T, H]
+    k = qk[T:].astype(dtype)  # [S, H]
+    v = vr[T:].astype(dtype)  # [S, V]
+    r = (vr[:T] / math.sqrt(V)).astype(dtype)  # [T, V], unit-variance read-out
+    return q, k, v, r
+
+
+def _probe_rows(q, k, v, r, scale):
+    """Every per-row probe of one head for the read-out ``L = Σ r ⊙ attention(q, k, v; scale)``."""
+    return _row_probes(**_width_probes(q, k, v, r, scale))
+
+
+def _width_probes(q, k, v, r, scale):
+    """The part of :func:`_probe_rows` that sees ``d_k``: the core attention's gradients, reduced to rows.
+
+    Returns ``[T, S]`` arrays (``logits``, ``weights``, ``logit_grad``), whose shapes do not depend on
+    ``d_k``, and the ``‖∂L/∂q‖``, ``‖∂L/∂k‖`` and ``q·k`` moments, already reduced.
+    """
+    T, S = q.shape[0], k.shape[0]
+    acc = softmax_dtype(jnp.result_type(q, k, v))
+    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), q.dtype), None, scale, False)
+    logits = attention_logits(q, k, scale=scale)  # [T, S], the softmax's input (f32 or wider)
+    dots = logits / scale  # [T, S], q·k
+    return {
+        "logits": logits,
+        "weights": grads["weights"].astype(acc),  # [T, S], the map the output was computed from
+        "logit_grad": grads["logits"],  # [T, S], ∂L/∂logits in the input dtype
+        "q_grad_norm": jnp.linalg.norm(grads["q"].astype(acc), axis=-1),  # [T]
+        "k_grad_norm": jnp.linalg.norm(grads["k"].astype(acc), axis=-1),  # [S]
+        "q_grad_zero": jnp.all(grads["q"] == 0, axis=-1),  # [T]
+        "dot_sq": jnp.mean(dots * dots),  # E[(q·k)²] over this trial's T·S pairs (the mean is 0)
+        "dot_mean": jnp.mean(dots),
+    }
+
+
+def _row_probes(logits, weights, logit_grad, **reduced):
+    """The rest of :func:`_probe_rows`, on ``[..., T, S]`` rows: any leading axes (the sweep stacks all d_k)."""
+    stats = row_stats(weights)
+    # The Jacobian of the softmax the core computed (in float32 or wider). When q, k, v are in that dtype
+    # (logit_grad's dtype is theirs), the map is that softmax itself; otherwise it was rounded to their dtype.
+    p = weights if logit_grad.dtype == logits.dtype else _masked_softmax(logits, None)
+    jac = _jacobian_norms(p)["frobenius"]  # [..., T]
+    return {
+        "entropy": stats["entropy"],
+        "normalized_entropy": stats["normalized_entropy"],
+        "max_weight": stats["max_weight"],
+        "jacobian_norm": jac,
+        "logit_grad_norm": jnp.linalg.norm(logit_grad.astype(softmax_dtype(logit_grad.dtype)), axis=-1),
+        "logit_grad_zero": jnp.all(logit_grad == 0, axis=-1),
+        "jacobian_zero": jac == 0,
+        **reduced,
+    }
+
+
+def _trial_widths(key, scaled, *, head_dim, T, S, V, dtype):
+    """One random trial at one static ``d_k`` and one scale mode, up to the ``d_k``-independent row probes."""
+    q, k, v, r = _draw(key, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
+    acc = softmax_dtype(dtype)
+    scale = jnp.where(scaled, jnp.asarray(1.0 / math.sqrt(head_dim), acc), jnp.ones((), acc))  # traced scale
+    return _width_probes(q, k, v, r, scale)
+
+
+def _trial(key, scaled, *, head_dim, T, S, V, dtype):
+    """One random trial at one static ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
+    return _row_probes(**_trial_widths(key, scaled, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("head_dims", "T", "S", "V", "dtype", "batch"))
+def _sweep_program(keys, *, head_dims, T, S, V, dtype, batch):
+    """``[P, R]`` keys -> every probe ``[2, P, R, ...]`` in one compiled program.
+
+    The trace unrolls over the static ``head_dims``: each ``d_k`` runs at its own width, vmapped over
+    its R trials and over the two scale modes (which share each trial's draw), as far as the ``[T, S]``
+    logits, weights and ``∂L/∂logits``; those are stacked over ``d_k`` and the row probes that do not see
+    ``d_k`` run once on the stack. ``batch`` is ``None`` (all R trials of a ``d_k`` in one vmap) or a
+    count: ``lax.map`` then runs the vmapped trial over chunks of that many trials, which bounds memory.
+    """
+    modes = jnp.array([True, False])
+    per_dim = []
+    for p, head_dim in enumerate(head_dims):
+        trial = functools.partial(_trial_widths, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
+        both = lambda key, trial=trial: jax.vmap(trial, in_axes=(None, 0))(key, modes)  # key -> [2, ...]
+        if batch is None:
+            per_dim.append(jax.vmap(both)(keys[p]))  # [R, 2, ...]
+        else:
+            per_dim.append(jax.lax.map(both, keys[p], batch_size=batch))  # [R, 2, ...]
+    stacked = jax.tree.map(lambda *xs: jnp.moveaxis(jnp.stack(xs), 2, 0), *per_dim)  # [2, P, R, ...]
+    return _row_probes(**stacked)
+
+
+@functools.lru_cache(maxsize=None)
+def _trial_fn(head_dim, T, S, V, dtype):
+    return jax.jit(functools.partial(_trial, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
+
+
+def sweep_trial_fn(
+    head_dim: int,
+    *,
+    num_queries: int = 16,
+    num_keys: int = 16,
+    value_dim: int = 16,
+    dtype: Any = jnp.float32,
+):
+    """The jitted single-trial function the sweep vmaps: ``f(key, scaled) -> dict`` at ``d_k = head_dim``.
+
+    ``f(key, scaled)`` draws one trial from ``key`` exactly as :func:`saturation_sweep` does and returns
+    its per-row probes (the sweep's fields without the leading ``[2, P, R]`` axes); ``scaled`` is a
+    (traced) bool. The sweep's trial ``r`` at ``head_dims[p]`` used the key
+    ``jax.random.split(key, (P, R))[p, r]``. The same arguments return the same object. For benchmarks
+    (a Python loop over it against :func:`saturation_sweep`) and for debugging one trial.
+    """
+    (head_dim,) = _check_head_dims((head_dim,))
+    T = check_int(num_queries, "num_queries")
+    S = check_int(num_keys, "num_keys", 2)
+    V = check_int(value_dim, "value_dim")
+    return _trial_fn(head_dim, T, S, V, check_float_dtype(dtype))
+
+
+def saturation_sweep(
+    key: Any,
+    *,
+    head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
+    num_trials: int = 64,
+    num_queries: int = 16,
+    num_keys: int = 16,
+    value_dim: int = 16,
+    dtype: Any = jnp.float32,
+    trials_per_batch: int | None = None,
+) -> dict[str, Any]:
+    """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
+
+    Each trial draws ``q [T, d_k]``, ``k [S, d_k]``, ``v [S, V]`` with N(0, 1) entries and a read-out
+    ``r [T, V]`` with N(0, 1/V) entries, runs the core :func:`jaxattn.attention` with
+    ``scale=1/sqrt(d_k)`` and ``scale=1`` on the same draws, and records per query row: entropy,
+    normalised entropy, max weight, the Frobenius norm of the softmax Jacobian, ``‖∂L/∂logits‖`` and
+    ``‖∂L/∂q‖`` for ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``;
+    per key ``‖∂L/∂k‖``; per trial the moments of ``q·k``.
+
+    Args:
+      key: a ``jax.random`` key or an int seed.
+      head_dims: the ``d_k`` values, ``[P]`` (default powers of two 8 … 4096).
+      num_trials: R, random trials per ``d_k``.
+      num_queries, num_keys, value_dim: T, S, V of each trial.
+      dtype: dtype of q, k, v (the softmax still runs in at least float32, as in the core; gradients
+        come back in ``dtype``). float64 needs ``jax.enable_x64``.
+      trials_per_batch: ``None`` (default) vmaps all trials of a ``d_k`` at once; an int runs them in
+        chunks of that many (a ``lax.map`` step inside the same program), which bounds memory. Results
+        are the same up to rounding (each chunk size compiles its own kernels).
+
+    Returns:
+      dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
+      ``[2, P, R, T]`` (``entropy``, ``normalized_entropy``, ``max_weight``, ``jacobian_norm``,
+      ``logit_grad_norm``, ``q_grad_norm``, ``logit_grad_zero``, ``q_grad_zero``, ``jacobian_zero``),
+      ``k_grad_norm [2, P, R, S]`` and ``dot_sq``, ``dot_mean [2, P, R]``.
+    """
+    dims = _check_head_dims(head_dims)
+    R = check_int(num_trials, "num_trials")
+    T = check_int(num_queries, "num_queries")
+    S = check_int(num_keys, "num_keys", 2)
+    V = check_int(value_dim, "value_dim")
+    dtype = check_float_dtype(dtype)
+    batch = None if trials_per_batch is None else check_int(trials_per_batch, "trials_per_batch")
+    batch = None if batch is None or batch >= R else batch
+    keys = jax.random.split(as_key(key), (len(dims), R))  # [P, R]
+    out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
+    result = {name: np.asarray(x) for name, x in out.items()}
+    result.update(
+        head_dims=np.asarray(dims),
+        scaled=np.array([True, False]),
+        num_trials=R,
+        num_queries=T,
+        num_keys=S,
+        value_dim=V,
+        dtype=dtype.name,
+    )
+    return result
+
+
+_SUMMARY_FIELDS = ("entropy", "normalized_entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm")
+
+
+def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0.5, 0.9)) -> dict[str, Any]:
+    """Distributions of a :func:`saturation_sweep`, per scale mode and ``d_k`` (float64 NumPy).
+
+    Returns:
+      dict: ``head_dims [P]``, ``quantiles [Q]``, ``var_qk [P]`` (Monte Carlo Var(q·k) over every pair),
+      ``var_ratio [P]`` (``/ d_k``), and for each probe ``name`` in entropy, normalized_entropy,
+      max_weight, jacobian_norm, logit_grad_norm, q_grad_norm, k_grad_norm: ``name`` → dict with
+      ``mean [2, P]``, ``std [2, P]``, ``quantiles [2, P, Q]`` (``median`` = the 0.5 one if requested);
+      ``zero_fraction`` → dict with ``logit_grad``, ``q_grad``, ``jacobian``: ``[2, P]`` fractions of rows
+      that are exactly zero. Axis 0 is (scaled, unscaled).
+    """
+    qs = np.asarray(quantiles, np.float64)
+    summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
+    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype") if k in result})
+    dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
+    dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
+    var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2
+    summary["var_qk"] = var
+    summary["var_ratio"] = var / summary["head_dims"]
+    for name in _SUMMARY_FIELDS:
+        x = np.asarray(result[name], np.float64)
+        x = x.reshape(x.shape[0], x.shape[1], -1)  # [2, P, rows]
+        stats = {"mean": x.mean(axis=-1), "std": x.std(axis=-1), "quantiles": np.quantile(x, qs, axis=-1).transpose(1, 2, 0)}
+        if 0.5 in qs:
+            stats["median"] = stats["quantiles"][..., list(qs).index(0.5)]
+        summary[name] = stats
+    summary["zero_fraction"] = {
+        field: np.asarray(result[f"{field}_zero"], np.float64).reshape(2, len(summary["head_dims"]), -1).mean(axis=-1)
+        for field in ("logit_grad", "q_grad", "jacobian")
+    }
+    return summary

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from jaxattn._checks import (
     as_bool_array,
     as_float_array,
+    as_key,
     check_broadcastable,
+    check_int,
     check_rank,
     check_scale,
     softmax_dtype,
@@ -344,7 +346,7 @@ def split_heads(x: Any, num_heads: int) -> Array:
     """``[T, N·H] -> [T, N, H]``."""
     x = jnp.asarray(x)
     check_rank(x, 2, "x", "[T, N*H]")
-    _check_heads(num_heads, "num_heads")
+    check_int(num_heads, "num_heads")
     if x.shape[1] % num_heads != 0:
         raise ValueError(
             f"the last axis of x ({x.shape[1]}, shape {tuple(x.shape)}) must be divisible by "
@@ -358,12 +360,6 @@ def merge_heads(x: Any) -> Array:
     x = jnp.asarray(x)
     check_rank(x, 3, "x", "[T, N, H]")
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2])  # [T, N*H]
-
-
-def _check_heads(n: Any, name: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"{name} must be a positive int, received {n!r}")
-    return n
 
 
 def init_attention_params(
@@ -383,9 +379,9 @@ def init_attention_params(
     ``1/sqrt(H)`` scale is designed for); with ``use_bias``, zero ``b_Q, b_K, b_V, b_O``.
     ``head_dim=None`` means ``H = D / N``, which requires ``N`` to divide ``D``.
     """
-    _check_heads(d_model, "d_model")
-    _check_heads(num_heads, "num_heads")
-    K = num_heads if num_kv_heads is None else _check_heads(num_kv_heads, "num_kv_heads")
+    check_int(d_model, "d_model")
+    check_int(num_heads, "num_heads")
+    K = num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
     if num_heads % K != 0:
         raise ValueError(
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({K}) for grouped-query attention"
@@ -396,8 +392,8 @@ def init_attention_params(
                 f"num_heads N={num_heads} must divide d_model D={d_model} (H = D / N), or pass head_dim"
             )
         head_dim = d_model // num_heads
-    H = _check_heads(head_dim, "head_dim")
-    kq, kk, kv, ko = jax.random.split(jnp.asarray(key) if not isinstance(key, int) else jax.random.key(key), 4)
+    H = check_int(head_dim, "head_dim")
+    kq, kk, kv, ko = jax.random.split(as_key(key), 4)
     normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, dtype) / math.sqrt(fan_in)).astype(dtype)
     params = {
         "W_Q": normal(kq, (d_model, num_heads * H), d_model),
@@ -461,8 +457,8 @@ def attention_layer(
     check_rank(h, 2, "h", "[T, D]")
     c = h if context is None else as_float_array(context, "context")
     check_rank(c, 2, "context", "[S, Dc]")
-    N = _check_heads(num_heads, "num_heads")
-    K = N if num_kv_heads is None else _check_heads(num_kv_heads, "num_kv_heads")
+    N = check_int(num_heads, "num_heads")
+    K = N if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
     for name, x, rows in (("W_Q", h, h.shape[1]), ("W_K", c, c.shape[1]), ("W_V", c, c.shape[1])):
         w = params[name]
         if jnp.ndim(w) != 2 or w.shape[0] != rows:

@@ -48,11 +48,10 @@ from jaxattn._attention import _validate_multi
 from jaxattn._blockwise import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
-    _check_block,
     _multi_head_grads,
     multi_head_blockwise_attention,
 )
-from jaxattn._checks import as_bool_array, as_float_array, check_rank, softmax_dtype
+from jaxattn._checks import as_bool_array, as_float_array, check_int, check_rank, softmax_dtype
 
 Array = jax.Array
 
@@ -130,8 +129,8 @@ def ring_attention(
       ``(out [T, N, V], lse [N, T])``, sharded like q over ``axis_name``.
     """
     q, k, v, _, _, scale = _validate_multi(q, k, v, None, None, scale)
-    block_q = _check_block(block_q, "block_q")
-    block_k = _check_block(block_k, "block_k")
+    block_q = check_int(block_q, "block_q", what="rows per tile")
+    block_k = check_int(block_k, "block_k", what="rows per tile")
     P = _mesh_axis_size(mesh, axis_name, "axis_name")
     T, S = q.shape[0], k.shape[0]
     if T % P or S % P:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import check_scale
+from jaxattn._checks import check_int, check_scale
 from jaxattn._extras import require
 from jaxattn._nn import layer_norm
 from jaxattn.checkpoint import (
@@ -131,8 +131,7 @@ class GPT2Config(NamedTuple):
         """A checked config; ``n_inner=None`` means ``4 * n_embd``."""
         for name, value in (("vocab_size", vocab_size), ("n_positions", n_positions), ("n_embd", n_embd),
                             ("n_layer", n_layer), ("n_head", n_head)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, received {value!r}")
+            check_int(value, name)
         if n_embd % n_head != 0:
             raise ValueError(f"n_head={n_head} must divide n_embd={n_embd} (H = D / N)")
         if activation_function not in _ACTIVATIONS:
@@ -140,8 +139,7 @@ class GPT2Config(NamedTuple):
                 f"activation_function must be one of {sorted(_ACTIVATIONS)}, received {activation_function!r}"
             )
         n_inner = 4 * n_embd if n_inner is None else n_inner
-        if isinstance(n_inner, bool) or not isinstance(n_inner, int) or n_inner <= 0:
-            raise ValueError(f"n_inner must be a positive int or None, received {n_inner!r}")
+        check_int(n_inner, "n_inner")
         return cls(vocab_size, n_positions, n_embd, n_layer, n_head, n_inner, activation_function,
                    float(layer_norm_epsilon))
 

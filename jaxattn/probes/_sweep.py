@@ -39,9 +39,8 @@ def dot_product_variance(key: Any, head_dims: Sequence[int] = DEFAULT_HEAD_DIMS,
     One compiled program. Each sample is a row of ``Σ d_k`` independent N(0, 1) pairs, cut into disjoint
     blocks of ``d_k`` columns, one block per ``d_k`` (so every ``d_k`` has its own vectors). The rows
     are drawn a block of rows at a time inside a ``lax.map``, so memory does not grow with
-    ``num_samples``: XLA's temporary buffers hold ``2 · max(2^18, Σ d_k)`` normals and their RNG state
-    (13 MiB at the defaults, ``num_samples = 4096`` and d_k = 8 … 4096; one draw of every pair at
-    once took 1.15 GiB), plus the ``[P, num_samples]`` products.
+    ``num_samples``: XLA's temporary buffers hold ``2 · max(2^18, Σ d_k)`` normals and their RNG state,
+    plus the ``[P, num_samples]`` products.
 
     Args:
       key: a ``jax.random`` key or an int seed.

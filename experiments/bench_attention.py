@@ -309,12 +309,12 @@ def _render(report: dict, impls: list[str]) -> str:
               for impl, entry in rec["results"].items() if "error" in entry]
     if notes:
         lines += ["", "Notes:"] + notes
-    lines += ["", "Derived (targets of issue 5):"] + [f"- {line}" for line in report.get("derived", [])]
+    lines += ["", "Derived (each against its design target):"] + [f"- {line}" for line in report.get("derived", [])]
     return "\n".join(lines) + "\n"
 
 
 def _derived(report: dict) -> list[str]:
-    """The issue's target quantities, computed from the measured records."""
+    """The design-target quantities, computed from the measured records."""
     out = []
     cfgs = report["configs"]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 from jaxattn import gpt2, lab, probes
@@ -107,19 +108,96 @@ def parse_dtypes(text: str) -> list[str]:
     unknown = [d for d in names if d not in DTYPES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"--dtypes takes a comma-separated list of {','.join(DTYPES)}, received {text!r}")
-    return names
+    return list(dict.fromkeys(names))  # each dtype once, in the order given
+
+
+def int_at_least(minimum: int, what: str = ""):
+    """An argparse ``type=``: the text as an int >= ``minimum`` (argparse reports anything else as a usage error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{what}, received {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+# What each part writes into --out (a name ending in / is a folder).
+OUTPUTS = {
+    run_part1: ("part1.json",),
+    run_part2: ("part2.json", "part2_sweep.png"),
+    run_parts34: ("trophy/", "trophy/trophy.json", "trophy/part3.txt", "trophy/part4.txt", "trophy/trophy_big.png",
+                  "trophy/trophy_small.png"),
+}
+
+
+class OutputFolderError(Exception):
+    """--out cannot take the results: the message says why, in one line."""
+
+
+def prepare_output_folder(out: str, parts: list[int]) -> str:
+    """Check, before any part runs, that ``out`` is (or can be made) a writable folder whose result names are
+    free to take files; create it. Returns its absolute path. ``OutputFolderError`` otherwise, and then
+    nothing is left behind: folders this call created are removed again."""
+    if out == "":
+        raise OutputFolderError("--out is empty: give the folder to write the results to")
+    try:
+        path = os.path.abspath(out)
+        existing = path  # the nearest part of the path that exists
+        while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+    except ValueError as e:  # e.g. an embedded null byte
+        raise OutputFolderError(f"--out {out!r} is not a usable path: {e}") from None
+    if not os.path.isdir(existing):
+        if existing == path:
+            raise OutputFolderError(f"--out {out!r} exists and is not a folder")
+        raise OutputFolderError(f"--out {out!r} cannot be created: {existing!r} is not a folder")
+    for part in parts:
+        who = "parts 3-4 write" if PARTS[part] is run_parts34 else f"part {part} writes"
+        for name in OUTPUTS[PARTS[part]]:
+            target = os.path.join(path, name.rstrip("/"))
+            if name.endswith("/") and os.path.lexists(target) and not os.path.isdir(target):
+                raise OutputFolderError(f"{target!r} exists and is not a folder, but {who} into it")
+            if not name.endswith("/") and os.path.isdir(target):
+                raise OutputFolderError(f"{target!r} is a folder, but {who} a file there")
+    created = []  # the folders makedirs will create, deepest first
+    folder = path
+    while folder != existing:
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".lab-write-check.", suffix=".tmp")
+        os.close(fd)
+        os.remove(probe)
+    except (OSError, ValueError) as e:
+        for folder in created:
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise OutputFolderError(f"--out {out!r}: cannot write there ({reason})") from None
+    return path
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", type=parse_parts, default=sorted(PARTS), help=f"comma-separated, default all available: {','.join(map(str, sorted(PARTS)))}")
     parser.add_argument("--out", default="lab-output", help="output folder (default lab-output/)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trials", type=int, default=32, help="random trials per d_k in the sweep (default 32)")
-    parser.add_argument("--trials-per-batch", type=int, default=None,
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="an int >= 0 (default 0)")
+    parser.add_argument("--trials", type=int_at_least(1), default=32, help="random trials per d_k in the sweep (default 32)")
+    parser.add_argument("--trials-per-batch", type=int_at_least(1), default=None,
                         help="vmap this many trials of each d_k at a time inside the one program (bounds memory; default all)")
-    parser.add_argument("--queries", type=int, default=16, help="query rows per trial (default 16)")
-    parser.add_argument("--keys", type=int, default=16, help="keys per row, S (default 16)")
+    parser.add_argument("--queries", type=int_at_least(1), default=16, help="query rows per trial (default 16)")
+    parser.add_argument("--keys", type=int_at_least(2, " (a row needs at least two keys to choose between)"), default=16,
+                        help="keys per row, S >= 2 (default 16)")
     parser.add_argument("--model", default=None,
                         help="parts 3-4: 'minilm' (bundled encoder), a GPT-2 hub id or local directory; "
                              "default gpt2, or minilm (said on screen) when the hub cannot be reached")
@@ -128,7 +206,11 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", type=parse_dtypes, default=list(DTYPES),
                         help="sweep dtypes; the first is the table's (default float32,bfloat16,float16,float64)")
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        prepare_output_folder(args.out, args.parts)  # before any part runs: no compute wasted, nothing half-written
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"jaxattn lab, parts {','.join(map(str, args.parts))}; seed {args.seed} (rerun with --seed {args.seed}); "
           f"output folder {os.path.abspath(args.out)}")
     done = set()

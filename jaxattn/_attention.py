@@ -25,12 +25,14 @@ from jaxattn._checks import (
     as_float_array,
     as_key,
     check_broadcastable,
+    check_flag,
     check_int,
     check_rank,
     check_scale,
     softmax_dtype,
 )
 from jaxattn._masks import causal_mask
+from jaxattn._typing import ArrayLike, Bool, Float, Key, Real, Shaped, UInt32
 
 Array = jax.Array
 
@@ -41,10 +43,21 @@ Array = jax.Array
 
 
 def _logits(q: Array, k: Array, bias: Array | None, scale: Any) -> Array:
-    """``scale * q kᵀ + bias`` in at least float32: ``[T, S]``."""
+    """``scale * q kᵀ + bias`` in at least float32: ``[T, S]``.
+
+    The product is accumulated in float32 (or wider) and only then scaled, in that dtype, so the scale is
+    never rounded to a bf16/fp16 input dtype. A query (key) row holding a non-finite entry gives NaN on
+    its whole logit row (column): the product runs on that row zeroed and NaN is put back by a ``where``
+    (a double ``where``), so a NaN/Inf at a masked position cannot reach ``dq = dl k`` or ``dk = dlᵀ q``
+    through ``0 · NaN``, while a kept one makes its row NaN in the softmax.
+    """
     acc = softmax_dtype(jnp.result_type(q, k))
-    logits = jnp.einsum("TH,SH->TS", q, k, preferred_element_type=acc)  # [T, S]
+    q_ok, k_ok = jnp.isfinite(q), jnp.isfinite(k)  # [T, H], [S, H]
+    q0, k0 = jnp.where(q_ok, q, 0), jnp.where(k_ok, k, 0)  # [T, H], [S, H]
+    logits = jnp.einsum("TH,SH->TS", q0, k0, preferred_element_type=acc)  # [T, S]
     logits = logits * jnp.asarray(scale, acc)  # [T, S], the 1/sqrt(d_k) step
+    bad = jnp.logical_or(~jnp.all(q_ok, axis=1)[:, None], ~jnp.all(k_ok, axis=1)[None, :])  # [T, S]
+    logits = jnp.where(bad, jnp.nan, logits)  # [T, S]
     if bias is not None:
         logits = logits + bias.astype(acc)  # [T, S]
     return logits
@@ -67,6 +80,9 @@ def _masked_softmax(logits: Array, keep: Array | None) -> Array:
     are then zeroed explicitly. A row with no kept key therefore has zero weights (its sum is 0, and the
     division is guarded), and both the value and its gradient stay finite.
 
+    Masked logits never matter, whatever their value (NaN and Inf included). A kept logit of -inf is a
+    weight of 0; a kept NaN or +inf makes the whole row NaN (through the row maximum or the row sum).
+
     The derivative is the closed form ``dp = p ⊙ (dl − Σ p ⊙ dl)`` (see :func:`_masked_softmax_jvp`), so
     the backward pass costs what ``jax.nn.softmax``'s does instead of differentiating every step above.
     """
@@ -84,23 +100,92 @@ def _masked_softmax(logits: Array, keep: Array | None) -> Array:
 
 @_masked_softmax.defjvp
 def _masked_softmax_jvp(primals, tangents):
-    """``dp = p ⊙ (dl − Σ_s p_s dl_s)``: zero at masked keys (p = 0 there) and in fully masked rows."""
+    """``dp = p ⊙ (dl − Σ_s p_s dl_s)``: zero at masked keys (p = 0 there), in fully masked rows and in NaN rows.
+
+    A NaN row (a kept NaN or +inf logit) gets a zero tangent, computed from ``p`` with that row zeroed,
+    so that its NaN never reaches a gradient through ``0 · NaN`` (a row whose cotangent is 0 then adds 0).
+    """
     logits, keep = primals
     d_logits = tangents[0]
-    p = _masked_softmax(logits, keep)  # [T, S]
+    p = _masked_softmax(logits, keep)  # [T, S]; each row all finite or all NaN
+    p0 = jnp.where(jnp.isnan(p), 0.0, p)  # [T, S]
     if keep is not None:
         d_logits = jnp.where(keep, d_logits, 0.0)  # a NaN tangent at a masked key must not leak (0·NaN)
-    mean = jnp.sum(p * d_logits, axis=-1, keepdims=True)  # [T, 1]
-    return p, p * (d_logits - mean)  # [T, S]
+    mean = jnp.sum(p0 * d_logits, axis=-1, keepdims=True)  # [T, 1]
+    return p, p0 * (d_logits - mean)  # [T, S]
+
+
+def _kept_nonfinite(mask: Array | None, is_causal: bool, T: int, S: int, bad: Array) -> Array:
+    """``hit[t, c] = any_s keep[t, s] & bad[s, c]``, broadcastable to ``[T, C]``: a kept bad entry reaches it.
+
+    ``mask``: ``[t, s]`` (``t in {1, T}``, ``s in {1, S}``) or None, combined with causal as :func:`_keep`
+    does; ``bad [S, C]`` bool. O(S·C) when the keep-mask has a rank-one structure (no mask, causal, a
+    key-padding mask ``[S]``, a query mask ``[T, 1]``, each with or without causal). A general ``[T, S]``
+    mask adds a loop over the keys that hold a bad entry, 32 at a time (a ``[T, 32] @ [32, C]`` product
+    each): nothing when every value is finite, and no ``[T, S]`` buffer.
+    """
+    t, s = (1, 1) if mask is None else mask.shape
+    if t > 1 and s > 1:  # a general mask
+        B = min(32, S)
+        key_bad = jnp.any(bad, axis=1)  # [S]
+        n_bad = jnp.sum(key_bad, dtype=jnp.int32)  # []
+        ids = jnp.argsort(~key_bad, stable=True)  # [S], the keys holding a bad entry first
+        ids = jnp.pad(ids, (0, -S % B))  # [whole chunks of B]
+
+        def chunk(i, hit):
+            idx = jax.lax.dynamic_slice_in_dim(ids, i * B, B)  # [B]
+            cols = jnp.logical_and(mask[:, idx], (i * B + jnp.arange(B) < n_bad)[None, :])  # [T, B]
+            if is_causal:
+                cols = jnp.logical_and(cols, idx[None, :] <= jnp.arange(T)[:, None])  # [T, B]
+            count = jnp.einsum("TB,BC->TC", cols.astype(jnp.float32), bad[idx].astype(jnp.float32))  # [T, C]
+            return jnp.logical_or(hit, count > 0.0)
+
+        return jax.lax.fori_loop(0, (n_bad + B - 1) // B, chunk, jnp.zeros((T, bad.shape[1]), bool))
+    if mask is not None and s > 1:  # [1, S]: the same keys for every query
+        bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
+    if is_causal:  # key j visible to query i iff j <= i: compare with each column's first bad key
+        none = T + S  # past every query: a column without a bad key is never hit
+        first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]
+        hit = first[None, :] <= jnp.arange(T)[:, None]  # [T, C]
+    else:
+        hit = jnp.any(bad, axis=0, keepdims=True)  # [1, C]
+    if mask is not None and s == 1:  # [t, 1]: whole query rows kept or masked
+        hit = jnp.logical_and(hit, mask)  # [T or 1, C]
+    return hit
+
+
+def _weighted_sum(weights: Array, v: Array, hit: Array) -> Array:
+    """``weights @ v``, ``[T, V]``, in which a masked key contributes nothing, whatever its value.
+
+    A plain product gives ``0 · NaN = NaN`` at a masked key whose v is NaN or Inf. Here the product runs
+    on v with its non-finite entries zeroed (and NaN weight rows zeroed), then NaN is put back where it
+    belongs (a double ``where``): entry ``(t, c)`` is NaN iff row t's weights are NaN or ``hit[t, c]``
+    (row t keeps a key whose ``v[:, c]`` is non-finite, :func:`_kept_nonfinite`). The cotangent of those
+    NaN entries is dropped, so a row that never kept a non-finite v gets finite gradients.
+    """
+    v = v.astype(weights.dtype)  # [S, V]
+    v_ok = jnp.isfinite(v)  # [S, V]
+    nan_row = jnp.any(jnp.isnan(weights[:, :1]), axis=1, keepdims=True)  # [T, 1]; rows all NaN or all finite
+    w0 = jnp.where(nan_row, 0.0, weights)  # [T, S]
+    out = jnp.einsum("TS,SV->TV", w0, jnp.where(v_ok, v, 0.0))  # [T, V]
+    return jnp.where(jnp.logical_or(hit, nan_row), jnp.nan, out)  # [T, V]
 
 
 def _attend(
     q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any, is_causal: bool
 ) -> tuple[Array, Array]:
-    """One head, one example: ``(out [T, V], weights [T, S])`` from one softmax."""
+    """One head, one example: ``(out [T, V], weights [T, S])`` from one softmax.
+
+    ``mask``: None or broadcastable to ``[T, S]``, best in its compact shape (a key-padding mask ``[S]``
+    or ``[1, S]``), which makes the non-finite bookkeeping of :func:`_kept_nonfinite` O(S·V).
+    """
     T, S = q.shape[0], k.shape[0]
-    weights = _masked_softmax(_logits(q, k, bias, scale), _keep(mask, is_causal, T, S))  # [T, S], f32+
-    out = jnp.einsum("TS,SV->TV", weights, v.astype(weights.dtype))  # [T, V]
+    if mask is not None:
+        mask = mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
+    keep = _keep(mask, is_causal, T, S)  # broadcastable to [T, S], or None
+    weights = _masked_softmax(_logits(q, k, bias, scale), keep)  # [T, S], f32+
+    hit = _kept_nonfinite(mask, is_causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
+    out = _weighted_sum(weights, v, hit)  # [T, V]
     out_dtype = jnp.result_type(q, k, v)
     return out.astype(out_dtype), weights.astype(jnp.result_type(q, k))
 
@@ -139,7 +224,7 @@ def _validate_single(q, k, v, mask, bias, scale, *, broadcast_mask=True):
         bias = as_float_array(bias, "bias")
         check_broadcastable(bias, (T, S), "bias", "[T, S]")
         bias = jnp.broadcast_to(bias, (T, S))
-    scale = check_scale(scale, q.shape[1])
+    scale = check_scale(scale, q.shape[-1], jnp.result_type(q, k))
     return q, k, v, mask, bias, scale
 
 
@@ -148,11 +233,18 @@ def _validate_single(q, k, v, mask, bias, scale, *, broadcast_mask=True):
 # ----------------------------------------------------------------------------------------------------
 
 
-def attention_logits(q: Any, k: Any, *, bias: Any = None, scale: Any = None) -> Array:
+def attention_logits(
+    q: Float[ArrayLike, "T H"],
+    k: Float[ArrayLike, "S H"],
+    *,
+    bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+) -> Float[Array, "T S"]:
     """The pre-softmax logits ``scale · q kᵀ + bias`` of one head, before any mask.
 
     These are exactly the logits :func:`attention` and :func:`attention_weights` feed to their softmax
-    (the same private function computes them), for probes that study the softmax's input.
+    (the same private function computes them), for probes that study the softmax's input. A row of q
+    (of k) holding a NaN or Inf gives NaN on its whole logit row (column).
 
     Args:
       q: queries ``[T, H]``.
@@ -168,8 +260,14 @@ def attention_logits(q: Any, k: Any, *, bias: Any = None, scale: Any = None) -> 
 
 
 def attention_weights(
-    q: Any, k: Any, *, mask: Any = None, bias: Any = None, scale: Any = None, is_causal: bool = False
-) -> Array:
+    q: Float[ArrayLike, "T H"],
+    k: Float[ArrayLike, "S H"],
+    *,
+    mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
+    bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    is_causal: bool = False,
+) -> Float[Array, "T S"]:
     """The attention map ``A = softmax(scale · q kᵀ + bias)`` of one head, restricted to ``mask``.
 
     Args:
@@ -184,20 +282,21 @@ def attention_weights(
       ``[T, S]`` in the dtype of ``q``/``k``; each row sums to 1, or is all zeros if fully masked.
     """
     q, k, _, mask, bias, scale = _validate_single(q, k, None, mask, bias, scale)
+    is_causal = check_flag(is_causal, "is_causal")
     weights = _masked_softmax(_logits(q, k, bias, scale), _keep(mask, is_causal, q.shape[0], k.shape[0]))
     return weights.astype(jnp.result_type(q, k))
 
 
 def attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Float[ArrayLike, "T H"],
+    k: Float[ArrayLike, "S H"],
+    v: Float[ArrayLike, "S V"],
     *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: Any = None,
+    mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
+    bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "T V"], Float[Array, "T S"]]:
     """Scaled dot-product attention of one head: ``softmax(scale · q kᵀ + bias) v``.
 
     With the paper's names: ``H = d_k``, ``V = d_v``, ``T = S = n`` for self-attention.
@@ -207,14 +306,29 @@ def attention(
     saturates to a near one-hot row and its gradient vanishes. Multiplying by ``1/sqrt(H)`` restores unit
     variance. ``scale=None`` means ``1/sqrt(H)``; ``scale=1.0`` is the unscaled variant (the same code).
 
-    The softmax runs in at least float32 (bf16/fp16 inputs are promoted, results cast back). The output
-    is computed from the same float32 weights that are returned (cast to the input dtype), so the map you
-    inspect is the one that produced the output.
+    The softmax runs in at least float32 (bf16/fp16 inputs are promoted, results cast back): ``q kᵀ`` is
+    accumulated in float32 and then multiplied by the scale in float32, so the scale is never rounded to
+    the input dtype. The output is computed from the same float32 weights that are returned (cast to the
+    input dtype), so the map you inspect is the one that produced the output.
 
     Masking: ``mask`` is a boolean keep-mask (True = attend). A query row whose keys are all masked
     returns zero weights and a zero output, with finite gradients. ``S = 0`` is the same case (zero
-    output ``[T, V]``, weights ``[T, 0]``); ``T = 0`` gives empty outputs. NaN or Inf in q, k, v or bias at
-    kept positions propagate to the result; nothing is silently replaced.
+    output ``[T, V]``, weights ``[T, 0]``); ``T = 0`` gives empty outputs.
+
+    Non-finite inputs: a masked position never influences any output or gradient, whatever its value
+    (NaN, +Inf, -Inf). At kept positions they propagate; nothing is silently replaced:
+
+    - a non-finite ``v[s, c]`` at a key ``s`` that row ``t`` keeps makes ``out[t, c]`` NaN (the other
+      columns of the row stay finite);
+    - a non-finite entry of ``k[s]`` kept by row ``t``, or of ``q[t]`` (if row ``t`` keeps any key), makes
+      row ``t``'s weights and output NaN; so does a NaN or +Inf ``bias[t, s]`` at a kept position, while a
+      kept ``-inf`` bias is a weight of 0 (the key is masked for that row).
+
+    Gradients do not flow through those NaN outputs (their cotangent is dropped), so the gradients of a
+    loss over the outputs that are finite are finite, and equal those with the masked entries set to 0.
+    The bookkeeping costs O((T + S)·(H + V)) for no mask, causal, a key-padding mask ``[S]`` or a
+    combination; a general ``[T, S]`` mask adds a ``[T, 32] @ [32, V]`` product per 32 keys holding a
+    non-finite v (none when all are finite).
 
     Args:
       q: queries ``[T, H]``, floating dtype (NumPy or JAX).
@@ -230,7 +344,8 @@ def attention(
       ``(out, weights)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``weights [T, S]`` in that
       of q, k.
     """
-    q, k, v, mask, bias, scale = _validate_single(q, k, v, mask, bias, scale)
+    q, k, v, mask, bias, scale = _validate_single(q, k, v, mask, bias, scale, broadcast_mask=False)
+    is_causal = check_flag(is_causal, "is_causal")
     return _attend(q, k, v, mask, bias, scale, is_causal)
 
 
@@ -280,20 +395,20 @@ def _validate_multi(q, k, v, mask, bias, scale):
     if bias is not None:
         bias = as_float_array(bias, "bias")
         check_broadcastable(bias, (N, T, S), "bias", "[N, T, S]")
-    scale = check_scale(scale, H)
+    scale = check_scale(scale, H, jnp.result_type(q, k))
     return q, k, v, mask, bias, scale
 
 
 def multi_head_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Float[ArrayLike, "T N H"],
+    k: Float[ArrayLike, "S K H"],
+    v: Float[ArrayLike, "S K V"],
     *,
-    mask: Any = None,
-    bias: Any = None,
-    scale: Any = None,
+    mask: Bool[ArrayLike, "#N #T #S"] | Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
+    bias: Float[ArrayLike, "#N #T #S"] | Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "T N V"], Float[Array, "N T S"]]:
     """Multi-head (and grouped-query) attention of one example: :func:`attention` vmapped over heads.
 
     Query head ``n`` reads key/value head ``n // G`` where ``G = N // K`` (the convention of
@@ -313,6 +428,7 @@ def multi_head_attention(
       ``(out [T, N, V], weights [N, T, S])``.
     """
     q, k, v, mask, bias, scale = _validate_multi(q, k, v, mask, bias, scale)
+    is_causal = check_flag(is_causal, "is_causal")
     T, N, H = q.shape
     S, K, V = v.shape
     G = N // K
@@ -322,9 +438,7 @@ def multi_head_attention(
     m, m_axis = _per_head(mask, N, K)
     b, b_axis = _per_head(bias, N, K)
 
-    def one_head(q1, k1, v1, m1, b1):
-        if m1 is not None:
-            m1 = jnp.broadcast_to(m1, (T, S))
+    def one_head(q1, k1, v1, m1, b1):  # m1 [t, s] in its compact shape (see _attend)
         if b1 is not None:
             b1 = jnp.broadcast_to(b1, (T, S))
         return _attend(q1, k1, v1, m1, b1, scale, is_causal)
@@ -342,7 +456,7 @@ def multi_head_attention(
 # ----------------------------------------------------------------------------------------------------
 
 
-def split_heads(x: Any, num_heads: int) -> Array:
+def split_heads(x: Shaped[ArrayLike, "T NH"], num_heads: int) -> Shaped[Array, "T num_heads NH//num_heads"]:
     """``[T, N·H] -> [T, N, H]``."""
     x = jnp.asarray(x)
     check_rank(x, 2, "x", "[T, N*H]")
@@ -355,7 +469,7 @@ def split_heads(x: Any, num_heads: int) -> Array:
     return x.reshape(x.shape[0], num_heads, x.shape[1] // num_heads)  # [T, N, H]
 
 
-def merge_heads(x: Any) -> Array:
+def merge_heads(x: Shaped[ArrayLike, "T N H"]) -> Shaped[Array, "T N*H"]:
     """``[T, N, H] -> [T, N·H]`` (the inverse of :func:`split_heads`)."""
     x = jnp.asarray(x)
     check_rank(x, 3, "x", "[T, N, H]")
@@ -363,7 +477,7 @@ def merge_heads(x: Any) -> Array:
 
 
 def init_attention_params(
-    key: Any,
+    key: Key[Array, ""] | UInt32[ArrayLike, "2"] | int,
     d_model: int,
     num_heads: int,
     *,
@@ -371,7 +485,7 @@ def init_attention_params(
     head_dim: int | None = None,
     use_bias: bool = False,
     dtype: Any = jnp.float32,
-) -> dict[str, Array]:
+) -> dict[str, Float[Array, "_ _"] | Float[Array, "_"]]:
     """Random parameters for :func:`attention_layer`.
 
     ``W_Q [D, N·H]``, ``W_K [D, K·H]``, ``W_V [D, K·H]`` and ``W_O [N·H, D]`` drawn from
@@ -422,17 +536,17 @@ def _project(x: Array, params: dict, w: str, b: str) -> Array:
 
 
 def attention_layer(
-    params: dict,
-    h: Any,
+    params: dict[str, Float[ArrayLike, "_ _"] | Float[ArrayLike, "_"] | None],
+    h: Float[ArrayLike, "T D"],
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
-    context: Any = None,
-    mask: Any = None,
-    bias: Any = None,
-    scale: Any = None,
+    context: Float[ArrayLike, "S Dc"] | None = None,
+    mask: Bool[ArrayLike, "#N #T #S"] | Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
+    bias: Float[ArrayLike, "#N #T #S"] | Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "T D"], Float[Array, "N T S"]]:
     """Multi-head attention from the model width: project, attend per head, merge, project out.
 
     ``Q = h W_Q``, ``K = c W_K``, ``V = c W_V`` (``c = context``, or ``h`` for self-attention), split into

@@ -36,16 +36,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import _logits, _per_head, _validate_multi, _validate_single
+from jaxattn._attention import _kept_nonfinite, _logits, _per_head, _validate_multi, _validate_single
 from jaxattn._checks import (
-    check_int,
     as_bool_array,
     as_float_array,
     check_broadcastable,
+    check_flag,
+    check_int,
     check_rank,
     check_scale,
     softmax_dtype,
 )
+from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
 
 Array = jax.Array
 
@@ -150,7 +152,20 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
     acc_dtype = scale.dtype
     fill = jnp.finfo(acc_dtype).min  # finite: a fully masked row keeps m = fill and never makes NaN
     bq, bk, V = plan.bq, plan.bk, v.shape[1]
-    q = _scaled(q, scale)  # [Tp, H], so that no tile pays a [bq, bk] multiply
+    # Non-finite inputs (see blockwise_attention): a non-finite entry of q or k becomes NaN, so that its
+    # logits are NaN (a masked one is replaced by the fill, a kept one makes the row NaN, as in the dense
+    # core); v is summed with its non-finite entries zeroed (a masked key's weight is 0, and 0 · NaN would
+    # be NaN), and the outputs that keep one are set to NaN at the end (``hit``).
+    q = jnp.where(jnp.isfinite(q), q, jnp.nan)  # [Tp, H]
+    k = jnp.where(jnp.isfinite(k), k, jnp.nan)  # [Sp, H]
+    v_bad = ~jnp.isfinite(v)  # [Sp, V]
+    v = jnp.where(v_bad, 0, v)  # [Sp, V]
+    # float32/64 inputs: q scaled once, so that no tile pays a [bq, bk] multiply. bf16/fp16 inputs: each
+    # tile's float32 product is scaled in float32 (as the dense core does), never the scale rounded to
+    # the input dtype (which overflows fp16 at scale·q > 65504 and loses the scale's precision).
+    pre = q.dtype == acc_dtype
+    if pre:
+        q = _scaled(q, scale)  # [Tp, H]
 
     def q_block(i, qb):  # qb [bq, H]
         def tile(j, carry, masked):
@@ -158,6 +173,8 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
             kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk)  # [bk, H]
             vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk).astype(acc_dtype)  # [bk, V]
             s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, bk], scaled logits
+            if not pre:
+                s = s * scale  # [bq, bk]
             if masked:
                 keep = _tile_keep(plan, mask, i, j)  # [bq, bk]
                 s = jnp.where(keep, s, fill)  # [bq, bk]
@@ -185,7 +202,9 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
 
     qs = q.reshape(plan.nq, bq, q.shape[1])  # [nq, bq, H]
     _, (out, lse) = jax.lax.scan(scan_body, None, (jnp.arange(plan.nq), qs))  # [nq, bq, V], [nq, bq]
-    return out.reshape(plan.nq * bq, V), lse.reshape(plan.nq * bq)
+    out = out.reshape(plan.nq * bq, V)  # [Tp, V]
+    hit = _kept_nonfinite(mask, plan.causal, plan.nq * bq, plan.nk * bk, v_bad)  # [Tp or 1, V], no [T, S] buffer
+    return jnp.where(hit, jnp.nan, out), lse.reshape(plan.nq * bq)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -207,10 +226,21 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     acc_dtype = scale.dtype
     bq, bk = plan.bq, plan.bk
     H, V = q.shape[1], v.shape[1]
-    d_out = d_out.astype(acc_dtype)  # [Tp, V]
-    D = jnp.sum(d_out * out.astype(acc_dtype), axis=1) - d_lse  # [Tp]
+    # Non-finite inputs: the products run on q, k, v with their non-finite entries zeroed, so that a masked
+    # one (weight 0) never reaches a gradient as 0 · NaN. The outputs the forward set to NaN (a kept
+    # non-finite input) have their cotangent dropped, and a NaN row (NaN lse) gets p = exp(s - inf) = 0.
+    q = jnp.where(jnp.isfinite(q), q, 0)  # [Tp, H]
+    k = jnp.where(jnp.isfinite(k), k, 0)  # [Sp, H]
+    v = jnp.where(jnp.isfinite(v), v, 0)  # [Sp, V]
+    marked = jnp.isnan(out)  # [Tp, V]
+    d_out = jnp.where(marked, 0.0, d_out.astype(acc_dtype))  # [Tp, V]
+    out = jnp.where(marked, 0.0, out.astype(acc_dtype))  # [Tp, V]
+    d_lse = jnp.where(jnp.isnan(lse), 0.0, d_lse)  # [Tp]
+    D = jnp.sum(d_out * out, axis=1) - d_lse  # [Tp]
     lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # rows with no kept key: every p is masked to 0 anyway
-    q_s = _scaled(q, scale)  # [Tp, H]
+    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)  # [Tp]
+    pre = q.dtype == acc_dtype  # as in _forward: bf16/fp16 tiles scale their float32 product instead
+    q_s = _scaled(q, scale) if pre else q  # [Tp, H]
 
     def k_block(j, dq, kb, vb):  # kb [bk, H], vb [bk, V]
         vb32 = vb.astype(acc_dtype)  # [bk, V]
@@ -225,6 +255,8 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             # dsᵀ, made by one explicit copy (the barrier stops XLA folding the transpose back into a
             # transposed-operand dot, which its CPU backend runs ~2x slower than copy + plain dot).
             s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [bk, bq], scaled logits
+            if not pre:
+                s = s * scale  # [bk, bq]
             p = jnp.exp(s - lse_b[None, :])  # [bk, bq], the forward's weights (transposed), exactly
             if masked:
                 p = jnp.where(_tile_keep(plan, mask, i, j).T, p, 0.0)  # [bk, bq]
@@ -235,7 +267,7 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             ds_t = jax.lax.optimization_barrier(ds.T)  # [bq, bk]
             dq_b = dq_b + jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [bq, H]
             dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b, i * bq, axis=0)  # [Tp, H]
-            dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq
+            dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
             return dq, dk, dv
 
         i_lo, i_full = _q_range(plan, j)
@@ -256,6 +288,8 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     d_scale = jnp.sum(dq * q.astype(acc_dtype))  # Σ_ij ds_ij (q_i · k_j)
     dq = dq * scale  # [Tp, H]
     dk = dk.reshape(plan.nk * bk, H)  # [Sp, H]
+    if not pre:
+        dk = dk * scale  # [Sp, H], = scale·dsᵀq
     dv = dv.reshape(plan.nk * bk, V)  # [Sp, V]
     return dq, dk, dv, d_scale
 
@@ -286,7 +320,10 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _scaled(q: Array, scale: Array) -> Array:
-    """``scale · q`` in q's dtype: one ``[T, H]`` multiply instead of one per ``[bq, bk]`` tile."""
+    """``scale · q`` in q's dtype: one ``[T, H]`` multiply instead of one per ``[bq, bk]`` tile.
+
+    Only for q in the accumulation dtype (float32/64): in bf16/fp16 it would round the scale and scale·q.
+    """
     return (q * scale.astype(q.dtype)).astype(q.dtype)
 
 
@@ -373,16 +410,16 @@ def _scale_array(scale: Any, dtype: Any) -> Array:
 
 
 def blockwise_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Float[ArrayLike, "T H"],
+    k: Float[ArrayLike, "S H"],
+    v: Float[ArrayLike, "S V"],
     *,
-    mask: Any = None,
+    mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
     is_causal: bool = False,
-    scale: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "T V"], Float[Array, "T"]]:
     """Attention of one head, ``softmax(scale · q kᵀ) v``, computed tile by tile in O(T + S) memory.
 
     The same function as :func:`jaxattn.attention` (equal within float32 rounding), computed with an
@@ -396,12 +433,19 @@ def blockwise_attention(
     The attention weights are not returned (that would be the ``[T, S]`` buffer); any row of them is
     recovered exactly by :func:`weights_from_lse` from ``lse``: ``A[i, j] = exp(scale·q_i·k_j - lse_i)``.
 
-    bf16/fp16 inputs: the tiles' matmuls take the input dtype with float32 accumulation, the softmax
-    and the accumulators are float32, the output is cast back to the input dtype.
+    bf16/fp16 inputs: the tiles' matmuls take the input dtype with float32 accumulation, and each tile's
+    float32 product is multiplied by the scale in float32 (as :func:`jaxattn.attention` does; the scale
+    and ``scale · q`` are never rounded to the input dtype, forward or backward). The softmax and the
+    accumulators are float32, the output is cast back to the input dtype.
 
     Masking: ``mask`` is a boolean keep-mask (True = attend) broadcastable to ``[T, S]``; it is kept in
     its own shape (a padding mask ``[S]`` costs O(S)). A row with no kept key returns a zero output and
     ``lse = -inf``, with finite gradients, as :func:`jaxattn.attention` does.
+
+    Non-finite inputs, as in :func:`jaxattn.attention`: a masked position never influences any output or
+    gradient, whatever its value, including inside a partly masked tile. A non-finite ``v[s, c]`` at a key
+    row ``t`` keeps makes ``out[t, c]`` NaN; a non-finite ``k[s]`` kept by row ``t``, or ``q[t]`` with a
+    kept key, makes row ``t``'s output and ``lse[t]`` NaN. Gradients do not flow through those NaN outputs.
 
     Args:
       q: queries ``[T, H]``.
@@ -419,6 +463,7 @@ def blockwise_attention(
       the kept logits, in float32 (float64 for float64 inputs).
     """
     q, k, v, mask, _, scale = _validate_single(q, k, v, mask, None, scale, broadcast_mask=False)
+    is_causal = check_flag(is_causal, "is_causal")
     T, S = q.shape[0], k.shape[0]
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
@@ -427,16 +472,16 @@ def blockwise_attention(
 
 
 def multi_head_blockwise_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Float[ArrayLike, "T N H"],
+    k: Float[ArrayLike, "S K H"],
+    v: Float[ArrayLike, "S K V"],
     *,
-    mask: Any = None,
+    mask: Bool[ArrayLike, "#N #T #S"] | Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
     is_causal: bool = False,
-    scale: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "T N V"], Float[Array, "N T"]]:
     """Multi-head and grouped-query :func:`blockwise_attention`: the single-head function mapped over heads.
 
     The heads run one after another (``jax.lax.map``), which keeps each head's tiles in cache; the
@@ -454,6 +499,7 @@ def multi_head_blockwise_attention(
       ``(out [T, N, V], lse [N, T])``.
     """
     q, k, v, mask, _, scale = _validate_multi(q, k, v, mask, None, scale)
+    is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     T, N, H = q.shape
@@ -540,15 +586,15 @@ def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal
 
 
 def weights_from_lse(
-    q: Any,
-    k: Any,
-    lse: Any,
+    q: Float[ArrayLike, "T H"],
+    k: Float[ArrayLike, "S H"],
+    lse: Float[ArrayLike, "T"],
     *,
-    rows: Any = None,
-    mask: Any = None,
+    rows: Int[ArrayLike, "R"] | None = None,
+    mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
     is_causal: bool = False,
-    scale: Any = None,
-) -> Array:
+    scale: Real[ArrayLike, ""] | None = None,
+) -> Float[Array, "R S"]:
     """Rows of the attention map, recovered exactly from the log-sum-exp ``blockwise_attention`` returns.
 
     ``A[i, j] = exp(scale · q_i · k_j - lse_i)`` where key ``j`` is kept, else 0: the softmax without
@@ -559,7 +605,9 @@ def weights_from_lse(
       q: queries ``[T, H]``.
       k: keys ``[S, H]``.
       lse: ``[T]``, the second output of :func:`blockwise_attention` for the same q, k, mask, scale.
-      rows: optional integer array ``[R]`` of query indices; ``None`` means all T rows.
+      rows: optional integer array ``[R]`` of query indices in ``[0, T)``; ``None`` means all T rows.
+        A concrete index outside ``[0, T)`` raises ``ValueError``; a traced one (under ``jit``) gives a
+        row of NaN.
       mask, is_causal, scale: as given to :func:`blockwise_attention`.
 
     Returns:
@@ -577,6 +625,7 @@ def weights_from_lse(
             f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, H], "
             f"k has shape {tuple(k.shape)} [S, H]"
         )
+    is_causal = check_flag(is_causal, "is_causal")
     if lse.shape != (T,):
         raise ValueError(f"lse must have shape [T] = ({T},) to match q {tuple(q.shape)}, received {tuple(lse.shape)}")
     if rows is None:
@@ -585,10 +634,14 @@ def weights_from_lse(
         rows = jnp.asarray(rows)
         if not jnp.issubdtype(rows.dtype, jnp.integer) or rows.ndim != 1:
             raise TypeError(f"rows must be a 1-D integer array [R], received dtype {rows.dtype.name} shape {rows.shape}")
+        if not isinstance(rows, jax.core.Tracer):
+            bad = np.asarray(rows)[(np.asarray(rows) < 0) | (np.asarray(rows) >= T)]
+            if bad.size:
+                raise ValueError(f"rows must be query indices in [0, T={T}), received {bad.tolist()}")
     if mask is not None:
         mask = as_bool_array(mask, "mask")
         check_broadcastable(mask, (T, S), "mask", "[T, S]")
-    scale = check_scale(scale, q.shape[1])
+    scale = check_scale(scale, q.shape[1], jnp.result_type(q, k))
     logits = _logits(q[rows], k, None, scale)  # [R, S]
     keep = jnp.ones(logits.shape, bool)  # [R, S]
     if is_causal:
@@ -599,4 +652,6 @@ def weights_from_lse(
         keep = jnp.logical_and(keep, m2)  # [R, S]
     lse_r = lse[rows].astype(logits.dtype)  # [R]
     lse_r = jnp.where(lse_r == -jnp.inf, 0.0, lse_r)  # a row with no kept key: all weights masked below
-    return jnp.where(keep, jnp.exp(logits - lse_r[:, None]), 0.0)  # [R, S]
+    weights = jnp.where(keep, jnp.exp(logits - lse_r[:, None]), 0.0)  # [R, S]
+    # A traced row out of [0, T) cannot be refused: it gets a NaN row (indexing would clamp it to another row).
+    return jnp.where(((rows >= 0) & (rows < T))[:, None], weights, jnp.nan)  # [R, S]

@@ -14,13 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _as_numpy(x: Any, name: str) -> np.ndarray:
+    """``np.asarray(x)``, with the argument's name in the error for input NumPy cannot make an array of."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"{name} must be an array (rectangular: every row the same length), received {type(x).__name__}: {e}") from None
+
+
 def as_float_array(x: Any, name: str) -> jax.Array:
     """``x`` as a JAX array of a floating dtype; ``TypeError`` for integer, boolean or complex input."""
     if x is None:
         raise TypeError(f"{name} must be an array of a floating dtype, received None")
     dtype = getattr(x, "dtype", None)
     if dtype is None:
-        x = np.asarray(x)
+        x = _as_numpy(x, name)
         dtype = x.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
@@ -34,7 +42,7 @@ def as_bool_array(x: Any, name: str) -> jax.Array:
     """``x`` as a boolean JAX array (a keep-mask: True = attend); ``TypeError`` for any other dtype."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
-        x = np.asarray(x)
+        x = _as_numpy(x, name)
         dtype = x.dtype
     if dtype != np.bool_:
         raise TypeError(
@@ -68,8 +76,10 @@ def check_broadcastable(x: jax.Array | None, target: tuple[int, ...], name: str,
         )
 
 
-def check_scale(scale: Any, head_dim: int) -> Any:
-    """The logit scale: ``1/sqrt(head_dim)`` when ``None``; a concrete value must be finite and > 0.
+def check_scale(scale: Any, head_dim: int, dtype: Any = jnp.float32) -> Any:
+    """The logit scale: ``1/sqrt(head_dim)`` when ``None``; a concrete value must be real, finite and > 0
+    in the dtype the logits are computed in, ``softmax_dtype(dtype)`` (so ``1e300`` is refused for float32
+    inputs, where it would be ``inf``, and ``1e-300``, where it would be 0).
 
     A traced scale (under ``jit``/``vmap``/``grad`` with respect to it) cannot be inspected and is
     passed through unchecked, so that sweeps over the scale can be one compiled program.
@@ -80,11 +90,17 @@ def check_scale(scale: Any, head_dim: int) -> Any:
         if jnp.ndim(scale) != 0:
             raise ValueError(f"scale must be a scalar, received shape {tuple(jnp.shape(scale))}")
         return scale
-    if isinstance(scale, bool) or not (np.ndim(scale) == 0 and np.issubdtype(np.asarray(scale).dtype, np.number)):
-        raise TypeError(f"scale must be a positive finite scalar or None, received {scale!r}")
-    value = float(scale)
-    if not math.isfinite(value) or value <= 0.0:
-        raise ValueError(f"scale must be finite and > 0 (None means 1/sqrt(H)), received {value!r}")
+    kind = np.asarray(scale).dtype if np.ndim(scale) == 0 else None
+    if isinstance(scale, bool) or kind is None or not (np.issubdtype(kind, np.floating) or np.issubdtype(kind, np.integer)):
+        raise TypeError(f"scale must be a real, positive, finite scalar or None, received {scale!r}")
+    acc = softmax_dtype(dtype)
+    with np.errstate(over="ignore", under="ignore"):
+        used = float(np.asarray(scale, np.float64).astype(acc))  # the value the logits are scaled by
+    if not math.isfinite(used) or used <= 0.0:
+        raise ValueError(
+            f"scale must be finite and > 0 in {np.dtype(acc).name}, the dtype the logits are computed in "
+            f"(None means 1/sqrt(H)), received {scale!r}, which is {used!r} there"
+        )
     return scale
 
 
@@ -128,3 +144,19 @@ def check_float_dtype(dtype: Any, name: str = "dtype") -> Any:
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:
         raise ValueError(f"{name} float64 needs 64-bit JAX: run inside `with jax.enable_x64(True):`")
     return dtype
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` as a Python bool; ``TypeError`` otherwise (a string such as ``"no"`` or a traced value).
+
+    Flags such as ``is_causal`` choose which program is built, so they must be concrete: a traced
+    value (e.g. an argument of a jitted function) cannot, and is refused with its name.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a Python bool; received a traced value (it chooses the compiled program: "
+            f"pass it as a static argument, e.g. jax.jit(f, static_argnames='{name}'))"
+        )
+    raise TypeError(f"{name} must be a Python bool (True or False), received {value!r} of type {type(value).__name__}")

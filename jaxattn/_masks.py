@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._checks import as_bool_array
+from jaxattn._typing import Array, ArrayLike, Bool, Int
 
 
 def _check_length(n: Any, name: str) -> int:
@@ -23,7 +23,7 @@ def _check_length(n: Any, name: str) -> int:
     return int(n)
 
 
-def causal_mask(T: int, S: int | None = None, offset: int = 0) -> jax.Array:
+def causal_mask(T: int, S: int | None = None, offset: int = 0) -> Bool[Array, "T S"]:
     """Causal keep-mask ``[T, S]``: query ``i`` may attend to key ``j`` iff ``j <= i + offset``.
 
     ``offset=0`` aligns query 0 with key 0 (self-attention over one sequence, the convention of
@@ -47,7 +47,7 @@ def causal_mask(T: int, S: int | None = None, offset: int = 0) -> jax.Array:
     return j <= i + int(offset)  # [T, S]
 
 
-def padding_mask(lengths: Any, S: int) -> jax.Array:
+def padding_mask(lengths: Int[ArrayLike, "*batch"], S: int) -> Bool[Array, "*batch S"]:
     """Key-padding keep-mask: position ``j`` is kept iff ``j < length``.
 
     Args:
@@ -66,7 +66,7 @@ def padding_mask(lengths: Any, S: int) -> jax.Array:
     return positions < lengths[..., None]  # [..., S]
 
 
-def combine_masks(*masks: Any) -> jax.Array | None:
+def combine_masks(*masks: Bool[ArrayLike, "*#shape"] | None) -> Bool[Array, "*shape"] | None:
     """``logical_and`` of the given keep-masks, broadcasting their shapes; ``None`` entries are skipped.
 
     Returns ``None`` when every mask is ``None`` (attend everywhere).

@@ -1,9 +1,12 @@
-"""Layers the bundled models share (private: each model's forward names what it uses)."""
+"""Layers and input checks the bundled models share (private: each model's forward names what it uses)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -14,3 +17,88 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     mean = jnp.mean(x, axis=-1, keepdims=True)  # [..., 1]
     var = jnp.var(x, axis=-1, keepdims=True)  # [..., 1]
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale.reshape(lead + scale.shape) + bias.reshape(lead + bias.shape)
+
+
+def embed_ids(table: Array, ids: Array) -> Array:
+    """``table[ids]`` (``[V, D]``, ``[T]`` -> ``[T, D]``), with a row of NaN for an id outside ``[0, V)``.
+
+    Eager callers refuse such ids before tracing. Under ``jit``/``vmap`` the ids cannot be inspected, and
+    plain indexing would clamp (or, for negative ids, wrap) to another token's row: NaN makes the position,
+    and everything that attends to it, visibly wrong instead.
+    """
+    valid = (ids >= 0) & (ids < table.shape[0])  # [T]
+    rows = table[jnp.clip(ids, 0, table.shape[0] - 1)]  # [T, D]
+    return jnp.where(valid[:, None], rows, jnp.nan)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs of a model forward, checked before tracing (concrete values) or passed through (traced ones).
+# ----------------------------------------------------------------------------------------------------
+
+
+def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = None, max_length: int | None = None,
+              high_name: str = "vocab_size", max_name: str = "n_positions") -> Array:
+    """``x`` as int32 ``[T]``; values checked against ``[low, high)`` when concrete (traced ids cannot be).
+
+    ``high_name`` and ``max_name`` name the config fields behind ``high`` and ``max_length`` in messages.
+    """
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        x = np.asarray(x)
+        dtype = x.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be integer token ids [T], received dtype {np.dtype(dtype).name}")
+    shape = tuple(jnp.shape(x))
+    if len(shape) != 1:
+        raise ValueError(f"{name} must have 1 dimension [T] (batch with jax.vmap), received shape {shape}")
+    if length is not None and shape[0] != length:
+        raise ValueError(f"{name} must have shape [T] = ({length},), like input_ids, received shape {shape}")
+    if max_length is not None and not 1 <= shape[0] <= max_length:
+        raise ValueError(f"{name} must hold 1 to {max_name}={max_length} tokens, received T={shape[0]}")
+    if not isinstance(x, jax.core.Tracer) and shape[0] > 0:
+        values = np.asarray(x).astype(np.int64)
+        if values.min() < low or values.max() >= high:
+            raise ValueError(
+                f"{name} must lie in [{low}, {high_name}={high}), received values in [{values.min()}, {values.max()}]"
+            )
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def attention_mask(mask: Any, T: int) -> Array:
+    """The tokenizer's mask ``[T]`` (1/True = real token, 0/False = padding) as bool; ``None``: all real."""
+    if mask is None:
+        return jnp.ones((T,), bool)
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None:
+        mask = np.asarray(mask)
+        dtype = mask.dtype
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
+        raise TypeError(f"attention_mask must have an integer or boolean dtype (1 = token, 0 = padding), received dtype {np.dtype(dtype).name}")
+    if tuple(jnp.shape(mask)) != (T,):
+        raise ValueError(f"attention_mask must have shape [T] = ({T},), like input_ids, received shape {tuple(jnp.shape(mask))}")
+    if not isinstance(mask, jax.core.Tracer) and dtype != np.bool_:
+        values = np.unique(np.asarray(mask))
+        if not np.all(np.isin(values, (0, 1))):
+            raise ValueError(f"attention_mask must hold only 0 and 1, received values {values.tolist()}")
+    return jnp.asarray(mask) != 0
+
+
+def head_mask(mask: Any, L: int, N: int) -> Array:
+    """``head_mask [L, N]`` as float32 (any float: 0 ablates a head, 1 keeps it); ``None``: all ones."""
+    if mask is None:
+        return jnp.ones((L, N), jnp.float32)
+    dtype = getattr(mask, "dtype", None)
+    if dtype is None:
+        mask = np.asarray(mask)
+        dtype = mask.dtype
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
+        raise TypeError(f"head_mask must be a real array [L, N], received dtype {np.dtype(dtype).name}")
+    if tuple(jnp.shape(mask)) != (L, N):
+        raise ValueError(f"head_mask must have shape [L, N] = ({L}, {N}) (layers, heads), received shape {tuple(jnp.shape(mask))}")
+    return jnp.asarray(mask, jnp.float32) if not jnp.issubdtype(dtype, jnp.floating) else jnp.asarray(mask)
+
+
+def positions(keep: Array) -> Array:
+    """Position ids from an attention mask ``[T]``: each real token's index among the real tokens (as
+    Hugging Face's ``generate`` does for left padding); padded positions get 0."""
+    return jnp.where(keep, jnp.cumsum(keep) - 1, 0).astype(jnp.int32)  # [T]

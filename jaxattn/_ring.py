@@ -51,7 +51,8 @@ from jaxattn._blockwise import (
     _multi_head_grads,
     multi_head_blockwise_attention,
 )
-from jaxattn._checks import as_bool_array, as_float_array, check_int, check_rank, softmax_dtype
+from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_int, check_rank, softmax_dtype
+from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
 
@@ -85,18 +86,18 @@ def _merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Arra
 
 
 def ring_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Float[ArrayLike, "T N H"],
+    k: Float[ArrayLike, "S K H"],
+    v: Float[ArrayLike, "S K V"],
     *,
     mesh: Mesh,
     axis_name: str,
-    kv_mask: Any = None,
+    kv_mask: Bool[ArrayLike, "S"] | None = None,
     is_causal: bool = False,
-    scale: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "T N V"], Float[Array, "N T"]]:
     """Sequence-parallel multi-head attention: queries stay, key/value chunks travel round a ring.
 
     The same function as :func:`jaxattn.multi_head_blockwise_attention` (equal within float32 rounding),
@@ -112,7 +113,9 @@ def ring_attention(
     recomputing the tile weights from the GLOBAL ``lse`` (``p = exp(s - lse)``,
     ``D = rowsum(d_out · out) - d_lse``), and one more hop brings ``dk, dv`` home. Cotangents of both
     outputs, ``out`` and ``lse``, and of ``scale`` are exact; causal steps wholly above the diagonal
-    are skipped in the backward too.
+    are skipped in the backward too. Non-finite inputs behave as in :func:`jaxattn.blockwise_attention`
+    (each step is one): masked keys never matter, kept ones make their outputs NaN, and the merge keeps
+    a NaN from any step.
 
     Args:
       q: queries ``[T, N, H]``.
@@ -129,6 +132,7 @@ def ring_attention(
       ``(out [T, N, V], lse [N, T])``, sharded like q over ``axis_name``.
     """
     q, k, v, _, _, scale = _validate_multi(q, k, v, None, None, scale)
+    is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     P = _mesh_axis_size(mesh, axis_name, "axis_name")
@@ -307,18 +311,18 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def sharded_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    q: Float[ArrayLike, "B T N H"],
+    k: Float[ArrayLike, "B S K H"],
+    v: Float[ArrayLike, "B S K V"],
     *,
     mesh: Mesh,
     batch_axis: str | None = None,
     head_axis: str | None = None,
     is_causal: bool = False,
-    scale: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
-) -> tuple[Array, Array]:
+) -> tuple[Float[Array, "B T N V"], Float[Array, "B N T"]]:
     """Batched multi-head :func:`jaxattn.multi_head_blockwise_attention`, examples and heads split over devices.
 
     A ``shard_map``: each device runs the per-example function (vmapped over its examples) on its own

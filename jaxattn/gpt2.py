@@ -33,13 +33,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import check_int, check_scale
+from jaxattn._checks import as_key, check_int, check_scale
 from jaxattn._extras import require
-from jaxattn._nn import layer_norm
+from jaxattn._nn import attention_mask as attention_mask_
+from jaxattn._nn import embed_ids, layer_norm, positions, token_ids
+from jaxattn._nn import head_mask as head_mask_
+from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
     ConfigSchema,
     TextTokenizer,
+    cast_params,
     check_finite,
     check_shapes,
     flatten,
@@ -53,7 +57,6 @@ from jaxattn.io import atomic_write
 
 require("models", "jaxattn.gpt2", "safetensors", "tokenizers", "huggingface_hub", "flax")
 
-Array = jax.Array
 
 # ----------------------------------------------------------------------------------------------------
 # Config
@@ -316,7 +319,7 @@ def load_tokenizer(files: dict[str, Path], config: GPT2Config) -> TextTokenizer:
     return tok
 
 
-def load(name_or_path: str | Path) -> tuple[dict, GPT2Config, TextTokenizer]:
+def load(name_or_path: str | Path, *, dtype: Any = jnp.float32) -> tuple[dict, GPT2Config, TextTokenizer]:
     """Load a GPT-2 checkpoint: ``(params, config, tokenizer)``.
 
     Args:
@@ -324,9 +327,11 @@ def load(name_or_path: str | Path) -> tuple[dict, GPT2Config, TextTokenizer]:
         ``openai-community/gpt2-large``) fetched through ``huggingface_hub`` (progress bar, cache). The
         directory needs ``config.json``, ``model.safetensors`` (preferred) or ``flax_model.msgpack``,
         and ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``. No PyTorch, no transformers.
+      dtype: the params' dtype, float32 by default whatever the file holds
+        (:func:`jaxattn.checkpoint.cast_params`).
 
     Returns:
-      ``(params, config, tokenizer)``: params in the Flax layout (float32), a :class:`GPT2Config`, and
+      ``(params, config, tokenizer)``: params in the Flax layout (``dtype``), a :class:`GPT2Config`, and
       a :class:`~jaxattn.checkpoint.TextTokenizer`.
 
     Raises:
@@ -344,7 +349,7 @@ def load(name_or_path: str | Path) -> tuple[dict, GPT2Config, TextTokenizer]:
     else:
         params = params_from_msgpack(files["flax_model.msgpack"], config)
     tokenizer = load_tokenizer(files, config)
-    return params, config, tokenizer
+    return cast_params(params, dtype), config, tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -357,9 +362,10 @@ class GPT2Output(NamedTuple):
 
     Attributes:
       logits: ``[T, V]`` next-token logits.
-      attentions: ``[L, N, T, T]`` every layer's attention weights (rows sum to 1; causal).
-      attention_logits: ``[L, N, T, T]`` the softmax's input ``scale · q kᵀ`` before the causal mask
-        (positions above the diagonal hold their raw value; the mask is applied inside the softmax).
+      attentions: ``[L, N, T, T]`` every layer's attention weights (rows sum to 1; causal; padded keys
+        get weight 0).
+      attention_logits: ``[L, N, T, T]`` the softmax's input ``scale · q kᵀ`` before the masks
+        (positions above the diagonal hold their raw value; the masks are applied inside the softmax).
       q, k, v: ``[L, T, N, H]`` each layer's per-head queries, keys and values.
       hidden_states: ``[L + 1, T, D]`` as Hugging Face reports them: the embeddings, the residual stream
         after each of the first ``L - 1`` blocks, and the final ``ln_f`` output.
@@ -382,46 +388,44 @@ def _mlp(x: Array, p: dict, act: Any) -> Array:
     return _linear(act(_linear(x, p["c_fc"])), p["c_proj"])  # [T, I] -> [T, D]
 
 
-def _attn(x: Array, p: dict, n_head: int, scale: Array, want_logits: bool) -> tuple[Array, ...]:
-    q, k, v = jnp.split(_linear(x, p["c_attn"]), 3, axis=-1)  # 3 x [T, D]
-    q, k, v = (split_heads(a, n_head) for a in (q, k, v))  # 3 x [T, N, H]
-    out, weights = multi_head_attention(q, k, v, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
-    logits = None
-    if want_logits:  # the same private _logits the softmax above consumed, one head at a time
-        logits = jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k)  # [N, T, T]
-    return _linear(merge_heads(out), p["c_proj"]), weights, logits, q, k, v  # [T, D], ...
+def _qkv(x: Array, p: dict, config: GPT2Config) -> tuple[Array, Array, Array]:
+    h = layer_norm(x, **p["ln_1"], eps=config.layer_norm_epsilon)  # [T, D]
+    q, k, v = jnp.split(_linear(h, p["attn"]["c_attn"]), 3, axis=-1)  # 3 x [T, D]
+    return tuple(split_heads(a, config.n_head) for a in (q, k, v))  # 3 x [T, N, H]
 
 
-def _block(x: Array, p: dict, config: GPT2Config, scale: Array, want_logits: bool) -> tuple[Array, ...]:
-    a, weights, logits, q, k, v = _attn(
-        layer_norm(x, **p["ln_1"], eps=config.layer_norm_epsilon), p["attn"], config.n_head, scale, want_logits
-    )  # [T, D]
-    x = x + a  # [T, D]
-    x = x + _mlp(layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon), p["mlp"],
-                 _ACTIVATIONS[config.activation_function])  # [T, D]
-    return x, weights, logits, q, k, v
+def _rest(x: Array, z: Array, p: dict, config: GPT2Config) -> Array:
+    """The block after attention: ``z [T, N, H]`` (each head's output, head_mask applied) -> ``[T, D]``."""
+    x = x + _linear(merge_heads(z), p["attn"]["c_proj"])  # [T, D]
+    h = layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon)  # [T, D]
+    return x + _mlp(h, p["mlp"], _ACTIVATIONS[config.activation_function])  # [T, D]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden"))
-def _forward(params, input_ids, scale, *, config, want_logits, want_qkv, want_hidden) -> GPT2Output:
+def _forward(params, input_ids, keep, heads, scale, *, config, want_logits, want_qkv, want_hidden) -> GPT2Output:
     tr = params["transformer"]
     T = input_ids.shape[0]
-    x = tr["wte"]["embedding"][input_ids] + tr["wpe"]["embedding"][:T]  # [T, D]
+    pos = positions(keep)  # [T], 0..T-1 without padding
+    x = embed_ids(tr["wte"]["embedding"], input_ids) + tr["wpe"]["embedding"][pos]  # [T, D]; NaN rows for ids outside [0, V)
+    mask = jnp.broadcast_to(keep[None, :], (T, T))  # [T, S]: padded keys are never attended to (and causal, below)
     hidden, logits, qs, ks, vs = [x], [], [], [], []
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(config.n_layer):
-        x, w, lg, q, k, v = _block(x, tr["h"][str(i)], config, scale, want_logits)  # [T, D], [N, T, T]
+        p = tr["h"][str(i)]
+        q, k, v = _qkv(x, p, config)  # 3 x [T, N, H]
+        z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+        x = _rest(x, z * heads[i][None, :, None], p, config)  # [T, D]
         hidden.append(x)
         if weights is None:
             weights = jnp.zeros((config.n_layer,) + w.shape, w.dtype)  # [L, N, T, T]
         weights = weights.at[i].set(w)  # [L, N, T, T]
-        logits.append(lg)
+        if want_logits:  # the same private _logits the softmax above consumed, one head at a time
+            logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))  # [N, T, T]
         qs.append(q), ks.append(k), vs.append(v)
     x = layer_norm(x, **tr["ln_f"], eps=config.layer_norm_epsilon)  # [T, D]
     hidden[-1] = x
-    out_logits = x @ tr["wte"]["embedding"].T  # [T, V], the head tied to wte
     return GPT2Output(
-        logits=out_logits,
+        logits=x @ tr["wte"]["embedding"].T,  # [T, V], the head tied to wte
         attentions=weights,  # [L, N, T, T]
         attention_logits=jnp.stack(logits) if want_logits else None,  # [L, N, T, T]
         q=jnp.stack(qs) if want_qkv else None,  # [L, T, N, H]
@@ -432,33 +436,56 @@ def _forward(params, input_ids, scale, *, config, want_logits, want_qkv, want_hi
 
 
 def check_params(params: Any, config: GPT2Config) -> None:
-    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing)."""
+    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing).
+
+    Only shapes and dtypes are read, so it also runs on traced params (under ``jit``, ``grad``, ``vmap``).
+    """
     if not isinstance(params, dict) or "transformer" not in params:
         raise ValueError("params must be a dict with a 'transformer' entry (Hugging Face Flax GPT-2 layout)")
-    flat = flatten(params)
-    check_shapes(flat, param_shapes(config), "params", kernel_layout="(out, in)")
+    check_shapes(flatten(params), param_shapes(config), "params", kernel_layout="(out, in)")
+
+
+def _check_config(config: Any) -> None:
+    if not isinstance(config, GPT2Config):
+        raise TypeError(f"config must be a GPT2Config, received {type(config).__name__}")
 
 
 def forward(
     params: dict,
     config: GPT2Config,
-    input_ids: Any,
+    input_ids: Int[ArrayLike, "T"],
     *,
-    scale: Any = None,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
     return_attention_logits: bool = False,
     return_qkv: bool = False,
     return_hidden_states: bool = False,
 ) -> GPT2Output:
     """GPT-2's forward pass on one sequence, with every layer's attention map (jit-compiled).
 
-    ``h₀ = wte[ids] + wpe[:T]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with causal
-    multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`;
+    ``h₀ = wte[ids] + wpe[positions]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with
+    causal multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`;
     ``logits = ln_f(h) wteᵀ``. The maps returned are the weights that produced the output.
+
+    A pure function of its array arguments: ``jax.grad`` with respect to ``params`` (or ``head_mask``,
+    ``scale``), ``jax.jit`` with params as an argument, and ``jax.vmap`` over stacked params or over a
+    batch of sequences all work. Only static shapes are checked here; :func:`load` and
+    :func:`check_params` check a checkpoint's structure.
 
     Args:
       params: the params pytree (Flax layout; see the module docstring), e.g. from :func:`load`.
       config: the model's :class:`GPT2Config`.
       input_ids: integer token ids ``[T]``, ``1 <= T <= n_positions``. A batch is ``jax.vmap`` of this.
+        An id outside ``[0, vocab_size)`` raises ``ValueError`` when the ids are concrete; under
+        ``jit``/``vmap`` (traced ids) its position's embedding is NaN, so its logits and those of every
+        later position are NaN (never another token's).
+      attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding; ``None``: all real. Padded
+        keys get weight 0, and position ids count real tokens only (as Hugging Face's ``generate``), so
+        a LEFT-padded sequence gives at its real positions the logits and maps of the sequence alone,
+        and so does a right-padded one. Logits at padded positions mean nothing.
+      head_mask: ``[L, N]``, Hugging Face's meaning: each head's output is multiplied by its entry before
+        the output projection (0 ablates the head, 1 keeps it; any float, differentiable). ``None``: ones.
       scale: the attention logit scale; ``None`` is GPT-2's ``1/sqrt(H)``. ``scale=1.0`` runs the real
         weights without the ``√d_k`` (the collapse experiment); a traced scale is accepted.
       return_attention_logits: also return the pre-softmax logits ``[L, N, T, T]``.
@@ -468,67 +495,235 @@ def forward(
     Returns:
       A :class:`GPT2Output` with ``logits [T, V]`` and ``attentions [L, N, T, T]``.
     """
-    if not isinstance(config, GPT2Config):
-        raise TypeError(f"config must be a GPT2Config, received {type(config).__name__}")
+    _check_config(config)
     check_params(params, config)
-    dtype = getattr(input_ids, "dtype", None)
-    if dtype is None:
-        input_ids = np.asarray(input_ids)
-        dtype = input_ids.dtype
-    if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"input_ids must be integer token ids [T], received dtype {np.dtype(dtype).name}")
-    if jnp.ndim(input_ids) != 1:
-        raise ValueError(
-            f"input_ids must have 1 dimension [T] (batch with jax.vmap), received shape {tuple(jnp.shape(input_ids))}"
-        )
-    T = jnp.shape(input_ids)[0]
-    if not 1 <= T <= config.n_positions:
-        raise ValueError(f"input_ids must hold 1 to n_positions={config.n_positions} tokens, received T={T}")
-    if not isinstance(input_ids, jax.core.Tracer):
-        ids = np.asarray(input_ids)
-        if ids.min() < 0 or ids.max() >= config.vocab_size:
-            raise ValueError(
-                f"input_ids must lie in [0, vocab_size={config.vocab_size}), received values in "
-                f"[{ids.min()}, {ids.max()}]"
-            )
+    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
+    keep = attention_mask_(attention_mask, ids.shape[0])
+    heads = head_mask_(head_mask, config.n_layer, config.n_head)
     scale = check_scale(scale, config.head_dim)
     return _forward(
-        params, jnp.asarray(input_ids, jnp.int32), jnp.asarray(scale, jnp.float32), config=config,
+        params, ids, keep, heads, jnp.asarray(scale, jnp.float32), config=config,
         want_logits=return_attention_logits, want_qkv=return_qkv, want_hidden=return_hidden_states,
     )
 
 
-def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: TextTokenizer | None = None) -> Path:
-    """Write a checkpoint :func:`load` reads: ``config.json``, ``flax_model.msgpack`` (Hugging Face Flax
-    layout) and, if given, ``tokenizer.json``; each file written atomically."""
-    from flax import serialization
+# ----------------------------------------------------------------------------------------------------
+# Scores, generation, length buckets
+# ----------------------------------------------------------------------------------------------------
 
+
+def log_prob(
+    params: dict,
+    config: GPT2Config,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    start: Int[ArrayLike, ""] = 0,
+    end: Int[ArrayLike, ""] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+) -> Float[Array, ""]:
+    """``Σ_{start <= t < end} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
+
+    Token 0 has no prediction, so ``t = 0`` never counts; padded positions (``attention_mask`` 0) do
+    not count either. ``start`` and ``end`` may be traced (``jit``/``vmap`` over spans and batches);
+    concrete values must satisfy ``0 <= start <= end <= T``.
+
+    Args:
+      input_ids: ``[T]``, e.g. a prefix followed by the continuation that starts at token ``start``.
+      attention_mask: ``[T]``, as in :func:`forward` (left or right padding).
+      start, end: the span ``[start, end)`` of positions scored; ``end=None`` is ``T``.
+      scale: as in :func:`forward`.
+
+    Returns:
+      a scalar (nats), float32.
+    """
+    _check_config(config)
+    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
+    T = ids.shape[0]
+    end = T if end is None else end
+    for name, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not (isinstance(value, jax.core.Tracer) or np.issubdtype(np.asarray(value).dtype, np.integer)):
+            raise TypeError(f"{name} must be an int, received {value!r}")
+    if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer) and not 0 <= int(start) <= int(end) <= T:
+        raise ValueError(f"the span must satisfy 0 <= start <= end <= T={T}, received start={start!r}, end={end!r}")
+    keep = attention_mask_(attention_mask, T)
+    out = forward(params, config, ids, attention_mask=keep, scale=scale)
+    logp = jax.nn.log_softmax(out.logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V], predicting ids[1:]
+    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
+    t = jnp.arange(1, T)  # [T - 1], the position each entry scores
+    counted = (t >= start) & (t < end) & keep[1:]  # [T - 1]
+    return jnp.sum(jnp.where(counted, picked, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "greedy"))
+def _generate(params, prompt, keep, heads, scale, temperature, key, *, config, max_new_tokens, greedy):
+    tr = params["transformer"]
+    T = prompt.shape[0]
+    total = T + max_new_tokens
+    L, N, H = config.n_layer, config.n_head, config.head_dim
+    # The cache, preallocated: keys and values of every layer at every position [L, total, N, H].
+    cache_k = jnp.zeros((L, total, N, H), tr["wte"]["embedding"].dtype)
+    cache_v = jnp.zeros_like(cache_k)
+    key_keep = jnp.concatenate([keep, jnp.ones((max_new_tokens,), bool)])  # [total]: new tokens are real
+
+    def step(x, cache_k, cache_v, at, width):
+        """Run positions ``at .. at+width-1`` (x ``[width, D]``) against the cache; returns logits and the cache."""
+        rows = at + jnp.arange(width)  # [width]
+        visible = (jnp.arange(total)[None, :] <= rows[:, None]) & key_keep[None, :]  # [width, total]
+        for i in range(L):
+            p = tr["h"][str(i)]
+            q, k, v = _qkv(x, p, config)  # 3 x [width, N, H]
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k[None], (i, at, 0, 0))  # [L, total, N, H]
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v[None], (i, at, 0, 0))
+            z, _ = multi_head_attention(q, cache_k[i], cache_v[i], mask=visible, scale=scale)  # [width, N, H]
+            x = _rest(x, z * heads[i][None, :, None], p, config)  # [width, D]
+        x = layer_norm(x, **tr["ln_f"], eps=config.layer_norm_epsilon)
+        return x @ tr["wte"]["embedding"].T, cache_k, cache_v  # [width, V]
+
+    def pick(logits, key):
+        if greedy:
+            return jnp.argmax(logits).astype(jnp.int32)
+        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
+
+    pos = positions(keep)  # [T]
+    x = embed_ids(tr["wte"]["embedding"], prompt) + tr["wpe"]["embedding"][pos]  # [T, D]
+    logits, cache_k, cache_v = step(x, cache_k, cache_v, 0, T)  # the prompt, at once
+    keys = jax.random.split(key, max_new_tokens)
+    first = pick(logits[-1], keys[0])
+    next_pos = jnp.sum(keep).astype(jnp.int32)  # the first new token's position id
+
+    def body(carry, i):  # one compiled step serves every new token
+        token, cache_k, cache_v = carry
+        x = embed_ids(tr["wte"]["embedding"], token[None]) + tr["wpe"]["embedding"][next_pos + i][None]  # [1, D]
+        logits, cache_k, cache_v = step(x, cache_k, cache_v, T + i, 1)
+        return (pick(logits[0], keys[i + 1]), cache_k, cache_v), (token, logits[0])
+
+    (last, _, _), (tokens, step_logits) = jax.lax.scan(body, (first, cache_k, cache_v), jnp.arange(max_new_tokens - 1))
+    ids = jnp.concatenate([prompt, tokens, last[None]])  # [T + max_new_tokens]
+    return ids, jnp.concatenate([logits[-1:], step_logits])  # [T + new], [new, V]: the logits each token was picked from
+
+
+def generate(
+    params: dict,
+    config: GPT2Config,
+    prompt_ids: Int[ArrayLike, "T"],
+    *,
+    max_new_tokens: int,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    temperature: float = 0.0,
+    key: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_logits: bool = False,
+) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
+    """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
+
+    The cache (``[L, T + max_new_tokens, N, H]`` keys and values) is preallocated; the prompt runs in
+    one pass, then ONE compiled step (a ``lax.scan``) produces every new token, attending to the cache
+    through :func:`jaxattn.multi_head_attention`. Greedy (``temperature=0``) output is the argmax of the
+    full :func:`forward` at every step. A batch of prompts of different lengths is ``jax.vmap`` of this
+    over LEFT-padded prompts with their ``attention_mask`` (position ids count real tokens only).
+
+    Args:
+      prompt_ids: ``[T]`` token ids.
+      max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= n_positions``.
+      attention_mask: ``[T]`` for a padded prompt, as in :func:`forward`.
+      head_mask, scale: as in :func:`forward`.
+      temperature: 0 for greedy decoding; ``> 0`` samples from ``softmax(logits / temperature)``.
+      key: a ``jax.random`` key or int seed, needed when ``temperature > 0``.
+      return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
+
+    Returns:
+      ``[T + max_new_tokens]`` int32: the prompt followed by the new tokens (and the logits, on request).
+    """
+    _check_config(config)
+    check_params(params, config)
+    new = check_int(max_new_tokens, "max_new_tokens")
+    ids = token_ids(prompt_ids, "prompt_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
+    if ids.shape[0] + new > config.n_positions:
+        raise ValueError(
+            f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds n_positions={config.n_positions}"
+        )
+    keep = attention_mask_(attention_mask, ids.shape[0])
+    heads = head_mask_(head_mask, config.n_layer, config.n_head)
+    scale = check_scale(scale, config.head_dim)
+    greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
+    if not greedy:
+        if not isinstance(temperature, jax.core.Tracer) and not (np.ndim(temperature) == 0 and float(temperature) > 0):
+            raise ValueError(f"temperature must be 0 (greedy) or > 0, received {temperature!r}")
+        if key is None:
+            raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
+    key = as_key(0 if key is None else key)
+    out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
+                            jnp.asarray(temperature, jnp.float32), key, config=config, max_new_tokens=new, greedy=greedy)
+    return (out, logits) if return_logits else out
+
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # sequence lengths :func:`pad_to_bucket` pads to
+
+
+def pad_to_bucket(
+    input_ids: Int[ArrayLike, "T"], *, buckets: Any = BUCKETS, pad_id: int = 0
+) -> tuple[Int[Array, "B"], Bool[Array, "B"]]:
+    """Right-pad ``input_ids [T]`` to the smallest bucket length ``B >= T``: ``(ids [B], attention_mask [B])``.
+
+    Each distinct input length compiles its own :func:`forward`; padded to a handful of bucket lengths,
+    an experiment over many sentences compiles a handful of programs. With the returned mask,
+    :func:`forward` gives at positions ``< T`` the logits and maps of the sequence alone (causal: the
+    pads come after them, and are masked as keys), so slice ``[:T]`` (``[..., :T, :T]`` for maps).
+    A ``T`` above the largest bucket is returned as it is.
+    """
+    ids = np.asarray(input_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be integer token ids [T], received dtype {ids.dtype} shape {ids.shape}")
+    T = ids.shape[0]
+    B = next((int(b) for b in sorted(buckets) if b >= T), T)
+    padded = np.full((B,), pad_id, np.int32)
+    padded[:T] = ids
+    return jnp.asarray(padded), jnp.asarray(np.arange(B) < T)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------
+
+
+def save(
+    directory: str | Path,
+    params: dict,
+    config: GPT2Config,
+    tokenizer: TextTokenizer | None = None,
+    *,
+    format: str = "safetensors",
+) -> Path:
+    """Write a checkpoint in Hugging Face's layout that :func:`load` (and ``transformers``) reads.
+
+    ``config.json``; the weights as ``model.safetensors`` (PyTorch ``GPT2LMHeadModel`` names, Conv1D
+    kernels ``(in, out)``) or ``flax_model.msgpack`` (``FlaxGPT2LMHeadModel``, kernels ``(out, in)``),
+    in the params' dtype; and, if given, ``tokenizer.json``. Each file is written atomically, and
+    ``load(save(...))`` returns the same params.
+    """
+    if format not in ("safetensors", "msgpack"):
+        raise ValueError(f"format must be 'safetensors' or 'msgpack', received {format!r}")
+    _check_config(config)
     check_params(params, config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **config._asdict()}
+    flat = {k: np.asarray(v) for k, v in flatten(params).items()}
+    if format == "safetensors":
+        from safetensors.numpy import save as save_safetensors
+
+        tensors = {}
+        for flax_key, value in flat.items():
+            name, transposed = _torch_name(flax_key)
+            tensors["transformer." + name] = np.ascontiguousarray(value.T if transposed else value)
+        atomic_write(directory / "model.safetensors", save_safetensors(tensors, metadata={"format": "pt"}))
+    else:
+        from flax import serialization
+
+        atomic_write(directory / "flax_model.msgpack", serialization.msgpack_serialize(unflatten(flat)))
     atomic_write(directory / "config.json", json.dumps(cfg, indent=2) + "\n")
-    flat = {k: np.asarray(v, np.float32) for k, v in flatten(params).items()}
-    atomic_write(directory / "flax_model.msgpack", serialization.msgpack_serialize(unflatten(flat)))
     if tokenizer is not None:
         atomic_write(directory / "tokenizer.json", tokenizer.backend.to_str())
     return directory
-
-
-def log_prob(params: dict, config: GPT2Config, input_ids: Any, *, start: int, scale: Any = None) -> Array:
-    """``Σ_{t >= start} log p(ids[t] | ids[:t])``: the model's log-probability of a continuation.
-
-    Args:
-      input_ids: ``[T]``, a prefix followed by the continuation that starts at token ``start``.
-      start: index of the continuation's first token, ``1 <= start < T``.
-
-    Returns:
-      a scalar (nats).
-    """
-    ids = np.asarray(input_ids)
-    if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < ids.shape[0]:
-        raise ValueError(f"start must be an int in [1, T={ids.shape[0]}), received {start!r}")
-    out = forward(params, config, ids, scale=scale)
-    logp = jax.nn.log_softmax(out.logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V]
-    picked = jnp.take_along_axis(logp, jnp.asarray(ids[1:, None], jnp.int32), axis=-1)[:, 0]  # [T - 1]
-    return jnp.sum(picked[start - 1:])

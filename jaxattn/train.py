@@ -128,7 +128,7 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptConfig:
-    """The optimizer recipe (AdamW, as in GPT-style training; the defaults are the README's).
+    """The optimizer recipe (AdamW, as in GPT-style training; the defaults are those of docs/training.md).
 
     ``lr(t) = peak · w(t)``, ``w`` rising linearly from 0 to 1 over ``warmup_steps``, then a cosine to
     ``final_lr_fraction`` at ``total_steps``. Gradients are clipped to global norm ``clip_norm`` before

@@ -282,3 +282,165 @@ def test_nan_and_inf_in_kept_positions_propagate_visibly():
     k_inf[0, 0] = np.inf
     out, w = jaxattn.attention(q, k_inf, v)
     assert np.any(~np.isfinite(w))
+
+
+# ---------------------------------------------------------------------------------------------- non-finite inputs
+# A masked position must not influence any output or gradient, whatever its value (NaN, +Inf, -Inf); a
+# kept non-finite value still shows: v[s, c] makes entry (t, c) NaN for every row t that keeps s, a q or
+# k row makes the whole row NaN, a NaN or +Inf bias makes its row NaN (-Inf bias is a weight of 0).
+
+
+def _keep_np(T, S, mask, is_causal):
+    keep = np.ones((T, S), bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), (T, S)).copy()
+    if is_causal:
+        keep &= np.arange(S)[None, :] <= np.arange(T)[:, None]
+    return keep
+
+
+def _expected_nan(keep, field, where):
+    """Which outputs [T, V] a non-finite entry at ``where`` of ``field`` must make NaN (it propagates iff kept)."""
+    T, S = keep.shape
+    if field == "v":
+        bad = np.zeros((S, 3), bool)
+        bad[where] = True
+        return (keep.astype(int) @ bad.astype(int)) > 0
+    if field == "k":
+        bad = np.zeros(S, bool)
+        bad[where[0]] = True
+        return np.broadcast_to(((keep.astype(int) @ bad.astype(int)) > 0)[:, None], (T, 3))
+    if field == "q":
+        bad = np.zeros(T, bool)
+        bad[where[0]] = True
+        return np.broadcast_to((bad & keep.any(axis=1))[:, None], (T, 3))
+    raise AssertionError(field)
+
+
+# (T, S, mask kind, is_causal, field, the poisoned entries): a future key under causal (kept by the last
+# rows only), T > S and T < S, padded keys (masked for every row), a general mask, a q row with no kept key.
+NONFINITE_CASES = [
+    (6, 6, None, True, "v", (5, 1)),
+    (6, 6, None, True, "v", (np.s_[4:], np.s_[:])),
+    (7, 5, None, True, "v", (3, 0)),
+    (5, 7, "padding", False, "v", (np.s_[5:], 2)),
+    (6, 6, "padding", True, "v", (np.s_[3:], np.s_[:])),
+    (6, 6, "general", False, "v", (2, 1)),
+    (6, 6, None, True, "k", (4, 2)),
+    (5, 7, "padding", True, "k", (np.s_[5:], np.s_[:])),
+    (6, 6, "general", True, "k", (2, 0)),
+    (6, 6, "general", False, "q", (1, 3)),
+]
+
+
+def _nonfinite_mask(kind, T, S):
+    if kind is None:
+        return None
+    if kind == "padding":
+        return np.arange(S) < S - 2  # [S]
+    m = np.random.default_rng(5).random((T, S)) < 0.6  # [T, S]
+    m[:, 2] = [t % 2 == 0 for t in range(T)]  # key 2 kept by some rows only
+    m[1] = False  # row 1 keeps nothing
+    return m
+
+
+def _poisoned(T, S, field, where, value, seed=11):
+    rng = np.random.default_rng(seed)
+    clean = {"q": rng.standard_normal((T, 4)), "k": rng.standard_normal((S, 4)), "v": rng.standard_normal((S, 3))}
+    clean = {n: x.astype(np.float32) for n, x in clean.items()}
+    bad = {n: x.copy() for n, x in clean.items()}
+    bad[field][where] = value
+    zero = {n: x.copy() for n, x in clean.items()}
+    zero[field][where] = 0.0
+    return bad, zero
+
+
+def _loss_off_nan(f, nan_out, ct):
+    """``Σ ct ⊙ out`` over the outputs expected finite (``where`` drops the NaN ones, and their gradient)."""
+    return lambda q, k, v: jnp.sum(jnp.where(nan_out, 0.0, f(q, k, v)) * ct)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("T,S,mask_kind,is_causal,field,where", NONFINITE_CASES)
+def test_masked_non_finite_inputs_do_not_leak_into_outputs_or_gradients(T, S, mask_kind, is_causal, field, where, value):
+    mask = _nonfinite_mask(mask_kind, T, S)
+    bad, zero = _poisoned(T, S, field, where, value)
+    keep = _keep_np(T, S, mask, is_causal)
+    nan_out = _expected_nan(keep, field, where)
+    f = lambda q, k, v: jaxattn.attention(q, k, v, mask=mask, is_causal=is_causal)[0]
+    out_bad, out_zero = np.asarray(f(bad["q"], bad["k"], bad["v"])), np.asarray(f(zero["q"], zero["k"], zero["v"]))
+    np.testing.assert_array_equal(np.isnan(out_bad), nan_out)  # a kept non-finite value shows, a masked one not
+    np.testing.assert_allclose(out_bad[~nan_out], out_zero[~nan_out], rtol=1e-6, atol=1e-6)
+    ct = np.random.default_rng(3).standard_normal((T, 3)).astype(np.float32)
+    loss = _loss_off_nan(f, nan_out, ct)
+    g_bad = jax.grad(loss, (0, 1, 2))(bad["q"], bad["k"], bad["v"])
+    g_zero = jax.grad(loss, (0, 1, 2))(zero["q"], zero["k"], zero["v"])
+    for name, a, b in zip("qkv", g_bad, g_zero):
+        assert np.all(np.isfinite(a)), f"d{name} is not finite"
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_masked_non_finite_bias_does_not_leak_and_a_kept_one_shows(value):
+    T, S = 5, 6
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((T, 4), (S, 4), (S, 3)))
+    bias = rng.standard_normal((T, S)).astype(np.float32)
+    keep = _keep_np(T, S, None, True)
+    bias_bad, bias_zero = bias.copy(), bias.copy()
+    bias_bad[~keep], bias_zero[~keep] = value, 0.0  # every masked position (the future under causal)
+    f = lambda q, k, v, b: jaxattn.attention(q, k, v, bias=b, is_causal=True)[0]
+    np.testing.assert_array_equal(f(q, k, v, bias_bad), f(q, k, v, bias_zero))
+    ct = rng.standard_normal((T, 3)).astype(np.float32)
+    loss = lambda *a: jnp.sum(f(*a) * ct)
+    for a, b in zip(jax.grad(loss, (0, 1, 2, 3))(q, k, v, bias_bad), jax.grad(loss, (0, 1, 2, 3))(q, k, v, bias_zero)):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # kept: NaN or +inf makes the row NaN; -inf is a weight of 0, i.e. the key is masked for that row
+    kept = bias.copy()
+    kept[3, 1] = value
+    out = np.asarray(f(q, k, v, kept))
+    if np.isnan(value) or value > 0:
+        assert np.all(np.isnan(out[3])) and np.all(np.isfinite(np.delete(out, 3, axis=0)))
+    else:
+        row_mask = keep.copy()
+        row_mask[3, 1] = False
+        np.testing.assert_allclose(out, jaxattn.attention(q, k, v, bias=bias, mask=row_mask)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_multi_head_gqa_masked_non_finite_keys_and_values_do_not_leak(value):
+    T, N, K, H, V = 7, 4, 2, 4, 3
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((T, N, H), (T, K, H), (T, K, V)))
+    pad = np.arange(T) < T - 2
+    k_bad, v_bad, k0, v0 = k.copy(), v.copy(), k.copy(), v.copy()
+    k_bad[-2:, 1], v_bad[-1, 0], k0[-2:, 1], v0[-1, 0] = value, value, 0.0, 0.0  # padded keys of both kv heads
+    f = lambda q, k, v: jaxattn.multi_head_attention(q, k, v, mask=pad, is_causal=True)[0]
+    np.testing.assert_array_equal(f(q, k_bad, v_bad), f(q, k0, v0))
+    loss = lambda *a: jnp.sum(f(*a) ** 2)
+    for a, b in zip(jax.grad(loss, (0, 1, 2))(q, k_bad, v_bad), jax.grad(loss, (0, 1, 2))(q, k0, v0)):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # a kept key: a non-finite value there shows in the query heads that read its kv head only
+    v_kept = v.copy()
+    v_kept[-3, 0, 1] = value  # key T-3 (not padding), kv head 0, column 1: kept by rows >= T-3 (causal)
+    out = np.asarray(jaxattn.multi_head_attention(q, k, v_kept, mask=pad, is_causal=True)[0])
+    expect = np.zeros(out.shape, bool)
+    expect[T - 3:, :2, 1] = True  # rows that keep key T-3, query heads 0 and 1 (read kv head 0), column 1
+    np.testing.assert_array_equal(np.isnan(out), expect)
+
+
+def test_masked_non_finite_values_cost_little_when_every_value_is_finite():
+    """The bookkeeping for a padding or causal mask is O(S·V): no [T, S] x [S, V] product is added."""
+    def dots(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                yield e
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    yield from dots(inner)
+
+    q = np.zeros((64, 8), np.float32)
+    for kw in (dict(is_causal=True), dict(mask=np.arange(64) < 60), dict(mask=np.arange(64) < 60, is_causal=True)):
+        found = list(dots(jax.make_jaxpr(lambda q: jaxattn.attention(q, q, q, **kw)[0])(q).jaxpr))
+        assert len(found) == 2, (kw, [d.outvars[0].aval.shape for d in found])  # q kᵀ and weights v

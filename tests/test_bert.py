@@ -218,14 +218,14 @@ def test_paraphrases_are_closer_than_unrelated(model):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(input_ids=np.array([1.0, 2.0])), TypeError, "input_ids must have an integer dtype"),
-        (dict(input_ids=np.array([[101, 102]])), ValueError, r"input_ids must have shape \[T\]"),
-        (dict(input_ids=np.array([101, 30522])), ValueError, r"input_ids values must lie in \[0, 30522\)"),
+        (dict(input_ids=np.array([1.0, 2.0])), TypeError, r"input_ids must be integer token ids \[T\], received dtype float64"),
+        (dict(input_ids=np.array([[101, 102]])), ValueError, r"input_ids must have 1 dimension \[T\]"),
+        (dict(input_ids=np.array([101, 30522])), ValueError, r"input_ids must lie in \[0, vocab_size=30522\)"),
         (dict(input_ids=np.zeros(513, np.int32)), ValueError, "max_position_embeddings=512"),
         (dict(input_ids=np.array([101, 102]), attention_mask=np.array([1])), ValueError, r"attention_mask must have shape \[T\] = \(2,\)"),
-        (dict(input_ids=np.array([101, 102]), attention_mask=np.array([1, 2])), ValueError, r"attention_mask values must lie in \[0, 2\)"),
+        (dict(input_ids=np.array([101, 102]), attention_mask=np.array([1, 2])), ValueError, r"attention_mask must hold only 0 and 1, received values \[1, 2\]"),
         (dict(input_ids=np.array([101, 102]), attention_mask=np.array([1.0, 1.0])), TypeError, "attention_mask must have an integer or boolean dtype"),
-        (dict(input_ids=np.array([101, 102]), token_type_ids=np.array([0, 2])), ValueError, r"token_type_ids values must lie in \[0, 2\)"),
+        (dict(input_ids=np.array([101, 102]), token_type_ids=np.array([0, 2])), ValueError, r"token_type_ids must lie in \[0, type_vocab_size=2\)"),
         (dict(input_ids=np.array([101, 102]), scale=0.0), ValueError, "scale must be finite and > 0"),
     ],
 )

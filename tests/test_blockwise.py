@@ -294,3 +294,220 @@ def test_weights_from_lse_rejects_a_mismatched_lse():
     q, k, _ = _qkv(12, 4, 6)
     with pytest.raises(ValueError, match=r"lse must have shape \[T\] = \(4,\)"):
         jaxattn.weights_from_lse(q, k, np.zeros(5, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------- bf16/fp16 scale
+# The scale multiplies the float32 product q·k (as the dense core does), never q in its bf16/fp16 dtype:
+# scale 1e-8 must not round to 0 (uniform weights), scale·q must not overflow fp16 (NaN), and at ordinary
+# scales the error against float64 must stay that of dense attention.
+
+
+def _half_errors(dtype, q, k, v, d_out, scale, bq=16, bk=16):
+    """Max abs errors of (out, dq, dk, dv) against the float64 oracle, for dense and blockwise."""
+    from tests._oracle import reference_forward, reference_vjp
+
+    f64 = lambda x: np.asarray(x, np.float64)
+    ref = [reference_forward(f64(q), f64(k), f64(v), scale=scale)[0], *reference_vjp(f64(q), f64(k), f64(v), f64(d_out), scale=scale)]
+    errors = {}
+    for name, fn in (
+        ("dense", lambda q, k, v: jaxattn.attention(q, k, v, scale=scale)[0]),
+        ("blockwise", lambda q, k, v: jaxattn.blockwise_attention(q, k, v, scale=scale, block_q=bq, block_k=bk)[0]),
+    ):
+        out = fn(q, k, v)
+        assert out.dtype == dtype
+        grads = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * jnp.asarray(d_out, jnp.float32)), (0, 1, 2))(q, k, v)
+        errors[name] = np.array([np.max(np.abs(f64(a) - b)) for a, b in zip((out, *grads), ref)])
+        assert np.all(np.isfinite(errors[name])), (name, errors[name])
+    return errors
+
+
+# (scale, |q|, |k|): logits scale·q·k of order 1; fp16's scale 1e-8 rounds to 0, and scale·q = 8e4 > 65504
+HALF_SCALES = [(1e-8, 1e4, 1e4), (1000.0, 80.0, 1e-5), (0.0123, 30.0, 1.0)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("scale,q_size,k_size", HALF_SCALES)
+def test_half_precision_extreme_scales_match_dense_and_float64(dtype, scale, q_size, k_size):
+    rng = np.random.default_rng(21)
+    T, S, H, V = 24, 40, 16, 4
+    q = jnp.asarray(rng.standard_normal((T, H)) * q_size, dtype)
+    k = jnp.asarray(rng.standard_normal((S, H)) * k_size, dtype)
+    v = jnp.asarray(rng.standard_normal((S, V)), dtype)
+    d_out = 0.05 * rng.standard_normal((T, V)).astype(np.float32)  # keeps dk = scale·dsᵀq below fp16's 65504
+    err = _half_errors(dtype, q, k, v, d_out, scale)
+    # the weights are far from uniform (so a scale rounded to 0 would show) and both agree with float64
+    w = jaxattn.attention_weights(q, k, scale=scale)
+    assert float(jnp.max(w.astype(jnp.float32))) > 3.0 / S
+    assert np.all(err["blockwise"] <= 1.5 * err["dense"] + 1e-6), err
+
+
+def test_half_precision_examples_from_the_review():
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)) * 1e4, jnp.float16)
+    v = jnp.asarray(np.eye(4, 2), jnp.float16)
+    dense = jaxattn.attention(q, q, v, scale=1e-8)[0]
+    block = jaxattn.blockwise_attention(q, q, v, scale=1e-8)[0]
+    np.testing.assert_array_equal(block, dense)
+    assert float(block[0, 0]) > 0.99  # not the uniform 0.25 of a scale rounded to 0
+    q2, k2 = jnp.full((2, 4), 300.0, jnp.float16), jnp.ones((3, 4), jnp.float16)
+    out = jaxattn.blockwise_attention(q2, k2, k2[:, :2], scale=1000.0)[0]  # scale·q = 3e5 overflows fp16
+    np.testing.assert_array_equal(out, np.ones((2, 2)))
+    grads = jax.grad(lambda q, k: jaxattn.blockwise_attention(q, k, k[:, :2], scale=1000.0)[0].astype(jnp.float32).sum(), (0, 1))(q2, k2)
+    assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_half_precision_error_at_head_dim_48_is_dense_error(dtype):
+    """The default scale 1/sqrt(48) is not a bf16/fp16 number: rounding it (and scale·q) cost blockwise 2-7x dense's error."""
+    ratios = []
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        q, k, v = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((40, 48), (56, 48), (56, 8)))
+        d_out = rng.standard_normal((40, 8)).astype(np.float32)
+        err = _half_errors(dtype, q, k, v, d_out, None)
+        ratios.append(err["blockwise"] / err["dense"])
+    assert np.all(np.mean(ratios, axis=0) <= 1.5), np.mean(ratios, axis=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("scale,q_size,k_size", HALF_SCALES)
+def test_half_precision_gradient_with_respect_to_a_traced_scale(dtype, scale, q_size, k_size):
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((12, 8)) * q_size, dtype)
+    k = jnp.asarray(rng.standard_normal((20, 8)) * k_size, dtype)
+    v = jnp.asarray(rng.standard_normal((20, 3)), dtype)
+    d_out = jnp.asarray(rng.standard_normal((12, 3)), jnp.float32)
+    loss = lambda f: jax.jit(jax.grad(lambda s: jnp.sum(f(s).astype(jnp.float32) * d_out)))(jnp.float32(scale))
+    dense = loss(lambda s: jaxattn.attention(q, k, v, scale=s, is_causal=True)[0])
+    block = loss(lambda s: jaxattn.blockwise_attention(q, k, v, scale=s, is_causal=True, block_q=4, block_k=8)[0])
+    assert np.isfinite(float(block)) and float(dense) != 0.0
+    np.testing.assert_allclose(float(block), float(dense), rtol=2e-2 if dtype == jnp.bfloat16 else 3e-3)
+
+
+# ---------------------------------------------------------------------------------------------- non-finite inputs
+# As for the dense core (see test_attention.py): a masked position must not influence any output or
+# gradient, whatever its value; a kept one still shows. Blockwise skips whole masked tiles, but a partly
+# masked tile (and any tile under a padding mask) multiplies masked weights 0 by the values.
+
+
+def _nonfinite_case(T, S, mask_kind, is_causal):
+    if mask_kind is None:
+        mask = None
+    elif mask_kind == "padding":
+        mask = np.arange(S) < S - 2  # [S]
+    else:
+        mask = np.random.default_rng(5).random((T, S)) < 0.6  # [T, S], row 1 keeps nothing
+        mask[1] = False
+    keep = np.ones((T, S), bool) if mask is None else np.broadcast_to(mask, (T, S)).copy()
+    if is_causal:
+        keep &= np.arange(S)[None, :] <= np.arange(T)[:, None]
+    return mask, keep
+
+
+# (T, S, block_q, block_k, is_causal, mask kind, field, poisoned entries)
+BLOCK_NONFINITE_CASES = [
+    (7, 7, 7, 1, True, None, "v", (6, 1)),  # block_k = 1: the key's own tile is the diagonal tile
+    (7, 7, 2, 3, True, None, "v", (5, np.s_[:])),  # a partial tile (3 does not divide 7), partly masked
+    (9, 5, 4, 2, True, None, "v", (3, 0)),  # T > S: rows past S keep every key
+    (5, 9, 2, 4, False, "padding", "v", (np.s_[7:], 2)),  # padded keys, in a partial last tile
+    (8, 8, 3, 3, True, "padding", "v", (np.s_[6:], np.s_[:])),
+    (8, 8, 4, 4, False, "general", "v", (2, 1)),
+    (8, 8, 4, 4, True, "general", "v", (np.s_[:], 0)),
+    (7, 7, 7, 1, True, None, "k", (6, 2)),
+    (7, 7, 2, 3, True, None, "k", (4, np.s_[:])),
+    (5, 9, 2, 4, True, "padding", "k", (np.s_[7:], 1)),
+    (8, 8, 4, 4, False, "general", "k", (3, 0)),
+    (8, 8, 4, 4, False, "general", "q", (1, 2)),  # a query row with no kept key
+]
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("T,S,bq,bk,is_causal,mask_kind,field,where", BLOCK_NONFINITE_CASES)
+def test_masked_non_finite_inputs_do_not_leak_blockwise(T, S, bq, bk, is_causal, mask_kind, field, where, value):
+    mask, keep = _nonfinite_case(T, S, mask_kind, is_causal)
+    rng = np.random.default_rng(11)
+    clean = {"q": rng.standard_normal((T, 4)), "k": rng.standard_normal((S, 4)), "v": rng.standard_normal((S, 3))}
+    clean = {n: x.astype(np.float32) for n, x in clean.items()}
+    bad, zero = ({n: x.copy() for n, x in clean.items()} for _ in range(2))
+    bad[field][where], zero[field][where] = value, 0.0
+    # the outputs a kept non-finite entry must make NaN
+    hit = np.zeros(clean[field].shape, bool)
+    hit[where] = True
+    if field == "v":
+        nan_out = (keep.astype(int) @ hit.astype(int)) > 0
+    elif field == "k":
+        nan_out = np.broadcast_to(((keep.astype(int) @ hit.any(1).astype(int)) > 0)[:, None], (T, 3))
+    else:
+        nan_out = np.broadcast_to((hit.any(1) & keep.any(1))[:, None], (T, 3))
+    nan_row = nan_out.all(1) if field != "v" else np.zeros(T, bool)
+
+    blockwise = lambda q, k, v: jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=bq, block_k=bk)
+    out_bad, lse_bad = (np.asarray(x) for x in blockwise(bad["q"], bad["k"], bad["v"]))
+    out_zero, lse_zero = (np.asarray(x) for x in blockwise(zero["q"], zero["k"], zero["v"]))
+    np.testing.assert_array_equal(np.isnan(out_bad), nan_out)
+    np.testing.assert_allclose(out_bad[~nan_out], out_zero[~nan_out], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.isnan(lse_bad), nan_row)
+    np.testing.assert_allclose(lse_bad[~nan_row], lse_zero[~nan_row], rtol=1e-6, atol=1e-6)
+    # the dense core gives the same outputs, NaN for NaN
+    dense = np.asarray(jaxattn.attention(bad["q"], bad["k"], bad["v"], mask=mask, is_causal=is_causal)[0])
+    np.testing.assert_array_equal(np.isnan(dense), nan_out)
+    _close(out_bad[~nan_out], dense[~nan_out])
+
+    ct = np.random.default_rng(3).standard_normal((T, 3)).astype(np.float32)
+    loss = lambda f: (lambda q, k, v: jnp.sum(jnp.where(nan_out, 0.0, f(q, k, v)) * ct))
+    g_bad = jax.grad(loss(lambda *a: blockwise(*a)[0]), (0, 1, 2))(bad["q"], bad["k"], bad["v"])
+    g_zero = jax.grad(loss(lambda *a: blockwise(*a)[0]), (0, 1, 2))(zero["q"], zero["k"], zero["v"])
+    g_dense = jax.grad(loss(lambda *a: jaxattn.attention(*a, mask=mask, is_causal=is_causal)[0]), (0, 1, 2))(bad["q"], bad["k"], bad["v"])
+    for name, a, b, c in zip("qkv", g_bad, g_zero, g_dense):
+        assert np.all(np.isfinite(a)), f"d{name} is not finite"
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=f"d{name}")
+        _close(a, c)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_multi_head_blockwise_gqa_masked_non_finite_inputs_do_not_leak(value):
+    T, N, K, H, V = 9, 4, 2, 4, 3
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((T, N, H), (T, K, H), (T, K, V)))
+    pad = np.arange(T) < T - 3
+    k_bad, v_bad, k0, v0 = k.copy(), v.copy(), k.copy(), v.copy()
+    k_bad[-3:, 1], v_bad[-2, 0], k0[-3:, 1], v0[-2, 0] = value, value, 0.0, 0.0
+    f = lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, mask=pad, is_causal=True, block_q=2, block_k=4)
+    for a, b in zip(f(q, k_bad, v_bad), f(q, k0, v0)):
+        np.testing.assert_array_equal(a, b)
+    loss = lambda *a: jnp.sum(f(*a)[0] ** 2)
+    for a, b in zip(jax.grad(loss, (0, 1, 2))(q, k_bad, v_bad), jax.grad(loss, (0, 1, 2))(q, k0, v0)):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_ring_attention_masked_non_finite_inputs_do_not_leak():
+    """Ring attention reuses the blockwise tiles; on a one-device ring its forward and backward still run."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("seq",))
+    T, N, K, H, V = 8, 4, 2, 4, 3
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((T, N, H), (T, K, H), (T, K, V)))
+    kv_mask = np.arange(T) < T - 3
+    k_bad, v_bad, k0, v0 = k.copy(), v.copy(), k.copy(), v.copy()
+    k_bad[-1], v_bad[-2:, 1], k0[-1], v0[-2:, 1] = np.nan, np.inf, 0.0, 0.0
+
+    def ring(q, k, v):
+        put = lambda x: jax.reshard(jnp.asarray(x), NamedSharding(mesh, PartitionSpec("seq")))
+        return jaxattn.ring_attention(put(q), put(k), put(v), mesh=mesh, axis_name="seq", kv_mask=put(kv_mask),
+                                      is_causal=True, block_q=3, block_k=2)
+
+    with jax.set_mesh(mesh):
+        f = jax.jit(ring)
+        for a, b in zip(f(q, k_bad, v_bad), f(q, k0, v0)):
+            np.testing.assert_array_equal(a, b)
+        loss = jax.jit(jax.grad(lambda *a: jnp.sum(ring(*a)[0] ** 2), (0, 1, 2)))
+        for a, b in zip(loss(q, k_bad, v_bad), loss(q, k0, v0)):
+            assert np.all(np.isfinite(a))
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        v_kept = v.copy()
+        v_kept[2, 0, 1] = np.nan  # kept by rows >= 2 (causal, not padding), query heads 0 and 1
+        out = np.asarray(f(q, k, v_kept)[0])
+        expect = np.zeros(out.shape, bool)
+        expect[2:, :2, 1] = True
+        np.testing.assert_array_equal(np.isnan(out), expect)

@@ -171,3 +171,208 @@ def test_lab_part2_end_to_end_in_float16_writes_its_files(tmp_path, capsys):
     data = json.loads((tmp_path / "part2.json").read_text())
     assert data["seed"] == 3 and len(data["table"]) == len(DIMS) and "median_k_grad_norm" in data["laws"]
     assert (tmp_path / "part2_sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Degenerate data: a fit that cannot be made is reported, never raised (fit_laws, render_laws, the script).
+# ----------------------------------------------------------------------------------------------------
+
+_LAW_STATS = ("jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm", "entropy")
+_FITTED_KEYS = ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_k_grad_norm",
+                "median_one_minus_max_weight", "mean_jacobian_norm", "mean_entropy", "mean_logit_grad_norm",
+                "mean_one_minus_max_weight", "mean_q_grad_norm", "mean_k_grad_norm")
+
+
+def _spoiled(summary, value, *, at):
+    """A copy of ``summary`` whose unscaled statistics (means and medians) are ``value`` at ``d_k = at``."""
+    import copy
+
+    out = copy.deepcopy(summary)
+    i = list(summary["head_dims"]).index(at)
+    for name in _LAW_STATS:
+        for stat in ("mean", "median"):
+            out[name][stat][1, i] = value
+    for stat in ("mean", "median"):  # 1 - max weight takes the same value
+        out["max_weight"][stat][1, i] = 1 - value
+    return out
+
+
+def _check_reported(laws, reason, tmp_path):
+    """Every fitted law is reported as not fitted, its reason matching the regex ``reason``, and the laws render
+    and are written as JSON without error."""
+    import re
+
+    for key in _FITTED_KEYS:
+        assert re.search(reason, laws[key]["not_fitted"]), (key, laws[key])
+    lines = lab.render_laws(laws).splitlines()
+    for key in _FITTED_KEYS:
+        (line,) = [line for line in lines if line.split()[0] == key]
+        assert "not fitted, " in line and re.search(reason, line), line
+    data = json.loads(write_json(str(tmp_path / "laws.json"), laws).read_text())
+    assert all(re.search(reason, data[key]["not_fitted"]) for key in _FITTED_KEYS)
+
+
+@pytest.mark.parametrize("value, what", [(0.0, "0"), (-0.5, "negative"), (math.nan, "not finite"), (math.inf, "not finite")])
+def test_fit_laws_reports_statistics_it_cannot_fit(small, tmp_path, value, what):
+    # The statistic is `value` at d_k = 1024 (1 - max weight may already be 0 at other d_k in float32).
+    laws = lab.fit_laws(_spoiled(small["summaries"]["float32"], value, at=1024), dtype="float32")
+    _check_reported(laws, rf"{what} in float32 at d_k = \[[^\]]*\b1024\b", tmp_path)
+
+
+@pytest.mark.parametrize("min_head_dim, fitted", [(4096, [4096]), (10_000, [])])
+def test_fit_laws_reports_too_few_head_dims(small, tmp_path, min_head_dim, fitted):
+    import re
+
+    laws = lab.fit_laws(small["summaries"]["float32"], dtype="float32", min_head_dim=min_head_dim)
+    assert laws["fit_head_dims"] == fitted
+    _check_reported(laws, re.escape(f"needs at least 2 distinct d_k >= {min_head_dim}, the sweep has {fitted}"), tmp_path)
+
+
+def test_constant_fit_and_scaled_band_on_zeros(small):
+    from jaxattn.lab import _saturation
+
+    with pytest.raises(ValueError, match="fitted constant C is 0"):
+        _saturation._fit_constant(np.array([256.0, 1024.0]), np.zeros(2))
+    summary = _spoiled(small["summaries"]["float32"], 0.0, at=1024)
+    for name in _LAW_STATS:
+        summary[name]["mean"][0] = 0.0  # the scaled band's min is 0: its ratio is inf, not a division by zero
+    band = lab.scaled_band(summary)
+    assert band["entropy_mean"] == {"min": 0.0, "max": 0.0, "ratio": math.inf}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The script, in-process: main(argv) on tiny sweeps, bad arguments and bad output folders.
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lab_script():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "lab.py")
+    spec = importlib.util.spec_from_file_location("lab_script_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tree(root):
+    """Every path under ``root`` (files and folders, hidden ones included), relative."""
+    return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+TINY = ["--parts", "2", "--trials", "1", "--queries", "2", "--keys", "2", "--dtypes", "float32"]
+
+
+def _run_sweep_and_check_laws(lab_script, out, capsys, argv):
+    lab_script.main(argv + ["--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["part2.json", "part2_sweep.png"]  # nothing temporary left
+    laws = json.loads((out / "part2.json").read_text())["laws"]
+    not_fitted = [k for k in _FITTED_KEYS if "not_fitted" in laws[k]]
+    for key in _FITTED_KEYS:  # each law is either fitted (numbers) or says why not
+        assert ("not_fitted" in laws[key]) != ("C" in laws[key] or "b" in laws[key]), laws[key]
+    for key in not_fitted:
+        assert f"{key}" in stdout and f"not fitted, {laws[key]['not_fitted']}" in stdout
+    return laws, not_fitted, stdout
+
+
+def test_lab_tiny_sweep_writes_part2_and_says_which_fits_were_not_made(lab_script, tmp_path, capsys):
+    # 1 trial × 2 rows × 2 keys: means underflow to 0 at large d_k too, not only medians (this crashed the fit).
+    laws, not_fitted, stdout = _run_sweep_and_check_laws(lab_script, tmp_path / "out", capsys, TINY)
+    assert "median_one_minus_max_weight" in not_fitted and any(k.startswith("mean_") for k in not_fitted)
+    assert all(laws[k]["not_fitted"].startswith("0 in float32 at d_k = [") for k in not_fitted)
+    assert "wrote " in stdout and "part2.json" in stdout
+
+
+def test_lab_single_head_dim_sweep_writes_part2(lab_script, tmp_path, capsys, monkeypatch):
+    # One d_k: the table, band, zero fractions and figure work; no law can be fitted on one point.
+    monkeypatch.setattr(probes, "DEFAULT_HEAD_DIMS", (1024,))
+    laws, not_fitted, _ = _run_sweep_and_check_laws(lab_script, tmp_path / "out", capsys, TINY)
+    assert not_fitted == list(_FITTED_KEYS)
+    assert all("needs at least 2 distinct d_k >= 256, the sweep has [1024]" in laws[k]["not_fitted"] for k in _FITTED_KEYS)
+
+
+def _expect_usage_error(lab_script, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        lab_script.main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran
+    return captured.err.strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "flag, value, bound",
+    [("--trials", "0", "a positive int"), ("--trials", "-3", "a positive int"), ("--trials", "two", "a positive int"),
+     ("--queries", "0", "a positive int"), ("--queries", "1.5", "a positive int"),
+     ("--trials-per-batch", "0", "a positive int"), ("--trials-per-batch", "-1", "a positive int"),
+     ("--keys", "1", "an int >= 2"), ("--keys", "0", "an int >= 2"), ("--keys", "", "an int >= 2"),
+     ("--seed", "-1", "an int >= 0"), ("--seed", "x", "an int >= 0")],
+)
+def test_lab_rejects_bad_numbers_in_one_line(lab_script, tmp_path, capsys, flag, value, bound):
+    out = tmp_path / "out"
+    lines = _expect_usage_error(lab_script, ["--parts", "1,2", "--out", str(out), f"{flag}={value}"], capsys)
+    errors = [line for line in lines if "error:" in line]
+    assert errors == [lines[-1]] and f"error: argument {flag}: must be {bound}" in lines[-1]
+    assert lines[-1].endswith(f"received {value!r}")
+    assert lines[0].startswith("usage: ") and all(line.startswith(" ") for line in lines[1:-1])  # argparse's usage
+    assert not out.exists() and _tree(tmp_path) == []
+
+
+def _expect_folder_error(lab_script, argv, capsys, *, says):
+    lines = _expect_usage_error(lab_script, argv, capsys)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "layout, out, parts, says",
+    [
+        ({"f": "file"}, "f", "1", "exists and is not a folder"),
+        ({"f": "file"}, "f/sub", "1", "is not a folder"),
+        ({"f": "file"}, "f/sub/deeper", "2", "is not a folder"),
+        ({"d/part1.json": "dir"}, "d", "1", "part1.json' is a folder, but part 1 writes a file there"),
+        ({"d/part1.json": "dir"}, "d", "1,2", "part1.json' is a folder, but part 1 writes a file there"),
+        ({"d/part2.json": "dir"}, "d", "1,2", "part2.json' is a folder, but part 2 writes a file there"),
+        ({"d/part2_sweep.png/x": "file"}, "d", "2", "part2_sweep.png' is a folder, but part 2 writes a file there"),
+        ({"d/trophy": "file"}, "d", "3", "trophy' exists and is not a folder, but parts 3-4 write into it"),
+        ({"d/trophy/trophy.json": "dir"}, "d", "4", "trophy.json' is a folder, but parts 3-4 write a file there"),
+    ],
+)
+def test_lab_rejects_output_folders_that_cannot_take_the_results(lab_script, tmp_path, capsys, layout, out, parts, says):
+    for rel, kind in layout.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.mkdir() if kind == "dir" else p.write_text("x")
+    before = _tree(tmp_path)
+    _expect_folder_error(lab_script, ["--parts", parts, "--out", str(tmp_path / out)], capsys, says=says)
+    assert _tree(tmp_path) == before  # nothing created, nothing removed
+    if "f" in layout:
+        assert (tmp_path / "f").read_text() == "x"
+
+
+def test_lab_rejects_an_empty_output_folder_name(lab_script, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _expect_folder_error(lab_script, ["--parts", "1", "--out", ""], capsys, says="--out is empty")
+    assert _tree(tmp_path) == []
+
+
+@pytest.mark.parametrize("out", ["/proc", "/proc/jaxattn-lab-test/out"])
+def test_lab_rejects_unwritable_output_folders(lab_script, capsys, out):
+    _expect_folder_error(lab_script, ["--parts", "1", "--out", out], capsys, says="cannot write there")
+    assert not os.path.exists("/proc/jaxattn-lab-test")
+
+
+@pytest.mark.parametrize("error", [PermissionError(13, "Permission denied"), OSError(30, "Read-only file system")])
+def test_lab_unwritable_folder_leaves_nothing_behind(lab_script, tmp_path, capsys, monkeypatch, error):
+    # As root chmod does not stop writes: make the write check itself fail, after the folders were created.
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    (tmp_path / "kept").mkdir()
+    _expect_folder_error(lab_script, ["--parts", "1", "--out", str(tmp_path / "kept" / "new" / "out")], capsys,
+                         says=f"cannot write there ({error.strerror})")
+    assert _tree(tmp_path) == ["kept"]  # the folders it made are gone, the one that was there stays

@@ -255,7 +255,8 @@ def scaled_band(summary: dict[str, Any]) -> dict[str, dict[str, float]]:
     for name in ("entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm"):
         for stat in ("mean", "median"):
             x = np.asarray(summary[name][stat][0], np.float64)
-            band[f"{name}_{stat}"] = {"min": float(x.min()), "max": float(x.max()), "ratio": float(x.max() / x.min())}
+            lo, hi = float(x.min()), float(x.max())
+            band[f"{name}_{stat}"] = {"min": lo, "max": hi, "ratio": hi / lo if lo > 0 else math.inf}
     return band
 
 
@@ -291,38 +292,42 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
     top-two gap of S standard normals; for ``∂L/∂k`` the median of a key's smallest gap over the T rows,
     :func:`key_gap_median`) and ``c = 2`` for the Jacobian. Means: ``c · d_k^a``, predicted ``a = -1/2`` and
     ``c`` from the gap density at 0, ``f_D(0)``; ``∂L/∂q`` and ``∂L/∂k`` tend to constants,
-    ``√(2/π) f_D(0) E‖r‖`` and ``(2T/S) f_D(0) E‖r‖ / √π``, fitted as ``C (1 + κ/√d_k)``. A median that is 0
-    at some fitted ``d_k`` (gradients in float16, ``1 - max weight`` already in float32) is reported as not
-    fitted, with the ``d_k`` where it is 0.
+    ``√(2/π) f_D(0) E‖r‖`` and ``(2T/S) f_D(0) E‖r‖ / √π``, fitted as ``C (1 + κ/√d_k)``. A statistic that
+    cannot be fitted is reported as ``{"form": ..., "not_fitted": reason}`` instead of raising: one that is 0
+    (gradients in float16, ``1 - max weight`` already in float32; or a tiny sweep whose few rows all
+    underflowed), negative or not finite at some fitted ``d_k`` (the reason names those ``d_k``), fewer than
+    2 distinct ``d_k >= min_head_dim``, or a constant fit whose ``C`` is 0.
     Zero-gradient fraction: ``P(√d_k · D > g_dtype)``.
     """
     dims = np.asarray(summary["head_dims"])
     use = dims >= min_head_dim
+    fit_dims = dims[use]
     S, T, V = summary["num_keys"], summary["num_queries"], summary["value_dim"]
-    laws = probes.predicted_laws(dims[use], S)
-    m, f0 = laws["gap_median"], laws["gap_density_at_zero"]
+    m, f0 = probes.gap_median(S), probes.gap_density_at_zero(S)
     r_norm = readout_norm_mean(V)
-    med = lambda name: np.asarray(summary[name]["median"][1])[use]
-    mean = lambda name: np.asarray(summary[name]["mean"][1])[use]
+    med = lambda name: np.asarray(summary[name]["median"][1], np.float64)[use]
+    mean = lambda name: np.asarray(summary[name]["mean"][1], np.float64)[use]
     out: dict[str, Any] = {
-        "dtype": dtype, "num_keys": S, "num_queries": T, "value_dim": V, "fit_head_dims": dims[use].tolist(),
+        "dtype": dtype, "num_keys": S, "num_queries": T, "value_dim": V, "fit_head_dims": fit_dims.tolist(),
         "gap_median": m, "gap_density_at_zero": f0, "readout_norm_mean": r_norm,
     }
-    sqrt_d = np.sqrt(dims[use])
+    sqrt_d = np.sqrt(fit_dims.astype(np.float64))
     medians = (
         ("median_jacobian_norm", med("jacobian_norm"), False, m, 2.0),
         ("median_logit_grad_norm", med("logit_grad_norm"), False, m, None),
         ("median_q_grad_norm", med("q_grad_norm"), True, m, None),
         ("median_k_grad_norm", med("k_grad_norm"), True, key_gap_median(T, S), None),
         # in float32, 1 - p_max rounds to 0 once p_2 < 6e-8
-        ("median_one_minus_max_weight", 1 - np.asarray(summary["max_weight"]["median"][1])[use], False, m, 1.0),
+        ("median_one_minus_max_weight", 1 - med("max_weight"), False, m, 1.0),
     )
     for key, y, times_sqrt_d, b_pred, c_pred in medians:
         form = "c·√d_k·exp(-b·√d_k)" if times_sqrt_d else "c·exp(-b·√d_k)"
-        if not np.all(y > 0):
-            out[key] = {"form": form, "not_fitted": f"0 in {dtype} at d_k = {dims[use][y <= 0].tolist()}"}
+        try:
+            _check_fittable(fit_dims, y, dtype=dtype, min_head_dim=min_head_dim)
+            b, c = probes.fit_stretched_exp(fit_dims, y / sqrt_d if times_sqrt_d else y)
+        except ValueError as e:
+            out[key] = {"form": form, "not_fitted": str(e)}
             continue
-        b, c = probes.fit_stretched_exp(dims[use], y / sqrt_d if times_sqrt_d else y)
         out[key] = {"form": form, "b": b, "c": c, "b_predicted": b_pred, "c_predicted": c_pred}
     y = m * sqrt_d
     out["median_entropy"] = {
@@ -333,33 +338,63 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
         ("mean_jacobian_norm", mean("jacobian_norm"), f0),
         ("mean_entropy", mean("entropy"), math.pi**2 / 6 * f0),
         ("mean_logit_grad_norm", mean("logit_grad_norm"), math.sqrt(2 / math.pi) * f0 * r_norm),
-        ("mean_one_minus_max_weight", 1 - np.asarray(summary["max_weight"]["mean"][1])[use], math.log(2) * f0),
+        ("mean_one_minus_max_weight", 1 - mean("max_weight"), math.log(2) * f0),
     )
+    form = "c·d_k^a; and C/√d_k·(1 + κ/√d_k)"
     for key, y, c_pred in means:
-        if not np.all(y > 0):
-            out[key] = {"form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)", "not_fitted": f"0 in {dtype} at d_k = {dims[use][y <= 0].tolist()}"}
+        try:
+            _check_fittable(fit_dims, y, dtype=dtype, min_head_dim=min_head_dim)
+            a, c = probes.fit_power_law(fit_dims, y)
+            c_inf, kappa = _fit_inverse_sqrt(fit_dims, y)
+        except ValueError as e:
+            out[key] = {"form": form, "not_fitted": str(e)}
             continue
-        a, c = probes.fit_power_law(dims[use], y)
-        c_inf, kappa = _fit_inverse_sqrt(dims[use], y)
-        out[key] = {"form": "c·d_k^a; and C/√d_k·(1 + κ/√d_k)", "a": a, "c": c, "a_predicted": -0.5, "c_predicted": c_pred,
-                    "C": c_inf, "kappa": kappa}
+        out[key] = {"form": form, "a": a, "c": c, "a_predicted": -0.5, "c_predicted": c_pred, "C": c_inf, "kappa": kappa}
+    form = "C·(1 + κ/√d_k) -> C"
     for key, name, limit in (
         ("mean_q_grad_norm", "q_grad_norm", math.sqrt(2 / math.pi) * f0 * r_norm),
         ("mean_k_grad_norm", "k_grad_norm", 2 * T / S * f0 * r_norm / math.sqrt(math.pi)),
     ):
         y = mean(name)
-        a, c = probes.fit_power_law(dims[use], y)
-        c_inf, kappa = _fit_constant(dims[use], y)
-        out[key] = {"form": "C·(1 + κ/√d_k) -> C", "a": a, "c": c, "a_predicted": 0.0, "C": c_inf, "kappa": kappa,
+        try:
+            _check_fittable(fit_dims, y, dtype=dtype, min_head_dim=min_head_dim)
+            a, c = probes.fit_power_law(fit_dims, y)
+            c_inf, kappa = _fit_constant(fit_dims, y)
+        except ValueError as e:
+            out[key] = {"form": form, "not_fitted": str(e), "limit_predicted": limit}
+            continue
+        out[key] = {"form": form, "a": a, "c": c, "a_predicted": 0.0, "C": c_inf, "kappa": kappa,
                     "limit_predicted": limit, "at_largest_d_k": float(y[-1])}
     return out
 
 
+def _check_fittable(d: np.ndarray, y: np.ndarray, *, dtype: str, min_head_dim: int) -> None:
+    """``ValueError`` saying why ``y [P]`` over ``d [P]`` cannot be fitted in log space (None if it can).
+
+    A fit needs at least 2 distinct ``d_k >= min_head_dim`` and every ``y`` finite and > 0 (a median or
+    mean that underflowed to 0, or a ``1 - max weight`` that rounded to 0 or below, cannot be).
+    """
+    d, y = np.asarray(d), np.asarray(y, np.float64)
+    if np.unique(d).size < 2:
+        raise ValueError(f"needs at least 2 distinct d_k >= {min_head_dim}, the sweep has {d.tolist()}")
+    reasons = []
+    for what, bad in (("0", y == 0), ("negative", y < 0), ("not finite", ~np.isfinite(y))):
+        if np.any(bad):
+            reasons.append(f"{what} in {dtype} at d_k = {d[bad].tolist()}")
+    if reasons:
+        raise ValueError("; ".join(reasons))
+
+
 def _fit_constant(d: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Least squares ``y = C + Cκ/√d`` (a constant with its first correction); returns ``(C, κ)``."""
+    """Least squares ``y = C + Cκ/√d`` (a constant with its first correction); returns ``(C, κ)``.
+
+    ``ValueError`` when the fitted ``C`` is 0 or either coefficient is not finite (κ undefined).
+    """
     d = np.asarray(d, np.float64)
     A = np.stack([np.ones_like(d), 1 / np.sqrt(d)], axis=1)
     (c0, c1), *_ = np.linalg.lstsq(A, np.asarray(y, np.float64), rcond=None)
+    if not (np.isfinite(c0) and np.isfinite(c1) and c0 != 0):
+        raise ValueError(f"the fitted constant C is {float(c0)}, so κ = (Cκ)/C is undefined")
     return float(c0), float(c1 / c0)
 
 
@@ -395,9 +430,11 @@ def render_zero_fractions(zeros: dict[str, Any], head_dims: Sequence[int]) -> st
 def render_laws(laws: dict[str, Any]) -> str:
     """The fitted laws against the predicted constants, one line each."""
     L = laws
+    dims = L["fit_head_dims"]
+    span = f"d_k = {dims[0]} … {dims[-1]}" if dims else "no d_k"
     lines = [
         f"laws of the unscaled statistics ({L['dtype']}, T = {L['num_queries']} rows, S = {L['num_keys']} keys, fit on "
-        f"d_k = {L['fit_head_dims'][0]} … {L['fit_head_dims'][-1]}; m_S = median top-two gap = {L['gap_median']:.4f}, "
+        f"{span}; m_S = median top-two gap = {L['gap_median']:.4f}, "
         f"f_D(0) = {L['gap_density_at_zero']:.4f}, E‖r‖ = {L['readout_norm_mean']:.4f}):"
     ]
     for key in ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_k_grad_norm", "median_one_minus_max_weight"):
@@ -420,6 +457,9 @@ def render_laws(laws: dict[str, Any]) -> str:
         )
     for key in ("mean_q_grad_norm", "mean_k_grad_norm"):
         f = L[key]
+        if "not_fitted" in f:
+            lines.append(f"  {key:30s} tends to a constant (predicted limit {f['limit_predicted']:.3f}): not fitted, {f['not_fitted']}")
+            continue
         lines.append(
             f"  {key:30s} tends to a constant: c·d_k^a: a = {f['a']:.3f}; C·(1+κ/√d_k): C = {f['C']:.3f} "
             f"(predicted limit {f['limit_predicted']:.3f}), κ = {f['kappa']:.2f}; at the largest d_k {f['at_largest_d_k']:.3f}"

@@ -436,7 +436,9 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
     ``module.forward(params, config, ids, scale=...)`` gives the maps. A module with ``log_prob``
     (a causal language model) is causal and scores continuations; one without it (an encoder) is
     bidirectional and has no scorer: it assigns no probability to a continuation, and the lab reports
-    none rather than a number from a head the model was never trained with.
+    none rather than a number from a head the model was never trained with. A module with
+    ``pad_to_bucket`` runs every sentence padded to a bucket length under its attention mask (the same
+    numbers at the real positions, a handful of compiled programs for many sentence lengths).
 
     Args:
       module: the model's module.
@@ -444,17 +446,27 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
       name: shown in reports.
     """
     log_prob = getattr(module, "log_prob", None)
+    pad = getattr(module, "pad_to_bucket", None)
 
     def tokenize(text: str) -> tuple[np.ndarray, list[str]]:
         ids = tokenizer.encode(text)
         return ids, tokenizer.labels(ids)
 
     def attentions(ids: np.ndarray, scale: Any) -> np.ndarray:
-        return np.asarray(module.forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
+        T = len(ids)
+        if pad is None:
+            return np.asarray(module.forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
+        padded, mask = pad(ids)
+        maps = module.forward(params, config, padded, attention_mask=mask, scale=scale).attentions
+        return np.asarray(maps)[:, :, :T, :T]  # [L, N, T, T]
 
     def score(prefix: str, continuation: str) -> float:
         p, c = tokenizer.encode(prefix), tokenizer.encode(continuation)
-        return float(log_prob(params, config, np.concatenate([p, c]), start=len(p)))
+        ids = np.concatenate([p, c])
+        if pad is None:
+            return float(log_prob(params, config, ids, start=len(p)))
+        padded, mask = pad(ids)
+        return float(log_prob(params, config, padded, attention_mask=mask, start=len(p), end=len(ids)))
 
     causal = log_prob is not None
     return LabModel(name=name, causal=causal, tokenize=tokenize, attentions=attentions, score=score if causal else None)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn._attention import _validate_single, attention
-from jaxattn._checks import as_float_array, softmax_dtype
+from jaxattn._checks import as_float_array, check_flag, softmax_dtype
+from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
 
@@ -16,15 +17,15 @@ Array = jax.Array
 
 
 def attention_grads(
-    q: Any,
-    k: Any,
-    v: Any,
-    cotangent: Any,
+    q: Float[ArrayLike, "T H"],
+    k: Float[ArrayLike, "S H"],
+    v: Float[ArrayLike, "S V"],
+    cotangent: Float[ArrayLike, "T V"],
     *,
-    mask: Any = None,
-    scale: Any = None,
+    mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
-) -> dict[str, Array]:
+) -> dict[str, Float[Array, "..."]]:
     """Gradients of the linear read-out ``L = Σ cotangent ⊙ attention(q, k, v)`` by ``jax.grad``.
 
     Any loss's gradient is the read-out of its cotangent at the attention output, so a random
@@ -44,6 +45,7 @@ def attention_grads(
     # q, k, v, mask and scale get the core's own checks (ranks, matching H and S, mask shape, scale)
     # first, so that a wrong q is blamed on q; only then is the cotangent checked against them.
     q, k, v, _, _, _ = _validate_single(q, k, v, mask, None, scale)
+    is_causal = check_flag(is_causal, "is_causal")
     cotangent = as_float_array(cotangent, "cotangent")
     T, S, V = q.shape[0], k.shape[0], v.shape[1]
     if cotangent.shape != (T, V):
@@ -68,7 +70,7 @@ def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal):
     return {"logits": dz, "q": dq, "k": dk, "v": dv, "weights": weights, "loss": value}
 
 
-def grad_norms(grads: dict[str, Array]) -> dict[str, Array]:
+def grad_norms(grads: dict[str, Float[ArrayLike, "..."]]) -> dict[str, Float[Array, "..."] | Bool[Array, "..."]]:
     """Per-row Euclidean norms of :func:`attention_grads`' gradients, and which rows are exactly zero.
 
     Returns:

@@ -9,11 +9,14 @@ import jax.numpy as jnp
 
 from jaxattn._attention import _masked_softmax
 from jaxattn.probes._rows import _complement, _keep, _rows
+from jaxattn._typing import ArrayLike, Bool, Float
 
 Array = jax.Array
 
 
-def softmax_jacobian(logits: Any, mask: Any = None) -> Array:
+def softmax_jacobian(
+    logits: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> Float[Array, "*rows S S"]:
     """The Jacobian of the (masked) softmax, per row, in closed form: ``J = diag(p) - p pᵀ``.
 
     ``J[s, s'] = ∂p_s / ∂z_s'`` for ``p = softmax(z)`` computed by the core's masked softmax. The diagonal
@@ -25,17 +28,22 @@ def softmax_jacobian(logits: Any, mask: Any = None) -> Array:
       mask: optional boolean keep-mask broadcastable to ``logits``.
 
     Returns:
-      ``[..., S, S]`` in at least float32; symmetric positive semi-definite, rows summing to 0.
+      ``[..., S, S]`` in at least float32; symmetric positive semi-definite, rows summing to 0
+      (``[..., 0, 0]`` when ``S = 0``).
     """
     z = _rows(logits, "logits", "[..., S]")
     p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
+    if p.shape[-1] == 0:  # no keys: an empty Jacobian
+        return jnp.zeros(p.shape + (0,), p.dtype)
     c, _ = _complement(p)  # [..., S]
     outer = -p[..., :, None] * p[..., None, :]  # [..., S, S]
     eye = jnp.broadcast_to(jnp.eye(p.shape[-1], dtype=jnp.bool_), outer.shape)  # [..., S, S]
     return jnp.where(eye, jnp.broadcast_to((p * c)[..., None, :], outer.shape), outer)
 
 
-def softmax_jacobian_norms(logits: Any, mask: Any = None) -> dict[str, Array]:
+def softmax_jacobian_norms(
+    logits: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> dict[str, Float[Array, "*rows"]]:
     """Norms of the softmax Jacobian ``J = diag(p) - p pᵀ`` per row, without forming ``J`` (O(S) per row).
 
     Frobenius: ``‖J‖_F² = Σ_s p_s² ((1 - p_s)² + Σ_{s'≠s} p_s'²)``, evaluated relative to the second
@@ -48,10 +56,12 @@ def softmax_jacobian_norms(logits: Any, mask: Any = None) -> dict[str, Array]:
       mask: optional boolean keep-mask broadcastable to ``logits``.
 
     Returns:
-      dict of ``[...]`` arrays: ``frobenius`` and ``nuclear``.
+      dict of ``[...]`` arrays: ``frobenius`` and ``nuclear`` (0 when ``S = 0``).
     """
     z = _rows(logits, "logits", "[..., S]")
     p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
+    if p.shape[-1] == 0:  # no keys: an empty Jacobian, whose norms are 0
+        return {"frobenius": jnp.zeros(p.shape[:-1], p.dtype), "nuclear": jnp.zeros(p.shape[:-1], p.dtype)}
     return _jacobian_norms(p)
 
 

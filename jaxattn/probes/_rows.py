@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn._checks import as_bool_array, as_float_array, check_broadcastable, softmax_dtype
+from jaxattn._typing import ArrayLike, Bool, Float
 
 Array = jax.Array
 
@@ -64,9 +65,15 @@ def _entropy(p: Array, keep: Array | None, ulp: float | None = None) -> Array:
     largest weight exceeds 1/2, that term is computed as ``p_max · log1p(-ε)`` with ε summed from the
     other weights (no cancellation); any other row is summed as it is. The derivative is always that of
     the plain sum, ``-(log p_s + 1)`` (the correction enters through ``stop_gradient``).
+    A row with a NaN weight at a kept key has entropy NaN (``0 log 0 = 0`` must not hide it).
     """
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
+    nan_row = jnp.any(jnp.isnan(p), axis=-1)  # [...]
+    return jnp.where(nan_row, jnp.nan, _entropy_of_numbers(p, ulp))
+
+
+def _entropy_of_numbers(p: Array, ulp: float | None) -> Array:
     terms = _xlogx(p)  # [..., S]
     S = p.shape[-1]
     if S < 2:
@@ -90,11 +97,14 @@ def _num_keys(p: Array, keep: Array | None) -> Array:
     return jnp.sum(keep, axis=-1).astype(p.dtype)
 
 
-def entropy(weights: Any, mask: Any = None) -> Array:
+def entropy(
+    weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> Float[Array, "*rows"]:
     """Row entropy of an attention map, in nats: ``H(p) = -Σ_s p_s log p_s`` with ``0 log 0 = 0``.
 
     Exactly 0 (never NaN) for a one-hot row whose other weights underflowed to 0, which is the row a
     saturated softmax produces; a naive ``p * log(clip(p, tiny))`` is not. The gradient is finite too.
+    NaN in, NaN out: a row with a NaN weight at an unmasked key has entropy NaN.
 
     Args:
       weights: ``[..., S]``, each row a distribution over S keys (e.g. ``[T, S]`` or ``[L, N, T, S]``).
@@ -107,7 +117,9 @@ def entropy(weights: Any, mask: Any = None) -> Array:
     return _entropy(p, _keep(mask, p.shape), ulp)
 
 
-def normalized_entropy(weights: Any, mask: Any = None) -> Array:
+def normalized_entropy(
+    weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> Float[Array, "*rows"]:
     """Row entropy divided by its maximum, ``log(number of unmasked keys)``: 1 uniform, 0 one-hot.
 
     Rows with fewer than 2 unmasked keys (where the maximum is 0) return 0.
@@ -126,7 +138,9 @@ def normalized_entropy(weights: Any, mask: Any = None) -> Array:
     return jnp.where(n > 1, _entropy(p, keep, ulp) / log_n, 0.0)
 
 
-def max_weight(weights: Any, mask: Any = None) -> Array:
+def max_weight(
+    weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> Float[Array, "*rows"]:
     """The largest weight of each row, ``max_s p_s`` (1 for one-hot, ``1/S`` for uniform).
 
     Args:
@@ -143,7 +157,9 @@ def max_weight(weights: Any, mask: Any = None) -> Array:
     return jnp.max(p, axis=-1, initial=0.0)
 
 
-def effective_support(weights: Any, mask: Any = None) -> Array:
+def effective_support(
+    weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> Float[Array, "*rows"]:
     """``exp(entropy)``: the number of keys a row effectively attends to (1 one-hot, S uniform).
 
     Args:
@@ -158,7 +174,9 @@ def effective_support(weights: Any, mask: Any = None) -> Array:
     return jnp.where(_num_keys(p, keep) > 0, jnp.exp(_entropy(p, keep, ulp)), 0.0)
 
 
-def row_stats(weights: Any, mask: Any = None) -> dict[str, Array]:
+def row_stats(
+    weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
+) -> dict[str, Float[Array, "*rows"]]:
     """All row statistics of a map at once.
 
     Args:
@@ -183,7 +201,12 @@ def row_stats(weights: Any, mask: Any = None) -> dict[str, Array]:
     }
 
 
-def head_entropy(weights: Any, mask: Any = None, *, normalized: bool = False) -> Array:
+def head_entropy(
+    weights: Float[ArrayLike, "*heads T S"],
+    mask: Bool[ArrayLike, "*#heads #T #S"] | Bool[ArrayLike, "#S"] | None = None,
+    *,
+    normalized: bool = False,
+) -> Float[Array, "*heads"]:
     """Mean row entropy of each head: the average over queries of :func:`entropy`.
 
     Rows with no unmasked key are left out of the average. For a model's maps ``[L, N, T, S]`` and a

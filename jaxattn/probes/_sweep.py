@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -192,7 +192,7 @@ def sweep_trial_fn(
     num_keys: int = 16,
     value_dim: int = 16,
     dtype: Any = jnp.float32,
-):
+) -> Callable[[Any, Any], dict[str, Array]]:
     """The jitted single-trial function the sweep vmaps: ``f(key, scaled) -> dict`` at ``d_k = head_dim``.
 
     ``f(key, scaled)`` draws one trial from ``key`` exactly as :func:`saturation_sweep` does and returns

@@ -1,0 +1,205 @@
+"""The models are pure functions of their parameters: grad, jit and vmap over params and batches, padding,
+head_mask, the KV cache and generation, spans of log-probability, saving."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import bert, gpt2
+
+TINY = gpt2.GPT2Config.make(vocab_size=23, n_positions=16, n_embd=8, n_layer=2, n_head=2)
+IDS = np.array([3, 17, 5, 9, 22, 1, 4], np.int32)
+
+
+def tiny_params(seed=0, scale=1.0):
+    """A tiny random GPT-2; ``scale`` > 1 makes its logits spread, so greedy tokens vary."""
+    return jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, gpt2.init_params(seed, TINY))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tiny_params(scale=20.0)
+
+
+# --- pure in the params ---
+
+
+def test_gradient_with_respect_to_the_params_matches_float64_finite_differences(x64):
+    p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), tiny_params(seed=1, scale=5.0))
+    loss = lambda p: jnp.sum(jnp.sin(gpt2.forward(p, TINY, IDS).logits))  # a loss that weighs every logit
+    grad = jax.grad(loss)(p)
+    rng = np.random.default_rng(0)
+    for _ in range(3):  # directional derivatives along random directions in parameter space
+        d = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape)), p)
+        eps = 1e-6
+        plus = loss(jax.tree.map(lambda x, y: x + eps * y, p, d))
+        minus = loss(jax.tree.map(lambda x, y: x - eps * y, p, d))
+        fd = (plus - minus) / (2 * eps)
+        exact = sum(jnp.vdot(g, y) for g, y in zip(jax.tree.leaves(grad), jax.tree.leaves(d)))
+        assert abs(float(fd - exact)) <= 1e-6 * max(1.0, abs(float(exact))), (float(fd), float(exact))
+
+
+def test_jit_vmap_and_eager_agree_over_params_and_batches(params):
+    eager = gpt2.forward(params, TINY, IDS)
+    jitted = jax.jit(lambda p, ids: gpt2.forward(p, TINY, ids))(params, IDS)  # params traced
+    np.testing.assert_allclose(jitted.logits, eager.logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jitted.attentions, eager.attentions, rtol=1e-6, atol=1e-7)
+    other = tiny_params(seed=3, scale=20.0)
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), params, other)  # an ensemble of two models
+    both = jax.vmap(lambda p: gpt2.forward(p, TINY, IDS).logits)(stacked)
+    np.testing.assert_allclose(both[1], gpt2.forward(other, TINY, IDS).logits, rtol=1e-5, atol=1e-5)
+    batch = np.stack([IDS, IDS[::-1]])
+    logits = jax.vmap(lambda ids: gpt2.forward(params, TINY, ids).logits)(batch)
+    np.testing.assert_allclose(logits[1], gpt2.forward(params, TINY, IDS[::-1]).logits, rtol=1e-5, atol=1e-5)
+    grads = jax.vmap(jax.grad(lambda p: gpt2.forward(p, TINY, IDS).logits.sum()))(stacked)  # per-model grads
+    assert jax.tree.structure(grads) == jax.tree.structure(stacked)
+
+
+def test_wrong_params_are_refused_before_tracing(params):
+    bad = jax.tree.map(lambda x: x, params)
+    bad["transformer"]["h"]["0"]["attn"]["c_attn"]["kernel"] = jnp.zeros((8, 24))
+    with pytest.raises(ValueError, match=r"c_attn/kernel' has shape \(8, 24\), expected \(24, 8\) \(it looks transposed"):
+        jax.jit(lambda p: gpt2.forward(p, TINY, IDS).logits)(bad)
+    with pytest.raises(ValueError, match="transformer"):
+        gpt2.check_params({"h": {}}, TINY)
+
+
+# --- padding ---
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_sequence_equals_the_sequence_alone(params, side):
+    alone = gpt2.forward(params, TINY, IDS)
+    pad = np.zeros(4, np.int32) + 7
+    ids = np.concatenate([pad, IDS] if side == "left" else [IDS, pad])
+    mask = np.concatenate([np.zeros(4), np.ones(len(IDS))] if side == "left" else [np.ones(len(IDS)), np.zeros(4)]).astype(np.int32)
+    out = gpt2.forward(params, TINY, ids, attention_mask=mask)
+    real = slice(4, None) if side == "left" else slice(0, len(IDS))
+    np.testing.assert_allclose(out.logits[real], alone.logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out.attentions[:, :, real, real], alone.attentions, atol=1e-5)
+    assert np.all(np.asarray(out.attentions)[:, :, :, ~mask.astype(bool)] == 0)  # padded keys get no weight
+
+
+def test_buckets_pad_under_the_mask_and_compile_once_per_bucket(params):
+    ids, mask = gpt2.pad_to_bucket(IDS, buckets=(4, 16))
+    assert ids.shape == (16,) and mask.tolist() == [True] * 7 + [False] * 9
+    out = gpt2.forward(params, TINY, ids, attention_mask=mask)
+    np.testing.assert_allclose(out.logits[:7], gpt2.forward(params, TINY, IDS).logits, atol=1e-5)
+    assert gpt2.pad_to_bucket(np.arange(20), buckets=(4, 16))[0].shape == (20,)  # past the largest: as is
+
+
+# --- head_mask ---
+
+
+def test_head_mask_of_ones_is_no_mask_and_a_zero_removes_that_head_by_hand(params):
+    plain = gpt2.forward(params, TINY, IDS)
+    ones = gpt2.forward(params, TINY, IDS, head_mask=np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(ones.logits, plain.logits)
+    mask = np.ones((2, 2), np.float32)
+    mask[1, 0] = 0.0
+    ablated = gpt2.forward(params, TINY, IDS, head_mask=mask)
+    by_hand = jax.tree.map(lambda x: x, params)
+    kernel = by_hand["transformer"]["h"]["1"]["attn"]["c_proj"]["kernel"]  # [D, N·H], (out, in)
+    by_hand["transformer"]["h"]["1"]["attn"]["c_proj"]["kernel"] = kernel.at[:, 0:4].set(0.0)  # head 0's inputs
+    np.testing.assert_allclose(ablated.logits, gpt2.forward(by_hand, TINY, IDS).logits, atol=1e-5)
+    assert not np.allclose(ablated.logits, plain.logits, atol=1e-3)
+    half = gpt2.forward(params, TINY, IDS, head_mask=np.where(mask == 0, 0.5, 1.0)).logits
+    assert np.all(np.isfinite(half))
+    gate = jax.grad(lambda m: gpt2.forward(params, TINY, IDS, head_mask=m).logits[-1].max())(jnp.ones((2, 2)))
+    assert gate.shape == (2, 2) and np.all(np.isfinite(gate))
+    with pytest.raises(ValueError, match=r"head_mask must have shape \[L, N\] = \(2, 2\)"):
+        gpt2.forward(params, TINY, IDS, head_mask=np.ones(2))
+
+
+def test_bert_head_mask_of_ones_is_no_mask_and_a_zero_changes_the_output():
+    p, c, t = bert.load()
+    ids = t.encode("The trophy didn't fit.")
+    plain = bert.forward(p, c, ids)
+    shape = (c.num_hidden_layers, c.num_attention_heads)
+    np.testing.assert_array_equal(bert.forward(p, c, ids, head_mask=np.ones(shape)).last_hidden_state, plain.last_hidden_state)
+    mask = np.ones(shape, np.float32)
+    mask[2, 5] = 0
+    by_hand = jax.tree.map(lambda x: x, p)
+    dense = by_hand["encoder"]["layer"]["2"]["attention"]["output"]["dense"]
+    H = c.head_dim
+    dense["kernel"] = dense["kernel"].at[5 * H:6 * H].set(0.0)  # [in, out]: head 5's inputs
+    np.testing.assert_allclose(bert.forward(p, c, ids, head_mask=mask).last_hidden_state,
+                               bert.forward(by_hand, c, ids).last_hidden_state, atol=1e-5)
+
+
+# --- the KV cache and generation ---
+
+
+def test_greedy_generation_equals_an_argmax_loop_over_full_forwards(params):
+    out, logits = gpt2.generate(params, TINY, IDS[:4], max_new_tokens=6, return_logits=True)
+    seq = list(IDS[:4])
+    for i in range(6):
+        full = gpt2.forward(params, TINY, np.array(seq, np.int32)).logits[-1]
+        np.testing.assert_allclose(logits[i], full, atol=1e-5, rtol=1e-5)  # cached logits = full forward
+        seq.append(int(np.argmax(full)))
+    assert out.tolist() == seq
+    assert len(set(seq[4:])) > 1  # the test model does not just repeat one token
+
+
+def test_one_compiled_step_serves_every_new_token(params):
+    gpt2.generate(params, TINY, IDS[:3], max_new_tokens=5)
+    before = gpt2._generate._cache_size()
+    gpt2.generate(params, TINY, IDS[2:5], max_new_tokens=5)  # same shapes, other tokens: no new program
+    assert gpt2._generate._cache_size() == before
+
+
+def test_batched_prompts_of_different_lengths_through_left_padding(params):
+    prompts = [IDS[:3], IDS[1:6]]
+    width = max(map(len, prompts))
+    ids = np.stack([np.concatenate([np.zeros(width - len(p), np.int32), p]) for p in prompts])
+    mask = np.stack([np.arange(width) >= width - len(p) for p in prompts])
+    out = jax.vmap(lambda i, m: gpt2.generate(params, TINY, i, max_new_tokens=4, attention_mask=m))(ids, mask)
+    for row, p in zip(np.asarray(out), prompts):
+        assert row[width:].tolist() == np.asarray(gpt2.generate(params, TINY, p, max_new_tokens=4))[len(p):].tolist()
+
+
+def test_sampling_needs_a_key_and_is_reproducible(params):
+    with pytest.raises(ValueError, match="needs a key"):
+        gpt2.generate(params, TINY, IDS[:3], max_new_tokens=2, temperature=1.0)
+    a = gpt2.generate(params, TINY, IDS[:3], max_new_tokens=5, temperature=1.0, key=7)
+    b = gpt2.generate(params, TINY, IDS[:3], max_new_tokens=5, temperature=1.0, key=7)
+    assert a.tolist() == b.tolist()
+    with pytest.raises(ValueError, match="exceeds n_positions=16"):
+        gpt2.generate(params, TINY, IDS, max_new_tokens=10)
+
+
+# --- log-probability of a span ---
+
+
+def test_log_prob_of_a_span_with_padding_under_jit_and_vmap(params):
+    logp = jax.nn.log_softmax(gpt2.forward(params, TINY, IDS).logits, axis=-1)
+    by_hand = sum(float(logp[t - 1, IDS[t]]) for t in range(2, 5))
+    assert float(gpt2.log_prob(params, TINY, IDS, start=2, end=5)) == pytest.approx(by_hand, rel=1e-5)
+    spans = jnp.array([[2, 5], [1, 7]])
+    got = jax.jit(jax.vmap(lambda s: gpt2.log_prob(params, TINY, IDS, start=s[0], end=s[1])))(spans)
+    assert float(got[0]) == pytest.approx(by_hand, rel=1e-5)
+    left = np.concatenate([np.zeros(3, np.int32), IDS])
+    mask = np.arange(len(left)) >= 3
+    padded = gpt2.log_prob(params, TINY, left, attention_mask=mask, start=5, end=8)  # the same tokens, shifted by 3
+    assert float(padded) == pytest.approx(by_hand, rel=1e-4)
+    with pytest.raises(ValueError, match="0 <= start <= end <= T=7"):
+        gpt2.log_prob(params, TINY, IDS, start=5, end=3)
+
+
+# --- saving ---
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "msgpack"])
+def test_save_load_round_trip_in_hugging_faces_layout(params, tmp_path, fmt):
+    directory = gpt2.save(tmp_path / fmt, params, TINY, format=fmt)
+    assert (directory / ("model.safetensors" if fmt == "safetensors" else "flax_model.msgpack")).is_file()
+    files = {"config.json": directory / "config.json", "model.safetensors": directory / "model.safetensors",
+             "flax_model.msgpack": directory / "flax_model.msgpack"}
+    reader = gpt2.params_from_safetensors if fmt == "safetensors" else gpt2.params_from_msgpack
+    loaded = reader(files["model.safetensors" if fmt == "safetensors" else "flax_model.msgpack"], TINY)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    assert gpt2.read_gpt2_config(files["config.json"]) == TINY
+    with pytest.raises(ValueError, match="format must be"):
+        gpt2.save(tmp_path / "x", params, TINY, format="pickle")

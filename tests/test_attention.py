@@ -72,7 +72,8 @@ def test_causal_first_row_returns_first_value():
 # ---------------------------------------------------------------------------------------------- oracle
 
 
-@pytest.mark.parametrize("seed", range(24))
+# Random shapes: a few in `make test`, the rest (each compiles its own program) in `make test-slow`.
+@pytest.mark.parametrize("seed", [s if s < 3 else pytest.param(s, marks=pytest.mark.slow) for s in range(24)])
 def test_float32_matches_float64_oracle_on_outputs_and_vjp(seed):
     q, k, v, mask, bias, scale, d_out = _random_case(seed)
     out, w = jaxattn.attention(q, k, v, mask=mask, bias=bias, scale=scale)
@@ -87,7 +88,7 @@ def test_float32_matches_float64_oracle_on_outputs_and_vjp(seed):
     assert_close(got, want, "float32", err_msg="(dq, dk, dv)")
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", [s if s < 2 else pytest.param(s, marks=pytest.mark.slow) for s in range(12)])
 def test_float64_matches_float64_oracle_to_1e_12(seed, x64):
     q, k, v, mask, bias, scale, d_out = _random_case(seed, np.float64)
     out, w = jaxattn.attention(q, k, v, mask=mask, bias=bias, scale=scale)
@@ -358,7 +359,8 @@ def _loss_off_nan(f, nan_out, ct):
     return lambda q, k, v: jnp.sum(jnp.where(nan_out, 0.0, f(q, k, v)) * ct)
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+# NaN in `make test`; ±Inf in `make test-slow`.
+@pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow), pytest.param(-np.inf, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("T,S,mask_kind,is_causal,field,where", NONFINITE_CASES)
 def test_masked_non_finite_inputs_do_not_leak_into_outputs_or_gradients(T, S, mask_kind, is_causal, field, where, value):
     mask = _nonfinite_mask(mask_kind, T, S)

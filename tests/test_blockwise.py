@@ -325,7 +325,7 @@ def _half_errors(dtype, q, k, v, d_out, scale, bq=16, bk=16):
 HALF_SCALES = [(1e-8, 1e4, 1e4), (1000.0, 80.0, 1e-5), (0.0123, 30.0, 1.0)]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(np.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scale,q_size,k_size", HALF_SCALES)
 def test_half_precision_extreme_scales_match_dense_and_float64(dtype, scale, q_size, k_size):
     rng = np.random.default_rng(21)
@@ -341,7 +341,7 @@ def test_half_precision_extreme_scales_match_dense_and_float64(dtype, scale, q_s
     assert np.all(err["blockwise"] <= 1.5 * err["dense"] + 1e-6), err
 
 
-def test_half_precision_examples_from_the_review():
+def test_half_precision_tiny_and_huge_scales_in_float16():
     q = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)) * 1e4, jnp.float16)
     v = jnp.asarray(np.eye(4, 2), jnp.float16)
     dense = jaxattn.attention(q, q, v, scale=1e-8)[0]
@@ -355,6 +355,7 @@ def test_half_precision_examples_from_the_review():
     assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
 
 
+@pytest.mark.slow  # a statistical comparison of errors over many draws: `make test-slow`
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
 def test_half_precision_error_at_head_dim_48_is_dense_error(dtype):
     """The default scale 1/sqrt(48) is not a bf16/fp16 number: rounding it (and scale·q) cost blockwise 2-7x dense's error."""
@@ -420,8 +421,12 @@ BLOCK_NONFINITE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("T,S,bq,bk,is_causal,mask_kind,field,where", BLOCK_NONFINITE_CASES)
+# NaN in `make test`; ±Inf (each case compiles its own programs) in `make test-slow`.
+@pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow), pytest.param(-np.inf, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("T,S,bq,bk,is_causal,mask_kind,field,where", [
+    c if i in (0, 3, 10, 11) else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(BLOCK_NONFINITE_CASES)
+])  # one case of each kind in `make test` (v causal with block_k = 1, v padded in a partial tile, k and q
+    # under a general mask), every case in `make test-slow`
 def test_masked_non_finite_inputs_do_not_leak_blockwise(T, S, bq, bk, is_causal, mask_kind, field, where, value):
     mask, keep = _nonfinite_case(T, S, mask_kind, is_causal)
     rng = np.random.default_rng(11)

@@ -170,7 +170,7 @@ def test_head_entropy_causal_mask_matches_numpy(rng):
         (lambda: probes.saturation_sweep(0, num_keys=1), ValueError, "num_keys"),
         (lambda: probes.saturation_sweep(0, dtype=jnp.float64), ValueError, "enable_x64"),
         (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 4))), ValueError, "cotangent"),
-        # reviewer findings: q, k, v are checked (by the core's checks) before the cotangent is blamed
+        # q, k, v are checked (by the core's checks) before the cotangent is blamed
         (lambda: probes.attention_grads(np.ones(4), np.ones((3, 4)), np.ones((3, 5)), np.ones((2, 5))), ValueError, r"q must have 2 dimensions \[T, H\], received shape \(4,\)"),
         (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 4)), np.ones(3), np.ones((2, 5))), ValueError, r"v must have 2 dimensions \[S, V\], received shape \(3,\)"),
         (lambda: probes.attention_grads(np.ones((2, 4)), np.ones((3, 6)), np.ones((3, 5)), np.ones((2, 5))), ValueError, "same head dimension H"),
@@ -527,7 +527,7 @@ def test_chunked_sweep_gives_the_same_numbers():
     assert chunked["entropy"].shape == (2, 1, 5, 4)
 
 
-# --- independent references and input checks (reviewer findings) ---
+# --- independent references and input checks ---
 
 
 def np_trial(q, k, v, r, scale):

@@ -102,7 +102,7 @@ def test_float64_matches_float64_oracle_to_1e_12(seed, x64):
     assert_close(got, want, "float64", err_msg="(dq, dk, dv)")
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "random", "causal"])
+@pytest.mark.parametrize("mask_kind", ["causal", pytest.param("none", marks=pytest.mark.slow), pytest.param("random", marks=pytest.mark.slow)])
 def test_check_grads_order_two_forward_and_reverse(mask_kind, x64):
     rng = np.random.default_rng(3)
     q, k, v = rng.standard_normal((4, 3)), rng.standard_normal((5, 3)), rng.standard_normal((5, 2))

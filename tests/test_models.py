@@ -201,5 +201,10 @@ def test_save_load_round_trip_in_hugging_faces_layout(params, tmp_path, fmt):
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
     assert gpt2.read_gpt2_config(files["config.json"]) == TINY
+    p, c, t = gpt2.random_model("tiny", seed=2)  # with a tokenizer: the whole checkpoint through load
+    back, c2, t2 = gpt2.load(gpt2.save(tmp_path / f"{fmt}-full", p, c, t, format=fmt))
+    assert c2 == c and t2.encode("a trophy").tolist() == t.encode("a trophy").tolist()
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(p)):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="format must be"):
         gpt2.save(tmp_path / "x", params, TINY, format="pickle")

@@ -47,7 +47,7 @@ mask_s = np.arange(S) < 4
 # ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("to", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+@pytest.mark.parametrize("to", [np.asarray, pytest.param(jnp.asarray, marks=pytest.mark.slow)], ids=["numpy", "jax"])
 def test_single_head(to):
     qq, kk, vv = to(q), to(k), to(v)
     out, w = call(jaxattn.attention, qq, kk, vv, mask=to(mask_ts), bias=to(f32(T, S)), scale=0.5)
@@ -64,7 +64,7 @@ def test_single_head(to):
     assert norms["k"].shape == (S,) and norms["q_zero"].dtype == bool
 
 
-@pytest.mark.parametrize("to", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+@pytest.mark.parametrize("to", [np.asarray, pytest.param(jnp.asarray, marks=pytest.mark.slow)], ids=["numpy", "jax"])
 def test_multi_head(to):
     qq, kk, vv = to(Q), to(KK), to(VV)
     out, w = call(jaxattn.multi_head_attention, qq, kk, vv, mask=to(np.ones((N, T, S), bool)), bias=to(f32(T, S)))
@@ -100,7 +100,7 @@ def test_masks():
     assert call(jaxattn.combine_masks, None) is None
 
 
-@pytest.mark.parametrize("to", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+@pytest.mark.parametrize("to", [np.asarray, pytest.param(jnp.asarray, marks=pytest.mark.slow)], ids=["numpy", "jax"])
 def test_row_probes(to):
     w = to(np.asarray(jax.nn.softmax(f32(N, T, S), axis=-1)))
     for fn in (probes.entropy, probes.normalized_entropy, probes.max_weight, probes.effective_support):

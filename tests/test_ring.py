@@ -44,6 +44,7 @@ def four_device_results():
     return results
 
 
+@pytest.mark.slow  # one 4-device subprocess of about 35 s: `make test-slow`
 @pytest.mark.parametrize("check", CHECKS)
 def test_four_device_check(four_device_results, check):
     proc = four_device_results["_proc"]

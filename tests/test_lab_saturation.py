@@ -120,6 +120,7 @@ def test_lab_script_runs_part1_and_rejects_missing_parts(tmp_path, capsys):
         sys.argv = argv
 
 
+@pytest.mark.slow  # a whole lab run, end to end: `make test-slow`
 def test_lab_script_runs_parts_3_and_4_once_on_a_random_gpt2(tmp_path, capsys):
     import runpy
     import sys
@@ -148,6 +149,7 @@ def test_readout_norm_and_key_gap_closed_forms():
     assert lab.key_gap_median(16, 16) < lab.key_gap_median(4, 16) < lab.key_gap_median(1, 16)
 
 
+@pytest.mark.slow  # a whole lab run, end to end: `make test-slow`
 def test_lab_part2_end_to_end_in_float16_writes_its_files(tmp_path, capsys):
     """Part 2 from the script, float16 first (medians underflow to 0: reported, not fitted, no crash)."""
     import runpy
@@ -277,6 +279,7 @@ def _run_sweep_and_check_laws(lab_script, out, capsys, argv):
     return laws, not_fitted, stdout
 
 
+@pytest.mark.slow  # a whole lab run, end to end: `make test-slow`
 def test_lab_tiny_sweep_writes_part2_and_says_which_fits_were_not_made(lab_script, tmp_path, capsys):
     # 1 trial × 2 rows × 2 keys: means underflow to 0 at large d_k too, not only medians (this crashed the fit).
     laws, not_fitted, stdout = _run_sweep_and_check_laws(lab_script, tmp_path / "out", capsys, TINY)
@@ -285,6 +288,7 @@ def test_lab_tiny_sweep_writes_part2_and_says_which_fits_were_not_made(lab_scrip
     assert "wrote " in stdout and "part2.json" in stdout
 
 
+@pytest.mark.slow  # a whole lab run, end to end: `make test-slow`
 def test_lab_single_head_dim_sweep_writes_part2(lab_script, tmp_path, capsys, monkeypatch):
     # One d_k: the table, band, zero fractions and figure work; no law can be fitted on one point.
     monkeypatch.setattr(probes, "DEFAULT_HEAD_DIMS", (1024,))

@@ -34,18 +34,19 @@ import functools
 import importlib.util
 import math
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import merge_heads, multi_head_attention, split_heads
+from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
 from jaxattn._checks import check_scale
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import embed_ids, layer_norm, token_ids
 from jaxattn._nn import head_mask as head_mask_
+from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
@@ -342,6 +343,7 @@ class BertOutput(NamedTuple):
     last_hidden_state: Array  # [T, D]
     attentions: Array  # [L, N, T, T], softmax weights of every layer and head (rows: queries)
     pooler_output: Array | None  # [D], tanh(dense(h[CLS])); None when the checkpoint has no pooler
+    captured: dict[str, Array] = {}  # the names asked for in `capture`, each [L, ...]
 
 
 def _dense(x: Array, p: dict) -> Array:
@@ -356,36 +358,47 @@ def _embeddings(p: dict, input_ids: Array, token_type_ids: Array, eps: float) ->
     return layer_norm(x, **p["LayerNorm"], eps=eps)  # [T, D]
 
 
-def _self_attention(p: dict, x: Array, keep: Array, heads: Array, scale: Array, n_head: int) -> tuple[Array, Array]:
-    q = split_heads(_dense(x, p["self"]["query"]), n_head)  # [T, N, H]
-    k = split_heads(_dense(x, p["self"]["key"]), n_head)  # [S, N, H]
-    v = split_heads(_dense(x, p["self"]["value"]), n_head)  # [S, N, H]
+def _self_attention(p: dict, x: Array, keep: Array, heads: Array, scale: Array, n_head: int, sites: Sites,
+                    i: int) -> tuple[Array, Array]:
+    q = sites("q", i, split_heads(_dense(x, p["self"]["query"]), n_head))  # [T, N, H]
+    k = sites("k", i, split_heads(_dense(x, p["self"]["key"]), n_head))  # [S, N, H]
+    v = sites("v", i, split_heads(_dense(x, p["self"]["value"]), n_head))  # [S, N, H]
     z, weights = multi_head_attention(q, k, v, mask=keep[None, :], scale=scale)  # [T, N, H], [N, T, S]
-    z = z * heads[None, :, None]  # [T, N, H], each head's output times its head_mask entry
-    return _dense(merge_heads(z), p["output"]["dense"]), weights  # [T, D], [N, T, S]
+    if "attn_logits" in sites.capture:  # the same private _logits the softmax above consumed, per head
+        sites("attn_logits", i, jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))
+    weights = sites("attn_weights", i, weights)  # [N, T, S]
+    if sites.patches("attn_weights"):
+        z = mix(weights, v)  # [T, N, H] from the patched weights
+    z = sites("z", i, z) * heads[None, :, None]  # [T, N, H], each head's output times its head_mask entry
+    return sites("attn_out", i, _dense(merge_heads(z), p["output"]["dense"])), weights  # [T, D], [N, T, S]
 
 
-def _block(p: dict, x: Array, keep: Array, heads: Array, scale: Array, config: BertConfig) -> tuple[Array, Array]:
+def _block(p: dict, x: Array, keep: Array, heads: Array, scale: Array, config: BertConfig, sites: Sites,
+           i: int) -> tuple[Array, Array]:
     eps = config.layer_norm_eps
-    a, weights = _self_attention(p["attention"], x, keep, heads, scale, config.num_attention_heads)  # [T, D], [N, T, T]
-    x = layer_norm(x + a, **p["attention"]["output"]["LayerNorm"], eps=eps)  # [T, D], post-LayerNorm
+    x = sites("resid_pre", i, x)  # [T, D]
+    a, weights = _self_attention(p["attention"], x, keep, heads, scale, config.num_attention_heads, sites, i)
+    x = sites("resid_mid", i, layer_norm(x + a, **p["attention"]["output"]["LayerNorm"], eps=eps))  # [T, D], post-LN
     h = jax.nn.gelu(_dense(x, p["intermediate"]["dense"]), approximate=False)  # [T, F], exact erf GELU
-    x = layer_norm(x + _dense(h, p["output"]["dense"]), **p["output"]["LayerNorm"], eps=eps)  # [T, D]
+    m = sites("mlp_out", i, _dense(h, p["output"]["dense"]))  # [T, D]
+    x = sites("resid_post", i, layer_norm(x + m, **p["output"]["LayerNorm"], eps=eps))  # [T, D]
     return x, weights  # [T, D], [N, T, T]
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "capture"))
 def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids: Array, keep: Array, heads: Array,
-             scale: Array):
+             scale: Array, patch: dict, *, capture: tuple[str, ...]):
+    sites = Sites(capture, patch)
     x = _embeddings(params["embeddings"], input_ids, token_type_ids, config.layer_norm_eps)  # [T, D]
     attentions = []
     for i in range(config.num_hidden_layers):
-        x, weights = _block(params["encoder"]["layer"][str(i)], x, keep, heads[i], scale, config)  # [T, D], [N, T, T]
+        layer = params["encoder"]["layer"][str(i)]
+        x, weights = _block(layer, x, keep, heads[i], scale, config, sites, i)  # [T, D], [N, T, T]
         attentions.append(weights)
     pooled = None
     if "pooler" in params:
         pooled = jnp.tanh(_dense(x[:1], params["pooler"]["dense"]))[0]  # [D]
-    return BertOutput(x, jnp.stack(attentions), pooled)  # [T, D], [L, N, T, T], [D]
+    return BertOutput(x, jnp.stack(attentions), pooled, sites.captured())  # [T, D], [L, N, T, T], [D]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -402,6 +415,8 @@ def forward(
     token_type_ids: Int[ArrayLike, "T"] | None = None,
     head_mask: Real[ArrayLike, "L N"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
+    capture: Sequence[str] = (),
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
 ) -> BertOutput:
     """The encoder on one sequence: embeddings, then L post-LayerNorm blocks, every attention map kept.
 
@@ -427,10 +442,16 @@ def forward(
       scale: the attention logit scale; ``None`` means ``1/sqrt(H)`` (H = 32 for all-MiniLM-L6-v2),
         the value the model was trained with; ``scale=1.0`` runs the real weights unscaled (the
         collapse experiment), through the same code.
+      capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]`` (the
+        model API's names; see ``docs/models.md``). BERT is post-LayerNorm: ``resid_mid`` and
+        ``resid_post`` are the streams after their LayerNorm, ``attn_out`` and ``mlp_out`` the sublayers'
+        outputs before it.
+      patch: ``{name: (value [L, ...], where [L, ...] bool)}``: where True, the forward uses ``value``
+        instead of the tensor it made, at the place it is made (see :func:`jaxattn.gpt2.forward`).
 
     Returns:
-      :class:`BertOutput` with ``last_hidden_state [T, D]``, ``attentions [L, N, T, T]`` and
-      ``pooler_output [D]`` (or ``None``).
+      :class:`BertOutput` with ``last_hidden_state [T, D]``, ``attentions [L, N, T, T]``,
+      ``pooler_output [D]`` (or ``None``) and ``captured``.
     """
     if not isinstance(config, BertConfig):
         raise TypeError(f"config must be the BertConfig returned by load(), received {type(config).__name__}")
@@ -446,7 +467,10 @@ def forward(
                           high_name="type_vocab_size")  # [T]
     heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)  # [L, N]
     scale = jnp.asarray(check_scale(scale, config.head_dim), jnp.float32)  # traced: one compile for all scales
-    return _forward(params, config, ids, types, keep, heads, scale)
+    N = config.num_attention_heads
+    shapes = site_shapes(T=T, S=T, N=N, K=N, H=config.head_dim, D=config.hidden_size)
+    patch = check_patch(patch, shapes, config.num_hidden_layers)
+    return _forward(params, config, ids, types, keep, heads, scale, patch, capture=check_capture(capture))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import embed_ids, layer_norm, positions, token_ids
 from jaxattn._nn import head_mask as head_mask_
+from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
@@ -378,6 +379,7 @@ class GPT2Output(NamedTuple):
     k: Array | None = None
     v: Array | None = None
     hidden_states: Array | None = None
+    captured: dict[str, Array] = {}
 
 
 def _linear(x: Array, p: dict) -> Array:
@@ -401,10 +403,12 @@ def _rest(x: Array, z: Array, p: dict, config: GPT2Config) -> Array:
     return x + _mlp(h, p["mlp"], _ACTIVATIONS[config.activation_function])  # [T, D]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden"))
-def _forward(params, input_ids, keep, heads, scale, *, config, want_logits, want_qkv, want_hidden) -> GPT2Output:
+@functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
+def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> GPT2Output:
     tr = params["transformer"]
     T = input_ids.shape[0]
+    want_logits = want_logits or "attn_logits" in capture
+    sites = Sites(capture, patch)
     pos = positions(keep)  # [T], 0..T-1 without padding
     x = embed_ids(tr["wte"]["embedding"], input_ids) + tr["wpe"]["embedding"][pos]  # [T, D]; NaN rows for ids outside [0, V)
     mask = jnp.broadcast_to(keep[None, :], (T, T))  # [T, S]: padded keys are never attended to (and causal, below)
@@ -412,15 +416,25 @@ def _forward(params, input_ids, keep, heads, scale, *, config, want_logits, want
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(config.n_layer):
         p = tr["h"][str(i)]
-        q, k, v = _qkv(x, p, config)  # 3 x [T, N, H]
+        x = sites("resid_pre", i, x)  # [T, D]
+        q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, p, config)))  # 3 x [T, N, H]
         z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
-        x = _rest(x, z * heads[i][None, :, None], p, config)  # [T, D]
+        if want_logits:  # the same private _logits the softmax above consumed, one head at a time
+            logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))  # [N, T, T]
+            sites("attn_logits", i, logits[-1])
+        w = sites("attn_weights", i, w)  # [N, T, T]
+        if sites.patches("attn_weights"):
+            z = mix(w, v)  # [T, N, H] from the patched weights
+        z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
+        a = sites("attn_out", i, _linear(merge_heads(z), p["attn"]["c_proj"]))  # [T, D]
+        x = sites("resid_mid", i, x + a)  # [T, D]
+        h = layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon)  # [T, D]
+        m = sites("mlp_out", i, _mlp(h, p["mlp"], _ACTIVATIONS[config.activation_function]))  # [T, D]
+        x = sites("resid_post", i, x + m)  # [T, D]
         hidden.append(x)
         if weights is None:
             weights = jnp.zeros((config.n_layer,) + w.shape, w.dtype)  # [L, N, T, T]
         weights = weights.at[i].set(w)  # [L, N, T, T]
-        if want_logits:  # the same private _logits the softmax above consumed, one head at a time
-            logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))  # [N, T, T]
         qs.append(q), ks.append(k), vs.append(v)
     x = layer_norm(x, **tr["ln_f"], eps=config.layer_norm_epsilon)  # [T, D]
     hidden[-1] = x
@@ -432,6 +446,7 @@ def _forward(params, input_ids, keep, heads, scale, *, config, want_logits, want
         k=jnp.stack(ks) if want_qkv else None,  # [L, T, N, H]
         v=jnp.stack(vs) if want_qkv else None,  # [L, T, N, H]
         hidden_states=jnp.stack(hidden) if want_hidden else None,  # [L + 1, T, D]
+        captured=sites.captured(),
     )
 
 
@@ -461,6 +476,8 @@ def forward(
     return_attention_logits: bool = False,
     return_qkv: bool = False,
     return_hidden_states: bool = False,
+    capture: Sequence[str] = (),
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
 ) -> GPT2Output:
     """GPT-2's forward pass on one sequence, with every layer's attention map (jit-compiled).
 
@@ -491,9 +508,18 @@ def forward(
       return_attention_logits: also return the pre-softmax logits ``[L, N, T, T]``.
       return_qkv: also return ``q, k, v`` ``[L, T, N, H]``.
       return_hidden_states: also return ``hidden_states`` ``[L + 1, T, D]``.
+      capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
+        ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
+        (shapes and meanings in ``docs/models.md``; ``z [L, T, N, H]`` is each head's output before
+        ``head_mask``).
+      patch: ``{name: (value, where)}`` with ``value`` ``[L, ...]`` (a captured tensor's shape) and a
+        boolean ``where`` of the same shape (or 1 along any axis): where True, the forward uses ``value``
+        instead of the tensor it made, at the place it is made, so everything downstream sees it (e.g.
+        ``z`` of chosen heads from another input). Differentiable in ``value``; ``attn_logits`` is read
+        only (patch ``attn_weights``).
 
     Returns:
-      A :class:`GPT2Output` with ``logits [T, V]`` and ``attentions [L, N, T, T]``.
+      A :class:`GPT2Output` with ``logits [T, V]``, ``attentions [L, N, T, T]`` and ``captured``.
     """
     _check_config(config)
     check_params(params, config)
@@ -501,9 +527,12 @@ def forward(
     keep = attention_mask_(attention_mask, ids.shape[0])
     heads = head_mask_(head_mask, config.n_layer, config.n_head)
     scale = check_scale(scale, config.head_dim)
+    T, N, H = ids.shape[0], config.n_head, config.head_dim
+    shapes = site_shapes(T=T, S=T, N=N, K=N, H=H, D=config.n_embd)
     return _forward(
-        params, ids, keep, heads, jnp.asarray(scale, jnp.float32), config=config,
-        want_logits=return_attention_logits, want_qkv=return_qkv, want_hidden=return_hidden_states,
+        params, ids, keep, heads, jnp.asarray(scale, jnp.float32), check_patch(patch, shapes, config.n_layer),
+        config=config, want_logits=return_attention_logits, want_qkv=return_qkv,
+        want_hidden=return_hidden_states, capture=check_capture(capture),
     )
 
 

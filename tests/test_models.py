@@ -208,3 +208,70 @@ def test_save_load_round_trip_in_hugging_faces_layout(params, tmp_path, fmt):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="format must be"):
         gpt2.save(tmp_path / "x", params, TINY, format="pickle")
+
+
+# --- captured tensors and patches (the model API's names) ---
+
+NAMES = ("resid_pre", "q", "k", "v", "attn_logits", "attn_weights", "z", "attn_out", "resid_mid", "mlp_out",
+         "resid_post")
+
+
+def test_captured_tensors_have_the_documented_shapes_and_agree_with_the_outputs(params):
+    out = gpt2.forward(params, TINY, IDS, capture=NAMES, return_qkv=True, return_attention_logits=True)
+    L, N, H, D, T = TINY.n_layer, TINY.n_head, TINY.head_dim, TINY.n_embd, len(IDS)
+    shapes = {"resid_pre": (L, T, D), "q": (L, T, N, H), "k": (L, T, N, H), "v": (L, T, N, H),
+              "attn_logits": (L, N, T, T), "attn_weights": (L, N, T, T), "z": (L, T, N, H),
+              "attn_out": (L, T, D), "resid_mid": (L, T, D), "mlp_out": (L, T, D), "resid_post": (L, T, D)}
+    assert {k: v.shape for k, v in out.captured.items()} == shapes
+    c = out.captured
+    np.testing.assert_array_equal(c["attn_weights"], out.attentions)
+    np.testing.assert_array_equal(c["q"], out.q)
+    np.testing.assert_array_equal(c["attn_logits"], out.attention_logits)
+    np.testing.assert_allclose(c["resid_mid"], c["resid_pre"] + c["attn_out"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(c["resid_post"], c["resid_mid"] + c["mlp_out"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(c["resid_pre"][1:], c["resid_post"][:-1])
+    assert gpt2.forward(params, TINY, IDS).captured == {}
+
+
+def test_patching_the_residual_stream_everywhere_from_b_gives_bs_output(params):
+    other = IDS[::-1].copy()
+    b = gpt2.forward(params, TINY, other, capture=("resid_pre", "attn_weights"))
+    everywhere = np.ones((TINY.n_layer, 1, 1), bool)
+    a = gpt2.forward(params, TINY, IDS, patch={"resid_pre": (b.captured["resid_pre"], everywhere)})
+    np.testing.assert_array_equal(a.logits, b.logits)
+    nowhere = np.zeros((TINY.n_layer, 1, 1), bool)
+    np.testing.assert_array_equal(gpt2.forward(params, TINY, IDS, patch={"resid_pre": (b.captured["resid_pre"], nowhere)}).logits,
+                                  gpt2.forward(params, TINY, IDS).logits)
+
+
+def test_a_zero_patch_of_one_heads_z_is_that_heads_ablation_in_both_models(params):
+    hm = np.ones((TINY.n_layer, TINY.n_head), np.float32)
+    hm[1, 0] = 0.0
+    where = np.zeros((TINY.n_layer, 1, TINY.n_head, 1), bool)
+    where[1, 0, 0, 0] = True
+    zero = np.zeros((TINY.n_layer, 1, TINY.n_head, 1), np.float32)
+    np.testing.assert_array_equal(gpt2.forward(params, TINY, IDS, head_mask=hm).logits,
+                                  gpt2.forward(params, TINY, IDS, patch={"z": (zero, where)}).logits)
+
+
+@pytest.mark.parametrize(
+    "capture, patch, error, match",
+    [
+        (("zz",), None, ValueError, "capture: unknown name 'zz'"),
+        (3, None, TypeError, "capture must be a sequence of names"),
+        ((), {"attn_logits": (np.zeros((2, 2, 7, 7), np.float32), np.ones((2, 1, 1, 1), bool))}, ValueError,
+         "patch attn_weights instead"),
+        ((), {"z": np.zeros((2, 7, 2, 4), np.float32)}, TypeError, r"patch\['z'\] must be a pair"),
+        ((), {"z": (np.zeros((2, 7, 2, 5), np.float32), np.ones((2, 1, 1, 1), bool))}, ValueError,
+         r"patch\['z'\] value must have shape \(2, 7, 2, 4\)"),
+        ((), {"z": (np.zeros((2, 7, 2, 4), np.float32), np.ones((2, 1, 1, 1), np.int32))}, TypeError,
+         r"where must be boolean"),
+        ((), {"z": (np.zeros((2, 7, 2, 4), np.float32), np.ones((1, 1, 1), bool))}, ValueError,
+         r"where must have shape \(2, 7, 2, 4\)"),
+        ((), {"z": (np.zeros((2, 7, 2, 4), np.int32), np.ones((2, 1, 1, 1), bool))}, TypeError,
+         r"value must be a float array"),
+    ],
+)
+def test_bad_capture_and_patch_arguments_are_refused_by_name(params, capture, patch, error, match):
+    with pytest.raises(error, match=match):
+        gpt2.forward(params, TINY, IDS, capture=capture, patch=patch)

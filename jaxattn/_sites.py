@@ -1,0 +1,131 @@
+"""Captured tensors and patches: the named sites every bundled model's forward passes its tensors through.
+
+A forward calls ``sites(name, layer, x)`` where it makes a tensor. That returns ``x``, or the patched
+value where a patch asks for one, and keeps ``x`` when the name was requested in ``capture``. There are
+no hooks and no state that outlives one call: the patch is an argument of the (pure) forward, and the
+captured tensors come back in its output, stacked over layers.
+
+Axis alphabet: L layers, T queries, S keys (S = T for self-attention), N query heads, K key/value heads
+(K = N without grouped-query attention), H head dim, D model width.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+# Stable names, the per-layer shape (stacked over layers as [L, ...]) and what each holds.
+CAPTURE_NAMES: dict[str, tuple[str, str]] = {
+    "resid_pre": ("T D", "the residual stream entering the block"),
+    "q": ("T N H", "queries after the projection (and after RoPE where the model has it)"),
+    "k": ("T K H", "keys after the projection (and after RoPE where the model has it)"),
+    "v": ("T K H", "values after the projection"),
+    "attn_logits": ("N T S", "scale · q kᵀ (+ bias), before the masks"),
+    "attn_weights": ("N T S", "the softmax weights (the same array as the output's attentions)"),
+    "z": ("T N H", "each head's output, before head_mask and the output projection"),
+    "attn_out": ("T D", "the attention sublayer's contribution to the residual stream"),
+    "resid_mid": ("T D", "the residual stream after attention, before the MLP"),
+    "mlp_out": ("T D", "the MLP's contribution to the residual stream"),
+    "resid_post": ("T D", "the residual stream leaving the block"),
+}
+
+# attn_logits is read only: the weights are what the rest of the block consumes, so patch those.
+PATCHABLE = tuple(name for name in CAPTURE_NAMES if name != "attn_logits")
+
+
+def site_shapes(*, T: int, S: int, N: int, K: int, H: int, D: int) -> dict[str, tuple[int, ...]]:
+    """Each name's per-layer shape for a model with these sizes."""
+    sizes = {"T": T, "S": S, "N": N, "K": K, "H": H, "D": D}
+    return {name: tuple(sizes[a] for a in axes.split()) for name, (axes, _) in CAPTURE_NAMES.items()}
+
+
+def check_capture(capture: Any) -> tuple[str, ...]:
+    """``capture`` as a sorted tuple of known names (a static argument of the compiled forward)."""
+    if isinstance(capture, str):
+        capture = (capture,)
+    try:
+        names = tuple(capture)
+    except TypeError:
+        raise TypeError(f"capture must be a sequence of names, received {type(capture).__name__}") from None
+    for name in names:
+        if name not in CAPTURE_NAMES:
+            raise ValueError(f"capture: unknown name {name!r}; the names are {', '.join(CAPTURE_NAMES)}")
+    return tuple(sorted(set(names)))
+
+
+def _broadcastable(shape: tuple[int, ...], full: tuple[int, ...]) -> bool:
+    return len(shape) == len(full) and all(a in (1, b) for a, b in zip(shape, full))
+
+
+def check_patch(patch: Any, shapes: Mapping[str, tuple[int, ...]], L: int) -> dict[str, tuple[Array, Array]]:
+    """``patch`` as ``{name: (value, where)}``, each checked against ``[L, *shapes[name]]``.
+
+    ``value`` and ``where`` may have size 1 along any axis (broadcast), but not fewer axes: the layer
+    axis always comes first. ``where`` is boolean: True takes ``value``, False keeps the computed tensor.
+    """
+    if patch is None:
+        return {}
+    if not isinstance(patch, Mapping):
+        raise TypeError(f"patch must be a dict {{name: (value, where)}}, received {type(patch).__name__}")
+    out = {}
+    for name, entry in patch.items():
+        if name not in PATCHABLE:
+            hint = " (patch attn_weights instead)" if name == "attn_logits" else ""
+            raise ValueError(f"patch: {name!r} cannot be patched{hint}; the names are {', '.join(PATCHABLE)}")
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise TypeError(f"patch[{name!r}] must be a pair (value, where), received {type(entry).__name__}")
+        value, where = entry
+        full = (L,) + tuple(shapes[name])
+        value_dtype = getattr(value, "dtype", None) or np.asarray(value).dtype
+        if not jnp.issubdtype(value_dtype, jnp.floating):
+            raise TypeError(f"patch[{name!r}] value must be a float array, received dtype {np.dtype(value_dtype).name}")
+        if not _broadcastable(tuple(jnp.shape(value)), full):
+            raise ValueError(f"patch[{name!r}] value must have shape {full} (or 1 along an axis), received {tuple(jnp.shape(value))}")
+        where_dtype = getattr(where, "dtype", None) or np.asarray(where).dtype
+        if where_dtype != np.bool_:
+            raise TypeError(f"patch[{name!r}] where must be boolean (True = use the value), received dtype {np.dtype(where_dtype).name}")
+        if not _broadcastable(tuple(jnp.shape(where)), full):
+            raise ValueError(f"patch[{name!r}] where must have shape {full} (or 1 along an axis), received {tuple(jnp.shape(where))}")
+        out[name] = (jnp.asarray(value), jnp.asarray(where))
+    return out
+
+
+class Sites:
+    """One forward's sites: applies ``patch`` and keeps the ``capture``d tensors (used inside one trace)."""
+
+    def __init__(self, capture: tuple[str, ...], patch: Mapping[str, tuple[Array, Array]]):
+        self.capture = capture
+        self.patch = dict(patch)
+        self._kept: dict[str, list[Array]] = {name: [] for name in capture}
+
+    def __call__(self, name: str, layer: int, x: Array) -> Array:
+        if name in self.patch:
+            value, where = self.patch[name]
+            x = jnp.where(where[layer], value[layer].astype(x.dtype), x)
+        if name in self._kept:
+            self._kept[name].append(x)
+        return x
+
+    def patches(self, name: str) -> bool:
+        """Whether ``name`` is patched (the forward recomputes what depends on it only then)."""
+        return name in self.patch
+
+    def captured(self) -> dict[str, Array]:
+        """The requested tensors, each stacked over layers ``[L, ...]``."""
+        return {name: jnp.stack(xs) for name, xs in self._kept.items()}
+
+
+def mix(weights: Array, v: Array) -> Array:
+    """``z[t, n] = Σ_s weights[n, t, s] v[s, n // (N/K)]``: ``[N, T, S]``, ``[S, K, H]`` -> ``[T, N, H]``.
+
+    Used only when the attention weights are patched, to apply the patched weights to the values.
+    """
+    N, K = weights.shape[0], v.shape[1]
+    w = weights.reshape(K, N // K, *weights.shape[1:])  # [K, G, T, S]
+    z = jnp.einsum("kgts,skh->tkgh", w.astype(jnp.float32), v.astype(jnp.float32))  # [T, K, G, H]
+    return z.reshape(z.shape[0], N, v.shape[-1]).astype(v.dtype)  # [T, N, H]

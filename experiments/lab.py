@@ -1,7 +1,10 @@
 """The chapter's lab (§7): part 1, the attention map in numbers; part 2, the collapse without √d_k;
 parts 3-4, real attention on the trophy sentence and "too big" vs "too small" (experiments/trophy.py).
 
-Every run prints its seed and the output folder, and writes its numbers (JSON) and pictures (PNG) there.
+Every run prints its seed and the output folder, and writes its numbers (JSON), pictures (PNG) and the
+interactive page of parts 3-4 (HTML) there. Progress goes to stderr. Compiled programs are kept in
+$XDG_CACHE_HOME/jaxattn (default ~/.cache/jaxattn), so a second run starts fast; --no-cache or
+JAXATTN_NO_CACHE=1 turns that off.
 Parts 3-4 run on GPT-2 from the hub; when the hub cannot be reached and nothing is cached they run on the
 bundled all-MiniLM-L6-v2 encoder and say so in one line (--model picks explicitly).
 """
@@ -15,11 +18,19 @@ import tempfile
 import time
 
 from jaxattn import gpt2, lab, probes
-from jaxattn.io import write_json
+from jaxattn.io import NO_CACHE_VARIABLE, use_compilation_cache, write_json
+from jaxattn.progress import ProgressBar, step
+
+
+def doing(what: str):
+    """Say on stderr what the next step does (and, after it, how long it took); stdout first goes out."""
+    sys.stdout.flush()
+    return step(what)
 
 
 def run_part1(args) -> dict:
-    data = lab.part1(args.seed)
+    with doing("part 1: attention on 4 tokens"):
+        data = lab.part1(args.seed)
     print(lab.render_part1(data))
     path = write_json(os.path.join(args.out, "part1.json"), data)
     print(f"wrote {path}")
@@ -29,13 +40,16 @@ def run_part1(args) -> dict:
 
 
 def run_part2(args) -> dict:
-    pairs = lab.side_by_side(args.seed)
+    with doing("part 2a: the same attention with and without / √d_k"):
+        pairs = lab.side_by_side(args.seed)
     print(lab.render_side_by_side(pairs))
     print()
+    sys.stdout.flush()
     t0 = time.perf_counter()
     dims = probes.DEFAULT_HEAD_DIMS
-    sweep = lab.sweep(args.seed, head_dims=dims, num_trials=args.trials, num_keys=args.keys, num_queries=args.queries, dtypes=args.dtypes,
-                      trials_per_batch=args.trials_per_batch)
+    with ProgressBar("part 2b: saturation sweep", len(args.dtypes), unit="dtypes") as bar:
+        sweep = lab.sweep(args.seed, head_dims=dims, num_trials=args.trials, num_keys=args.keys, num_queries=args.queries,
+                          dtypes=args.dtypes, trials_per_batch=args.trials_per_batch, progress=bar)
     seconds = time.perf_counter() - t0
     cfg = sweep["config"]
     summary = sweep["summaries"][args.dtypes[0]]
@@ -56,10 +70,12 @@ def run_part2(args) -> dict:
     zeros = lab.zero_fractions(sweep)
     print(lab.render_zero_fractions(zeros, dims))
     fit_dtype = "float64" if "float64" in sweep["summaries"] else args.dtypes[0]
-    laws = lab.fit_laws(sweep["summaries"][fit_dtype], dtype=fit_dtype)
+    with doing(f"part 2: fitting the laws ({fit_dtype})"):
+        laws = lab.fit_laws(sweep["summaries"][fit_dtype], dtype=fit_dtype)
     print(lab.render_laws(laws))
-    fig = lab.plot_sweep(summary, zeros, title=f"saturation sweep, {args.dtypes[0]}, S = {cfg['num_keys']} keys, seed {args.seed}")
-    png = lab.save_figure(fig, os.path.join(args.out, "part2_sweep.png"))
+    with doing("part 2: drawing part2_sweep.png"):
+        fig = lab.plot_sweep(summary, zeros, title=f"saturation sweep, {args.dtypes[0]}, S = {cfg['num_keys']} keys, seed {args.seed}")
+        png = lab.save_figure(fig, os.path.join(args.out, "part2_sweep.png"))
     data = {"seed": args.seed, "side_by_side": pairs, "config": cfg, "table": rows, "scaled_band": band,
             "zero_fractions": zeros, "laws": laws, "summaries": sweep["summaries"], "seconds": seconds}
     path = write_json(os.path.join(args.out, "part2.json"), data)
@@ -75,7 +91,7 @@ def run_parts34(args) -> int:
     trophy_experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trophy_experiment)
 
-    argv = ["--out", os.path.join(args.out, "trophy")]
+    argv = ["--out", os.path.join(args.out, "trophy")] + ([] if args.cache else ["--no-cache"])
     if args.model is not None:
         argv += ["--model", args.model]
     if args.random_gpt2 is not None:
@@ -133,7 +149,8 @@ OUTPUTS = {
     run_part1: ("part1.json",),
     run_part2: ("part2.json", "part2_sweep.png"),
     run_parts34: ("trophy/", "trophy/trophy.json", "trophy/part3.txt", "trophy/part4.txt", "trophy/trophy_big.png",
-                  "trophy/trophy_small.png"),
+                  "trophy/trophy_small.png", "trophy/trophy_difference.png", "trophy/trophy_focus.png",
+                  "trophy/trophy.html"),
 }
 
 
@@ -205,14 +222,23 @@ def main(argv=None) -> None:
                         help="parts 3-4 on a RANDOM GPT-2 of this size (offline; not a trained model)")
     parser.add_argument("--dtypes", type=parse_dtypes, default=list(DTYPES),
                         help="sweep dtypes; the first is the table's (default float32,bfloat16,float16,float64)")
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                        help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
+                             f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = parser.parse_args(argv)
     try:
         prepare_output_folder(args.out, args.parts)  # before any part runs: no compute wasted, nothing half-written
     except OutputFolderError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        cache = use_compilation_cache(enabled=args.cache)  # a second run loads its compiled programs from here
+    except OSError as e:
+        print(f"note: compiled programs are not kept across runs: {e}", file=sys.stderr)
+        cache = None
     print(f"jaxattn lab, parts {','.join(map(str, args.parts))}; seed {args.seed} (rerun with --seed {args.seed}); "
           f"output folder {os.path.abspath(args.out)}")
+    print(f"compiled programs: {'kept in ' + str(cache) + ' (--no-cache: not kept)' if cache else 'not kept'}")
     done = set()
     for part in args.parts:
         if PARTS[part] in done:

@@ -18,7 +18,8 @@ import time
 import numpy as np
 
 from jaxattn import train
-from jaxattn.io import atomic_write
+from jaxattn.io import NO_CACHE_VARIABLE, atomic_write, use_compilation_cache
+from jaxattn.progress import ProgressBar
 
 SCALES = {"scaled": None, "unscaled": 1.0}  # name -> the core's scale (None = 1/√d_k)
 SCALE_LABEL = {"scaled": "1/√d_k", "unscaled": "1"}
@@ -39,22 +40,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=0.1, help="loss (nats) for 'steps to threshold'")
     p.add_argument("--out", default="train-scale-output", help="output folder (created)")
     p.add_argument("--quick", action="store_true", help="smoke run: d_k 16 64, lr 3e-3, seed 0, 100 steps")
+    p.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
+                        f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = p.parse_args()
     if args.quick:
         args.head_dims, args.learning_rates, args.seeds, args.steps, args.warmup = [16, 64], [3e-3], [0], 100, 10
     return args
-
-
-def progress_line(label: str, start: float):
-    def report(done: int, total: int) -> None:
-        width = 30
-        bar = "#" * round(width * done / total)
-        sys.stderr.write(f"\r{label} [{bar:<{width}}] step {done}/{total}  {time.time() - start:6.1f}s")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return report
 
 
 def table(rows: list[dict]) -> str:
@@ -121,6 +113,10 @@ def plot(histories: dict, runs: dict, args, path_stem: str) -> list[str]:
 
 def main() -> None:
     args = parse_args()
+    try:
+        use_compilation_cache(enabled=args.cache)  # a second run loads its compiled programs from there
+    except OSError as e:
+        print(f"note: compiled programs are not kept across runs: {e}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     task = train.RecallTask()
     opt = train.OptConfig(total_steps=args.steps, warmup_steps=args.warmup, batch_size=args.batch_size)
@@ -128,6 +124,7 @@ def main() -> None:
     print(f"optimizer {opt}")
     print(f"grid: d_k {args.head_dims} x scale {[SCALE_LABEL[s] for s in SCALES]} x lr {args.learning_rates} "
           f"x seeds {args.seeds}; output folder: {os.path.abspath(args.out)}")
+    sys.stdout.flush()  # the progress bars go to stderr
     start = time.time()
     histories, runs, rows, configs = {}, {}, [], {}
     for i, d_k in enumerate(args.head_dims):
@@ -137,11 +134,12 @@ def main() -> None:
         )
         spec = [(s, lr, seed) for s in SCALES for lr in args.learning_rates for seed in args.seeds]
         label = f"d_k={d_k:<4} ({i + 1}/{len(args.head_dims)}, {len(spec)} runs vmapped)"
-        h = train.train(
-            config, task, opt,
-            seeds=[s[2] for s in spec], learning_rates=[s[1] for s in spec], scales=[SCALES[s[0]] for s in spec],
-            progress=progress_line(label, start),
-        )
+        with ProgressBar(label, opt.total_steps, unit="steps") as bar:
+            h = train.train(
+                config, task, opt,
+                seeds=[s[2] for s in spec], learning_rates=[s[1] for s in spec], scales=[SCALES[s[0]] for s in spec],
+                progress=bar,
+            )
         for r, s in zip(train.summarize(h, threshold=args.threshold), spec):
             rows.append({"d_k": d_k, "scale_name": s[0], **r})
         histories[d_k], runs[d_k], configs[d_k] = h, spec, dataclasses.asdict(config)

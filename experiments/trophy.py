@@ -7,8 +7,12 @@
     python experiments/trophy.py --model minilm        # the bundled all-MiniLM-L6-v2 encoder (offline)
     python experiments/trophy.py --random-gpt2 small   # offline: a RANDOM GPT-2-small, tokenizer trained here
 
-Prints part 3 (ASCII maps) and part 4 (the comparison); writes trophy.json, part3.txt, part4.txt and one
-PNG grid (all layers x heads) per sentence into the output folder it names.
+Prints part 3 (ASCII maps) and part 4 (the comparison); writes into the output folder it names:
+trophy.json, part3.txt, part4.txt; trophy_big.png and trophy_small.png (every layer x head), trophy_difference.png
+(big - small, every head), trophy_focus.png (part 3's head: both sentences and their difference); and
+trophy.html, one self-contained interactive page of every map (open it in a browser; it fetches nothing).
+Progress goes to stderr. Compiled programs are kept in $XDG_CACHE_HOME/jaxattn (default ~/.cache/jaxattn);
+--no-cache or JAXATTN_NO_CACHE=1 turns that off.
 """
 
 from __future__ import annotations
@@ -21,10 +25,17 @@ from pathlib import Path
 from jaxattn import bert, gpt2
 from jaxattn import lab as trophy
 from jaxattn.checkpoint import CheckpointError, HubUnavailableError
-from jaxattn.io import atomic_write, write_json
+from jaxattn.io import NO_CACHE_VARIABLE, atomic_write, use_compilation_cache, write_json
+from jaxattn.progress import ProgressBar, step
 
 DEFAULT_GPT2 = "gpt2"
 ENCODER = "minilm"  # --model value for the bundled all-MiniLM-L6-v2
+
+
+def doing(what: str):
+    """Say on stderr what the next step does (and, after it, how long it took); stdout first goes out."""
+    sys.stdout.flush()
+    return step(what)
 
 
 def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
@@ -40,12 +51,14 @@ def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
                   f"{bert.BUNDLED_NAME}; pass --model to choose")
             model = ENCODER
     if model == ENCODER:
-        params, config, tokenizer = bert.load()
+        with doing(f"loading {bert.BUNDLED_NAME}"):
+            params, config, tokenizer = bert.load()
         line = (f"model: {bert.BUNDLED_NAME} (bundled BERT encoder, bidirectional): {config.num_hidden_layers} "
                 f"layers x {config.num_attention_heads} heads, d_model={config.hidden_size}, d_k={config.head_dim}")
         lab = trophy.lab_model(bert, params, config, tokenizer, name=bert.BUNDLED_NAME)
     else:
-        params, config, tokenizer = gpt2.load(model)
+        with doing(f"loading {model}"):
+            params, config, tokenizer = gpt2.load(model)
         line = (f"model: {model} (GPT-2, causal): {config.n_layer} layers x {config.n_head} heads, "
                 f"d_model={config.n_embd}, d_k={config.head_dim}")
         lab = trophy.lab_model(gpt2, params, config, tokenizer, name=str(model))
@@ -64,13 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", type=int, default=None, help="part 3's head (default: the focus head)")
     parser.add_argument("--top", type=int, default=5, help="heads shown per ranking")
     parser.add_argument("--out", default="lab-output/trophy", help="output folder")
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                        help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
+                             f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = parser.parse_args(argv)
+    try:
+        use_compilation_cache(enabled=args.cache)  # a second run loads its compiled programs from there
+    except OSError as e:
+        print(f"note: compiled programs are not kept across runs: {e}", file=sys.stderr)
 
     seed = None
     if args.random_gpt2:
         t0 = time.perf_counter()
         texts = [t + trophy.RESOLUTION_PROMPT + r for t in trophy.SENTENCES.values() for r in trophy.RESOLUTIONS.values()]
-        params, config, tokenizer = gpt2.random_model(args.random_gpt2, seed=args.seed, texts=texts)
+        with doing(f"building a random GPT-2-{args.random_gpt2}"):
+            params, config, tokenizer = gpt2.random_model(args.random_gpt2, seed=args.seed, texts=texts)
         name = f"random-gpt2-{args.random_gpt2}"
         seed = args.seed
         print(f"NOTE: {name} is a RANDOM, untrained GPT-2-{args.random_gpt2} (seed {args.seed}) with a byte-level "
@@ -90,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         print("seed: none (real weights, deterministic forward passes)")
     name = model.name
 
-    maps = trophy.sentence_maps(model, trophy.SENTENCES["big"])
+    with doing("part 3: every attention map of the 'too big' sentence"):
+        maps = trophy.sentence_maps(model, trophy.SENTENCES["big"])
     focus = trophy.focus_head(maps, "it", ["trophy", "suitcase"])
     layer = focus[0] if args.layer is None else args.layer
     head = focus[1] if args.head is None else args.head
@@ -99,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
           f"' it' row weighs ' trophy' + ' suitcase' most, is L{focus[0]} H{focus[1]}) ==")
     print(part3)
 
-    comparison = trophy.compare(model)
+    sys.stdout.flush()
+    with ProgressBar("part 4: model runs", 1, unit="runs") as bar:
+        comparison = trophy.compare(model, progress=bar)
     part4 = trophy.render_part4(comparison, top=args.top)
     print()
     print(part4)
@@ -112,9 +136,24 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "trophy.json", result)
     atomic_write(out / "part3.txt", part3 + "\n")
     atomic_write(out / "part4.txt", part4 + "\n")
+    written = ["trophy.json", "part3.txt", "part4.txt"]
+    L, N = maps.attentions.shape[:2]
     for key, m in comparison.maps.items():
-        atomic_write(out / f"trophy_{key}.png", trophy.png_grid(m))
-    print(f"\nwrote trophy.json, part3.txt, part4.txt, trophy_big.png, trophy_small.png to {out}/")
+        with doing(f"drawing trophy_{key}.png ({L} x {N} maps)"):
+            atomic_write(out / f"trophy_{key}.png", trophy.png_grid(m))
+        written.append(f"trophy_{key}.png")
+    same = comparison.maps["big"].attentions.shape == comparison.maps["small"].attentions.shape
+    if same:
+        with doing(f"drawing trophy_difference.png ({L} x {N} maps) and trophy_focus.png"):
+            atomic_write(out / "trophy_difference.png", trophy.png_difference(comparison))
+            atomic_write(out / "trophy_focus.png", trophy.png_pair(comparison, layer, head))
+        written += ["trophy_difference.png", "trophy_focus.png"]
+    atomic_write(out / "trophy.html", trophy.html_page(comparison))
+    written.append("trophy.html")
+    print(f"\nwrote {', '.join(written)} to {out}/")
+    if not same:
+        print("no difference maps: the two sentences have different token counts")
+    print(f"open {(out / 'trophy.html').absolute()} in a browser to explore every layer and head")
     return 0
 
 

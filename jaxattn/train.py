@@ -511,7 +511,8 @@ def train(
       config, task, opt: shapes, task and optimizer recipe, shared by every run.
       seeds, learning_rates, scales: sequences of length C.
       chunk: steps per compiled call (the progress callback runs between calls).
-      progress: optional ``progress(steps_done, total_steps)``, called after each chunk.
+      progress: optional ``progress(steps_done, total_steps)``, called once before anything compiles
+        and after each chunk; e.g. a :class:`jaxattn.progress.ProgressBar`.
 
     Returns:
       dict of NumPy arrays: every key of :data:`METRICS` with shape ``[C, steps, ...]``, plus ``seed``,
@@ -534,6 +535,8 @@ def train(
     seeds_a = jnp.asarray([int(s) for s in seeds], jnp.uint32)
     lrs = jnp.asarray([_non_negative_float(lr, "learning_rates[i]") for lr in learning_rates], jnp.float32)
     scl = jnp.asarray([resolve_scale(s, config.head_dim) for s in scales], jnp.float32)
+    if progress is not None:  # before anything compiles
+        progress(0, opt.total_steps)
     states = _init_states(seeds_a, config=config, opt=opt)
     pieces = []
     done = 0

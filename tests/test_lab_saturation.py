@@ -46,7 +46,14 @@ def test_side_by_side_unscaled_is_sharper():
 @pytest.fixture(scope="module")
 def small():
     # The same static configuration as tests/test_probes.py's small sweep, so the compiled program is reused.
-    return lab.sweep(7, head_dims=DIMS, num_trials=8, num_queries=32, num_keys=16, value_dim=4, dtypes=("float32",))
+    calls = []
+    data = lab.sweep(7, head_dims=DIMS, num_trials=8, num_queries=32, num_keys=16, value_dim=4, dtypes=("float32",),
+                     progress=lambda *a: calls.append(a))
+    return dict(data, progress_calls=calls)
+
+
+def test_sweep_says_which_program_runs(small):
+    assert small["progress_calls"] == [(0, 1, f"float32: {len(DIMS)} d_k x 8 trials"), (1, 1, "done")]
 
 
 def test_sweep_table_columns_and_ratios(small):
@@ -107,10 +114,13 @@ def test_lab_script_runs_part1_and_rejects_missing_parts(tmp_path, capsys):
 
     argv = sys.argv
     try:
-        sys.argv = ["lab.py", "--parts", "1", "--out", str(tmp_path), "--seed", "5"]
+        sys.argv = ["lab.py", "--parts", "1", "--out", str(tmp_path), "--seed", "5", "--no-cache"]
         runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "experiments", "lab.py"), run_name="__main__")
-        out = capsys.readouterr().out
+        captured = capsys.readouterr()
+        out = captured.out
         assert "seed 5" in out and str(tmp_path) in out and "verified" in out
+        assert out.splitlines()[1] == "compiled programs: not kept"
+        assert captured.err.startswith("part 1: attention on 4 tokens ... ")  # progress goes to stderr
         assert json.loads((tmp_path / "part1.json").read_text())["seed"] == 5
         sys.argv = ["lab.py", "--parts", "9"]
         with pytest.raises(SystemExit):
@@ -127,7 +137,7 @@ def test_lab_script_runs_parts_3_and_4_once_on_a_random_gpt2(tmp_path, capsys):
 
     argv = sys.argv
     try:
-        sys.argv = ["lab.py", "--parts", "3,4", "--random-gpt2", "tiny", "--out", str(tmp_path)]
+        sys.argv = ["lab.py", "--parts", "3,4", "--random-gpt2", "tiny", "--out", str(tmp_path), "--no-cache"]
         runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "experiments", "lab.py"), run_name="__main__")
     finally:
         sys.argv = argv
@@ -135,6 +145,9 @@ def test_lab_script_runs_parts_3_and_4_once_on_a_random_gpt2(tmp_path, capsys):
     assert out.count("== Part 3") == 1 and out.count("== Part 4") == 1 and "RANDOM" in out
     data = json.loads((tmp_path / "trophy" / "trophy.json").read_text())
     assert data["model"] == "random-gpt2-tiny" and data["part4"]
+    for name in ("trophy_difference.png", "trophy_focus.png"):
+        assert (tmp_path / "trophy" / name).read_bytes().startswith(b"\x89PNG")
+    assert "<script" in (tmp_path / "trophy" / "trophy.html").read_text()
 
 
 def test_readout_norm_and_key_gap_closed_forms():
@@ -159,7 +172,7 @@ def test_lab_part2_end_to_end_in_float16_writes_its_files(tmp_path, capsys):
     argv = sys.argv
     try:
         sys.argv = ["lab.py", "--parts", "2", "--trials", "2", "--queries", "4", "--keys", "4", "--dtypes", "float16",
-                    "--out", str(tmp_path), "--seed", "3"]
+                    "--out", str(tmp_path), "--seed", "3", "--no-cache"]
         runpy.run_path(script, run_name="__main__")
         out = capsys.readouterr().out
         sys.argv = ["lab.py", "--parts", "2", "--dtypes", "float32,float8"]
@@ -263,7 +276,7 @@ def _tree(root):
     return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, files in os.walk(root) for n in dirs + files)
 
 
-TINY = ["--parts", "2", "--trials", "1", "--queries", "2", "--keys", "2", "--dtypes", "float32"]
+TINY = ["--parts", "2", "--trials", "1", "--queries", "2", "--keys", "2", "--dtypes", "float32", "--no-cache"]
 
 
 def _run_sweep_and_check_laws(lab_script, out, capsys, argv):
@@ -295,6 +308,31 @@ def test_lab_single_head_dim_sweep_writes_part2(lab_script, tmp_path, capsys, mo
     laws, not_fitted, _ = _run_sweep_and_check_laws(lab_script, tmp_path / "out", capsys, TINY)
     assert not_fitted == list(_FITTED_KEYS)
     assert all("needs at least 2 distinct d_k >= 256, the sweep has [1024]" in laws[k]["not_fitted"] for k in _FITTED_KEYS)
+
+
+def test_lab_asks_for_the_compilation_cache_unless_told_not_to(lab_script, tmp_path, capsys, monkeypatch):
+    calls = []
+
+    def recorder(path=None, *, enabled=True):  # stands in for jaxattn.io.use_compilation_cache: no global change
+        calls.append(enabled)
+        return tmp_path / "cache" if enabled else None
+
+    monkeypatch.setitem(lab_script.main.__globals__, "use_compilation_cache", recorder)
+    lab_script.main(["--parts", "1", "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().out.splitlines()[1] == f"compiled programs: kept in {tmp_path / 'cache'} (--no-cache: not kept)"
+    lab_script.main(["--parts", "1", "--out", str(tmp_path / "out"), "--no-cache"])
+    assert capsys.readouterr().out.splitlines()[1] == "compiled programs: not kept"
+    assert calls == [True, False]
+
+
+def test_lab_environment_variable_keeps_the_cache_off(lab_script, tmp_path, capsys, monkeypatch):
+    import jax
+
+    monkeypatch.setenv("JAXATTN_NO_CACHE", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    lab_script.main(["--parts", "1", "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().out.splitlines()[1] == "compiled programs: not kept"
+    assert not (tmp_path / "xdg").exists() and jax.config.jax_compilation_cache_dir != str(tmp_path / "xdg" / "jaxattn")
 
 
 def _expect_usage_error(lab_script, argv, capsys):

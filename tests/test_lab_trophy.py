@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxattn import gpt2
+from jaxattn import gpt2, viz
 from jaxattn import lab as trophy
 from jaxattn.checkpoint import TextTokenizer, flatten
 
@@ -23,8 +23,22 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def comparison(tiny):
-    return trophy.compare(tiny[0])
+def compared(tiny):
+    """The comparison, and the calls it made to its progress callback."""
+    calls = []
+    return trophy.compare(tiny[0], progress=lambda *a: calls.append(a)), calls
+
+
+@pytest.fixture(scope="module")
+def comparison(compared):
+    return compared[0]
+
+
+def test_compare_says_which_model_run_comes_next(compared):
+    calls = compared[1]
+    assert [c[:2] for c in calls] == [(i, 7) for i in range(8)]  # 3 maps + 4 scores, then done
+    assert calls[0][2] == "maps of 'too big'" and calls[2][2] == "log p(' trophy' | 'too big')"
+    assert calls[-2][2] == "maps of 'too big' with scale=1.0" and calls[-1][2] == "done"
 
 
 def test_save_load_round_trip(tiny):
@@ -139,6 +153,21 @@ def test_bidirectional_model_it_row_may_change():
         trophy.sentence_maps(_toy_bidirectional(), trophy.SENTENCES["big"], run_length=40)
 
 
+def test_render_ascii_numbers_columns_past_nine_downwards():
+    S = 14
+    text = trophy.render_ascii(np.full((S, S), 1 / S), [f"t{i}" for i in range(S)])
+    tens, units = text.splitlines()[:2]
+    start = units.index("0") - 1  # each column is a 2-character cell, its digit on the right
+    for j in range(S):
+        cell = slice(start + 2 * j, start + 2 * j + 2)
+        assert (tens[cell] + units[cell]).replace(" ", "") == str(j)
+    assert units[start:].startswith(" 0 1 2 3 4 5 6 7 8 9 0 1 2 3") and tens[start:] == " " * 20 + " 1" * 4
+    wide = trophy.render_ascii(np.full((1, 101), 1 / 101), ["x"]).splitlines()
+    assert wide[0].endswith(" 1") and wide[1].endswith(" 0") and wide[2].endswith(" 0")  # column 100, three lines
+    with pytest.raises(ValueError, match=r"labels must have one entry per query row \(T=2\), received 1"):
+        trophy.render_ascii(np.zeros((2, 2)), ["a"])
+
+
 def test_render_ascii_closed_form():
     w = np.array([[1.0, 0.0], [0.55, 0.45]])
     text = trophy.render_ascii(w, ["a", "bb"], title="t")
@@ -160,6 +189,9 @@ def test_renderers_and_json(tiny, comparison):
     part4 = trophy.render_part4(comparison)
     assert "bit-identical (exactly 0)" in part4 and "causal mask" in part4
     assert trophy.png_grid(maps).startswith(b"\x89PNG\r\n\x1a\n")
+    assert trophy.png_pair(comparison, layer, head).startswith(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(ValueError, match=r"layer/head must lie in \[0, 2\) x \[0, 4\), received \(0, 4\)"):
+        trophy.png_pair(comparison, 0, 4)
     data = json.loads(json.dumps(comparison.to_json()))
     assert data["it_row_max_abs_diff"] == [[0.0] * 4] * 2
 
@@ -173,18 +205,30 @@ def test_word_span():
         trophy.word_span(labels, "trophy")
 
 
-def test_experiment_script_on_a_local_checkpoint(tiny, tmp_path, capsys):
+def test_experiment_script_on_a_local_checkpoint(tiny, comparison, tmp_path, capsys):
     import runpy
 
     _, (params, config, tokenizer), _ = tiny
     directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
     main = runpy.run_path("experiments/trophy.py")["main"]
-    assert main(["--model", str(directory), "--out", str(tmp_path / "out")]) == 0
-    out = capsys.readouterr().out
+    assert main(["--model", str(directory), "--out", str(tmp_path / "out"), "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert "== Part 3" in out and "== Part 4" in out and "bit-identical" in out
     data = json.loads((tmp_path / "out" / "trophy.json").read_text())
     assert data["part4"]["it_row_identical"] is True
-    assert (tmp_path / "out" / "trophy_small.png").read_bytes().startswith(b"\x89PNG")
+    for name in ("trophy_small.png", "trophy_difference.png", "trophy_focus.png"):
+        assert (tmp_path / "out" / name).read_bytes().startswith(b"\x89PNG")
+    # progress on stderr: every step that runs a model or draws a picture says so
+    for what in ("loading ", "part 3: every attention map", "part 4: model runs [", "drawing trophy_big.png (2 x 4 maps)"):
+        assert what in captured.err, what
+    # the page holds both sentences' maps, and their difference view
+    page = viz.page_data((tmp_path / "out" / "trophy.html").read_text(encoding="utf-8"))
+    c = comparison
+    assert page["difference"] is True and [r["name"] for r in page["runs"]] == list(trophy.PAIR_NAMES)
+    for run, key in zip(page["runs"], ("big", "small")):
+        assert run["keys"] == c.maps[key].labels and run["causal"] is True
+        np.testing.assert_allclose(run["weights"], c.maps[key].attentions, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -203,7 +247,7 @@ def script_main():
 
 
 def test_experiment_falls_back_to_the_bundled_encoder_in_one_line(offline_hub, script_main, tmp_path, capsys):
-    assert script_main(["--out", str(tmp_path / "out")]) == 0
+    assert script_main(["--out", str(tmp_path / "out"), "--no-cache"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     assert lines[0] == FALLBACK_LINE
@@ -214,6 +258,8 @@ def test_experiment_falls_back_to_the_bundled_encoder_in_one_line(offline_hub, s
     assert data["model"] == "all-MiniLM-L6-v2" and data["part4"]["causal"] is False
     assert data["part4"]["it_row_identical"] is False and data["part4"]["log_probs"] is None
     assert (tmp_path / "out" / "trophy_big.png").read_bytes().startswith(b"\x89PNG")
+    page = viz.page_data((tmp_path / "out" / "trophy.html").read_text(encoding="utf-8"))
+    assert [r["causal"] for r in page["runs"]] == [False, False]  # bidirectional: every key visible
 
 
 @pytest.mark.parametrize(
@@ -225,10 +271,12 @@ def test_experiment_falls_back_to_the_bundled_encoder_in_one_line(offline_hub, s
 )
 def test_explicit_model_that_cannot_load_fails_without_substitution(offline_hub, script_main, tmp_path, capsys,
                                                                     model, message):
-    assert script_main(["--model", model, "--out", str(tmp_path / "out")]) == 2
+    assert script_main(["--model", model, "--out", str(tmp_path / "out"), "--no-cache"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # no fallback line, no part 3
-    assert captured.err.startswith("error: ") and message in captured.err and "--model minilm" in captured.err
+    step, error = captured.err.split("\n", 1)
+    assert step.startswith(f"loading {model} ... failed after ")  # the progress line, then the error
+    assert error.startswith("error: ") and message in error and "--model minilm" in error
     assert not (tmp_path / "out").exists()
 
 
@@ -238,7 +286,7 @@ def test_default_gpt2_that_is_broken_is_an_error_not_a_fallback(script_main, tmp
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     monkeypatch.setitem(script_main.__globals__, "DEFAULT_GPT2", str(broken))
-    assert script_main(["--out", str(tmp_path / "out")]) == 2
+    assert script_main(["--out", str(tmp_path / "out"), "--no-cache"]) == 2
     captured = capsys.readouterr()
     assert "GPT-2 unavailable" not in captured.out
-    assert captured.err.startswith(f"error: {broken}: ")
+    assert captured.err.split("\n", 1)[1].startswith(f"error: {broken}: ")

@@ -6,7 +6,12 @@ Nothing here prints; ``experiments/lab.py`` and ``experiments/trophy.py`` parse,
   with and without ``1/sqrt(d_k)`` (:func:`side_by_side`); the saturation sweep over ``d_k``
   (:func:`sweep`), its table, the laws it follows, the exactly-zero gradients per dtype, and a figure;
 - parts 3-4 (``_trophy``): any model's maps of the trophy sentence (:class:`LabModel`,
-  :func:`lab_model`, :func:`sentence_maps`), and "too big" vs "too small" compared (:func:`compare`).
+  :func:`lab_model`, :func:`sentence_maps`), and "too big" vs "too small" compared (:func:`compare`),
+  drawn as PNGs (:func:`png_grid`, :func:`png_difference`, :func:`png_pair`) and as one interactive
+  HTML page (:func:`html_page`, built by :func:`jaxattn.viz.html`).
+
+Long computations (:func:`sweep`, :func:`compare`) take an optional ``progress`` callback and are
+otherwise silent.
 """
 
 from jaxattn._extras import require
@@ -38,6 +43,7 @@ from jaxattn.lab._saturation import (  # noqa: E402
 )
 from jaxattn.lab._trophy import (  # noqa: E402
     LEVELS,
+    PAIR_NAMES,
     RESOLUTION_PROMPT,
     RESOLUTIONS,
     SENTENCES,
@@ -46,8 +52,11 @@ from jaxattn.lab._trophy import (  # noqa: E402
     SentenceMaps,
     compare,
     focus_head,
+    html_page,
     lab_model,
+    png_difference,
     png_grid,
+    png_pair,
     render_ascii,
     render_part3,
     render_part4,
@@ -59,6 +68,7 @@ __all__ = [
     "FIT_MIN_HEAD_DIM",
     "LEVELS",
     "LOW_PRECISION_DTYPES",
+    "PAIR_NAMES",
     "QK_COLUMNS",
     "RESOLUTIONS",
     "RESOLUTION_PROMPT",
@@ -71,11 +81,14 @@ __all__ = [
     "compare",
     "fit_laws",
     "focus_head",
+    "html_page",
     "key_gap_median",
     "lab_model",
     "part1",
     "plot_sweep",
+    "png_difference",
     "png_grid",
+    "png_pair",
     "readout_norm_mean",
     "render_ascii",
     "render_laws",

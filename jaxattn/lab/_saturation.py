@@ -11,7 +11,7 @@ figure. Nothing here prints; the lab script renders and writes files (atomically
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,20 +146,27 @@ def sweep(
     value_dim: int = 16,
     dtypes: Sequence[str] = ("float32",) + LOW_PRECISION_DTYPES,
     trials_per_batch: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
     """The saturation sweep in each dtype (same key, so the draws are paired across dtypes), summarised.
 
-    float64 runs inside ``jax.enable_x64``. Returns ``{"config": ..., "summaries": {dtype: summary}}``
-    (see :func:`jaxattn.probes.summarize_sweep`).
+    float64 runs inside ``jax.enable_x64``. Each dtype is one program, compiled on its first run.
+    ``progress``, if given, is called as ``progress(done, total, what)`` before each dtype's program
+    (``what`` names it) and once at the end, e.g. with a :class:`jaxattn.progress.ProgressBar`.
+    Returns ``{"config": ..., "summaries": {dtype: summary}}`` (see :func:`jaxattn.probes.summarize_sweep`).
     """
     config = dict(num_trials=num_trials, num_queries=num_queries, num_keys=num_keys, value_dim=value_dim)
     summaries = {}
-    for name in dtypes:
+    for i, name in enumerate(dtypes):
+        if progress is not None:
+            progress(i, len(dtypes), f"{name}: {len(head_dims)} d_k x {num_trials} trials")
         with jax.enable_x64(name == "float64"):
             res = probes.saturation_sweep(
                 jax.random.key(seed), head_dims=head_dims, dtype=jnp.dtype(name), trials_per_batch=trials_per_batch, **config
             )
             summaries[name] = probes.summarize_sweep(res)
+    if progress is not None:
+        progress(len(dtypes), len(dtypes), "done")
     return {"seed": seed, "config": dict(config, head_dims=list(map(int, head_dims))), "summaries": summaries}
 
 

@@ -11,11 +11,11 @@ Axis alphabet: L layers, N heads, T tokens (queries), S tokens (keys; S = T here
 from __future__ import annotations
 
 import dataclasses
-import io
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxattn import viz
 from jaxattn.probes import head_entropy
 
 SENTENCES = {
@@ -145,14 +145,21 @@ def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "")
     The cell's character encodes the weight on an absolute scale, ``LEVELS[floor(w · 10)]`` from
     ``" "`` (below 0.1) to ``"@"`` (0.9 and above). A weight of exactly 0 is drawn ``" ·"``: in a
     causal map, the keys a query cannot see; so blank means "small", a dot means "cannot see".
-    Columns are numbered with the row indices.
+    Columns are numbered with the row indices, written downwards past 9 (a line of tens above the
+    line of units: column 12 reads ``1`` over ``2``), so every number stays in its own cell.
     """
     w = np.asarray(weights, np.float64)
+    if w.ndim != 2:
+        raise ValueError(f"weights must have shape [T, S], received shape {w.shape}")
     T, S = w.shape
+    if len(labels) != T:
+        raise ValueError(f"labels must have one entry per query row (T={T}), received {len(labels)}")
     width = max(len(repr(x)) for x in labels) if labels else 0
-    head = " " * (width + 5) + "".join(f"{j % 100:>2d}" for j in range(S))
     lines = [title] if title else []
-    lines.append(head)
+    digits = len(str(max(S - 1, 0)))
+    for place in range(digits - 1, -1, -1):  # the highest place first; a number's leading zeros blank
+        cells = "".join(f" {j // 10**place % 10}" if j >= 10**place or place == 0 else "  " for j in range(S))
+        lines.append(" " * (width + 5) + cells)
     for i in range(T):
         cells = []
         for j in range(S):
@@ -179,28 +186,11 @@ def render_part3(maps: SentenceMaps, layer: int, head: int) -> str:
 
 
 def png_grid(maps: SentenceMaps, *, dpi: int = 110) -> bytes:
-    """Every layer x head map of one sentence as one PNG (bytes; the caller writes the file)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Every layer x head map of one sentence as one PNG (bytes; the caller writes the file).
 
-    L, N, T, _ = maps.attentions.shape
-    fig = Figure(figsize=(1.1 * N + 1.5, 1.1 * L + 1.0))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(L, N, squeeze=False)
-    for layer in range(L):
-        for head in range(N):
-            ax = axes[layer, head]
-            ax.imshow(maps.attentions[layer, head], cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if layer == 0:
-                ax.set_title(f"h{head}", fontsize=7)
-            if head == 0:
-                ax.set_ylabel(f"L{layer}", fontsize=7)
-    fig.suptitle(f"{maps.model}: {maps.text}\nrows = queries, columns = keys ({T} tokens)", fontsize=8)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    return buf.getvalue()
+    Token labels on both axes, a 0-1 colorbar, keys hidden by the mask in grey (:func:`jaxattn.viz.grid_png`).
+    """
+    return viz.grid_png(maps.attentions, maps.labels, title=f"{maps.model}: {maps.text}", dpi=dpi)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -283,13 +273,20 @@ def _preference(maps: SentenceMaps, row: int) -> np.ndarray:
     return a[..., t0:t1].sum(-1) - a[..., s0:s1].sum(-1)  # [L, N]
 
 
-def compare(model: LabModel, sentences: dict[str, str] | None = None) -> Comparison:
+def compare(
+    model: LabModel,
+    sentences: dict[str, str] | None = None,
+    *,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Comparison:
     """Part 4: the "big" and "small" sentences through ``model``, compared per layer and head.
 
     Args:
       model: a :class:`LabModel`.
       sentences: ``{"big": ..., "small": ...}``; default :data:`SENTENCES`. Each must contain the words
         trophy, suitcase, it, and end with its adjective followed by ".".
+      progress: optional ``progress(done, total, what)``, called before each model run (``what`` says
+        which) and once at the end; e.g. a :class:`jaxattn.progress.ProgressBar`.
 
     Returns:
       A :class:`Comparison`.
@@ -297,10 +294,22 @@ def compare(model: LabModel, sentences: dict[str, str] | None = None) -> Compari
     sentences = dict(SENTENCES if sentences is None else sentences)
     if set(sentences) != {"big", "small"}:
         raise ValueError(f"sentences must have the keys 'big' and 'small', received {sorted(sentences)}")
+    total = 3 + (4 if model.score is not None else 0)  # maps of big, small, big unscaled; 4 scores
+    done = 0
+
+    def say(what: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(done, total, what)
+        done += 1
+
     run_length = None
     if model.causal:  # one length for both sentences: one compiled program (see sentence_maps)
         run_length = max(len(model.tokenize(sentences[k])[0]) for k in ("big", "small"))
-    maps = {k: sentence_maps(model, sentences[k], run_length=run_length) for k in ("big", "small")}
+    maps = {}
+    for k in ("big", "small"):
+        say(f"maps of 'too {k}'")
+        maps[k] = sentence_maps(model, sentences[k], run_length=run_length)
     big, small = maps["big"], maps["small"]
     n = min(len(big.ids), len(small.ids))
     diff = np.nonzero(big.ids[:n] != small.ids[:n])[0]
@@ -329,12 +338,17 @@ def compare(model: LabModel, sentences: dict[str, str] | None = None) -> Compari
 
     log_probs = None
     if model.score is not None:
-        log_probs = {
-            k: {res: float(model.score(sentences[k] + RESOLUTION_PROMPT, cont)) for res, cont in RESOLUTIONS.items()}
-            for k in ("big", "small")
-        }
+        log_probs = {}
+        for k in ("big", "small"):
+            log_probs[k] = {}
+            for res, cont in RESOLUTIONS.items():
+                say(f"log p({cont!r} | 'too {k}')")
+                log_probs[k][res] = float(model.score(sentences[k] + RESOLUTION_PROMPT, cont))
 
+    say("maps of 'too big' with scale=1.0")
     unscaled = sentence_maps(model, sentences["big"], scale=1.0)
+    if progress is not None:
+        progress(total, total, "done")
     entropy = {  # [L, N]: each head's mean row entropy (nats)
         "scaled": np.asarray(head_entropy(big.attentions), np.float64),
         "unscaled": np.asarray(head_entropy(unscaled.attentions), np.float64),
@@ -423,6 +437,51 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
     lines.append(f"  all heads: {e['scaled'].mean():.3f} -> {e['unscaled'].mean():.3f} nats; heads whose entropy "
                  f"fell: {int(np.sum(e['unscaled'] < e['scaled']))} of {L * N}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The pair as pictures: the difference of every head, one head side by side, the interactive page.
+# ----------------------------------------------------------------------------------------------------
+
+PAIR_NAMES = ("too big", "too small")
+
+
+def _same_shape(c: Comparison) -> tuple[SentenceMaps, SentenceMaps]:
+    big, small = c.maps["big"], c.maps["small"]
+    if big.attentions.shape != small.attentions.shape:
+        raise ValueError(f"the two sentences' maps differ in shape, {list(big.attentions.shape)} and "
+                         f"{list(small.attentions.shape)} (layers, heads, tokens, tokens): no difference map")
+    return big, small
+
+
+def png_difference(c: Comparison, *, dpi: int = 110) -> bytes:
+    """Every layer x head of ``A_big - A_small`` as one PNG, blue-white-red about 0, with a colorbar.
+
+    Labels read ``big/small`` where the sentences' tokens differ. Raises ``ValueError`` when the two
+    sentences have different token counts (no cell-by-cell difference).
+    """
+    big, small = _same_shape(c)
+    return viz.grid_png(big.attentions - small.attentions, viz.merged_labels(big.labels, small.labels),
+                        title=f"{c.model}: 'too big' minus 'too small'", difference=True, dpi=dpi)
+
+
+def png_pair(c: Comparison, layer: int, head: int, *, dpi: int = 110) -> bytes:
+    """One head's map for both sentences and their difference, side by side, tokens on both axes."""
+    big, small = _same_shape(c)
+    L, N = big.attentions.shape[:2]
+    if not (0 <= layer < L and 0 <= head < N):
+        raise ValueError(f"layer/head must lie in [0, {L}) x [0, {N}), received ({layer}, {head})")
+    return viz.pair_png(big.attentions[layer, head], small.attentions[layer, head], big.labels, small.labels,
+                        names=PAIR_NAMES, title=f"{c.model}: layer {layer}, head {head}", dpi=dpi)
+
+
+def html_page(c: Comparison) -> str:
+    """The interactive page (:func:`jaxattn.viz.html`) for both sentences, with their difference view
+    when they have the same number of tokens."""
+    big, small = c.maps["big"], c.maps["small"]
+    kind = "causal" if c.causal else "bidirectional"
+    return viz.html(big.attentions, big.labels, other=small.attentions, other_tokens=small.labels, names=PAIR_NAMES,
+                    title=f"{c.model} ({kind}): the trophy sentence, 'too big' vs 'too small'")
 
 
 # ----------------------------------------------------------------------------------------------------

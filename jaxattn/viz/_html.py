@@ -1,0 +1,217 @@
+"""Attention maps as one self-contained HTML page: script, style and data inline, nothing fetched.
+
+The page (``page.js``, ``page.css`` beside this file) shows one layer and head at a time as a heatmap,
+as BertViz-style lines from each query token to the keys, or both; hovering a cell or a token shows
+the token pair and its weight. With a second set of maps of the same shape it also shows their
+difference, and an overview of every head's mean row entropy (click a head to select it).
+
+Weights are stored as 16-bit codes (0 = exactly 0, a key the mask hides; else ``1 + round(w · 65534)``,
+so a weight is kept within 7.7e-6), base64-encoded: about 2.7 bytes per weight.
+
+Axis alphabet: L layers, N heads, T queries, S keys.
+"""
+
+from __future__ import annotations
+
+import base64
+import html as html_escape
+import json
+from importlib import resources
+from typing import Any, Sequence
+
+import numpy as np
+
+# Weights are stored as uint16 codes: 0 is a weight of exactly 0, 1 + round(w * LEVELS) otherwise.
+LEVELS = 65534
+# A weight may exceed [0, 1] by float rounding this much; it is clipped, anything further is an error.
+WEIGHT_SLACK = 1e-5
+
+
+def _labels(tokens: Any, n: int, what: str, name: str) -> list[str]:
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"{name}: expected a sequence of {n} strings ({what}), received {type(tokens).__name__}")
+    bad = [type(t).__name__ for t in tokens if not isinstance(t, str)]
+    if bad:
+        raise TypeError(f"{name}: expected strings ({what}), received an item of type {bad[0]}")
+    if len(tokens) != n:
+        raise ValueError(f"{name}: expected {n} labels ({what}), received {len(tokens)}")
+    return list(tokens)
+
+
+def _split_tokens(tokens: Any, T: int, S: int, name: str) -> tuple[list[str], list[str]]:
+    """``(queries [T], keys [S])`` from a sequence of S labels (queries = keys when T == S) or a pair."""
+    if isinstance(tokens, tuple) and len(tokens) == 2 and all(
+        isinstance(t, Sequence) and not isinstance(t, str) for t in tokens
+    ):
+        return (_labels(tokens[0], T, "one per query row, T", f"{name}[0]"),
+                _labels(tokens[1], S, "one per key column, S", f"{name}[1]"))
+    keys = _labels(tokens, S, "one per key column, S", name)
+    if T != S:
+        raise ValueError(f"{name}: the maps have T={T} query rows and S={S} key columns; pass "
+                         f"(query_labels, key_labels) to label both")
+    return keys, keys
+
+
+def check_maps(maps: Any, name: str = "maps") -> np.ndarray:
+    """``maps`` as float64 ``[L, N, T, S]`` with every weight in [0, 1] (rounding up to 1e-5 is clipped).
+
+    Raises:
+      TypeError: not a real floating-point array.
+      ValueError: not 4-D, an empty axis, a weight that is not finite or lies outside [0, 1].
+    """
+    arr = np.asarray(maps)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
+        raise TypeError(f"{name}: expected a floating-point array [L, N, T, S], received dtype {arr.dtype}")
+    if arr.ndim != 4 or 0 in arr.shape:
+        raise ValueError(f"{name}: expected shape [L, N, T, S] with no empty axis, received shape {arr.shape}")
+    arr = arr.astype(np.float64)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name}: expected finite weights, received {int(np.sum(~np.isfinite(arr)))} that are not")
+    lo, hi = float(arr.min()), float(arr.max())
+    if lo < -WEIGHT_SLACK or hi > 1 + WEIGHT_SLACK:
+        raise ValueError(f"{name}: expected attention weights in [0, 1], received values from {lo:.6g} to {hi:.6g}")
+    return np.clip(arr, 0.0, 1.0)
+
+
+def encode_weights(maps: np.ndarray) -> str:
+    """``[L, N, T, S]`` weights in [0, 1] as base64 of little-endian uint16 codes (0 = exactly 0)."""
+    codes = np.where(maps == 0.0, 0, 1 + np.rint(maps * LEVELS)).astype("<u2")
+    return base64.b64encode(codes.tobytes()).decode("ascii")
+
+
+def decode_weights(text: str, shape: tuple[int, int, int, int]) -> np.ndarray:
+    """The inverse of :func:`encode_weights`: float64 ``[L, N, T, S]`` (a weight within 7.7e-6)."""
+    codes = np.frombuffer(base64.b64decode(text), "<u2").reshape(shape)
+    return np.where(codes == 0, 0.0, (codes.astype(np.float64) - 1) / LEVELS)
+
+
+def head_entropy(maps: np.ndarray) -> np.ndarray:
+    """Mean row entropy (nats) of each head, ``[L, N]``; rows whose weights are all 0 are left out."""
+    p = np.asarray(maps, np.float64)
+    h = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)  # [L, N, T]
+    live = p.sum(-1) > 0  # [L, N, T]
+    return np.where(live, h, 0.0).sum(-1) / np.maximum(live.sum(-1), 1)
+
+
+def _run(maps: np.ndarray, queries: list[str], keys: list[str], name: str) -> dict[str, Any]:
+    L, N, T, S = maps.shape
+    causal = T == S and T > 1 and bool(np.all(np.triu(np.ones((T, S), bool), 1) <= (maps == 0.0)))
+    return {
+        "name": name, "L": L, "N": N, "T": T, "S": S, "queries": queries, "keys": keys, "causal": causal,
+        "weights": encode_weights(maps),
+        "entropy": np.round(head_entropy(maps), 5).tolist(),
+    }
+
+
+def _script_json(data: Any) -> str:
+    """JSON that is safe inside ``<script>``: no ``<``, ``>`` or ``&`` that could end or open a tag."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _asset(name: str) -> str:
+    return resources.files("jaxattn.viz").joinpath(name).read_text(encoding="utf-8")
+
+
+PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>{title}</title>
+<style>
+{css}
+</style>
+</head>
+<body>
+<noscript>This page draws the attention maps with JavaScript; please enable it.</noscript>
+<script id="jaxattn-data" type="application/json">{data}</script>
+<script>
+{js}
+</script>
+</body>
+</html>
+"""
+
+
+def html(
+    maps: Any,
+    tokens: Any,
+    *,
+    other: Any = None,
+    other_tokens: Any = None,
+    names: Sequence[str] = ("A", "B"),
+    title: str = "attention maps",
+) -> str:
+    """One self-contained HTML page (a ``str``) for every layer and head of ``maps``; the caller writes it.
+
+    The page loads nothing from the network (its Content-Security-Policy forbids it): script, style
+    and data are inline. It has layer and head selectors; a heatmap (rows = queries, columns = keys,
+    a fixed 0-1 colour scale, keys hidden by the mask in grey), BertViz-style lines, or both; the token
+    pair and its weight on hover; an overview of each head's mean row entropy (click to select). With
+    ``other`` of the same shape, a third view shows ``maps - other`` on a blue-white-red scale
+    symmetric about 0. Causal and bidirectional maps are drawn the same way: a weight of exactly 0
+    is the mask's.
+
+    Args:
+      maps: ``[L, N, T, S]`` attention weights in [0, 1] (NumPy or JAX, any float dtype).
+      tokens: the S key labels (the queries get the same labels when T == S), or a pair
+        ``(query_labels [T], key_labels [S])``.
+      other: optional second maps ``[L', N', T', S']`` (e.g. the other sentence of a pair); the
+        difference view needs the same shape as ``maps``.
+      other_tokens: labels of ``other``, as ``tokens``; default ``tokens``.
+      names: the two maps' names, shown in the selectors and the tooltip.
+      title: the page's title.
+
+    Returns:
+      The page. About 2.7 bytes per weight plus 25 KB: 30 layers x 9 heads x 15 x 15 tokens, two
+      sentences, is about 0.35 MB.
+
+    Raises:
+      TypeError, ValueError: naming the argument, with the expected and the received shape or type.
+    """
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, received {type(title).__name__}")
+    names = tuple(names) if isinstance(names, (list, tuple)) else names
+    if not (isinstance(names, tuple) and len(names) == 2 and all(isinstance(n, str) and n for n in names)):
+        raise ValueError(f"names: expected two non-empty strings, received {names!r}")
+    a = check_maps(maps, "maps")
+    qa, ka = _split_tokens(tokens, a.shape[2], a.shape[3], "tokens")
+    runs = [_run(a, qa, ka, names[0])]
+    note = ""
+    if other is not None:
+        b = check_maps(other, "other")
+        qb, kb = _split_tokens(tokens if other_tokens is None else other_tokens, b.shape[2], b.shape[3],
+                               "other_tokens")
+        runs.append(_run(b, qb, kb, names[1]))
+        if a.shape != b.shape:
+            note = (f"no difference view: {names[0]} has shape {list(a.shape)} and {names[1]} "
+                    f"{list(b.shape)} (layers, heads, queries, keys)")
+    elif other_tokens is not None:
+        raise ValueError("other_tokens: given without other (the second maps)")
+    data = {
+        "title": title,
+        "levels": LEVELS,
+        "runs": runs,
+        "difference": len(runs) == 2 and not note,
+        "difference_note": note,
+    }
+    return PAGE.format(title=html_escape.escape(title), css=_asset("page.css").strip(),
+                       data=_script_json(data), js=_asset("page.js").strip())
+
+
+def page_data(page: str) -> dict[str, Any]:
+    """The data an :func:`html` page holds: each run's ``weights`` decoded to ``[L, N, T, S]`` float64, and
+    ``masked [L, N, T, S]``, True where the weight was exactly 0 (a weight below 7.7e-6 decodes as 0.0
+    too, but is not masked)."""
+    start = page.index('<script id="jaxattn-data" type="application/json">')
+    start = page.index(">", start) + 1
+    data = json.loads(page[start:page.index("</script>", start)])
+    for run in data["runs"]:
+        shape = (run["L"], run["N"], run["T"], run["S"])
+        codes = np.frombuffer(base64.b64decode(run["weights"]), "<u2").reshape(shape)
+        run["weights"] = decode_weights(run["weights"], shape)
+        run["masked"] = codes == 0
+    return data

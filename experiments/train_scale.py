@@ -72,11 +72,10 @@ def table(rows: list[dict]) -> str:
 
 def plot(histories: dict, runs: dict, args, path_stem: str) -> list[str]:
     import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     panels = [
         ("loss", "loss (nats, answer positions)", lambda h: h["loss"], "linear"),
         ("entropy", "lowest per-head attention entropy (nats)", lambda h: h["entropy"].min(axis=(-1, -2)), "linear"),
@@ -84,7 +83,9 @@ def plot(histories: dict, runs: dict, args, path_stem: str) -> list[str]:
     ]
     paths = []
     for name, ylabel, series, yscale in panels:
-        fig, axes = plt.subplots(1, len(args.head_dims), figsize=(4.2 * len(args.head_dims), 3.4), sharey=True, squeeze=False)
+        fig = Figure(figsize=(4.2 * len(args.head_dims), 3.4))  # no pyplot: the global backend is left alone
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, len(args.head_dims), sharey=True, squeeze=False)
         for ax, d_k in zip(axes[0], args.head_dims):
             h, spec = histories[d_k], runs[d_k]
             y = series(h)  # [C, steps]
@@ -106,7 +107,6 @@ def plot(histories: dict, runs: dict, args, path_stem: str) -> list[str]:
         fig.tight_layout()
         out = f"{path_stem}{name}.png"
         atomic_write(out, lambda f, fig=fig: fig.savefig(f, format="png", dpi=80))
-        plt.close(fig)
         paths.append(out)
     return paths
 

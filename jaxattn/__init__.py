@@ -17,7 +17,7 @@ from jaxattn._attention import (
 from jaxattn._blockwise import blockwise_attention, multi_head_blockwise_attention, weights_from_lse
 from jaxattn._masks import causal_mask, combine_masks, padding_mask
 from jaxattn import probes  # jaxattn.probes.entropy, ... (saturation and gradient probes)
-from jaxattn._ring import ring_attention, sharded_attention
+from jaxattn._ring import ring_attention, ring_attention_shard, sharded_attention
 
 __version__ = "0.1.0"
 
@@ -36,6 +36,7 @@ __all__ = [
     "padding_mask",
     "probes",
     "ring_attention",
+    "ring_attention_shard",
     "sharded_attention",
     "split_heads",
     "weights_from_lse",

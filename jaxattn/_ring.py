@@ -30,6 +30,8 @@ Two ways to spread attention over a device mesh, from the easy to the necessary:
    (a ``custom_vjp``) goes round the ring a second time: the key/value chunks travel again, now with their
    gradient accumulators ``dk, dv``, and each step is :func:`jaxattn.blockwise_attention`'s backward
    against the global ``out`` and ``lse``; nothing but each device's own chunks is saved between the two.
+   :func:`ring_attention` is a ``shard_map`` of the per-device :func:`ring_attention_shard`, which runs
+   inside the caller's own ``shard_map`` (a mesh with more axes, a larger per-device program).
 
 Axis alphabet as in :mod:`jaxattn._attention` (B batch, T, S, N, K, H, V).
 """
@@ -42,7 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxattn._attention import _validate_multi
 from jaxattn._blockwise import (
@@ -85,6 +87,99 @@ def _merge(out_a: Array, lse_a: Array, out_b: Array, lse_b: Array) -> tuple[Arra
     return out_a * w_a + out_b * w_b, lse  # [T, N, V], [N, T]
 
 
+def _axis_size(axis_name: Any) -> int:
+    """The number of devices on the bound mesh axis ``axis_name``; a ``ValueError`` if none is bound."""
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be the name (a str) of a mesh axis, received {axis_name!r}")
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not bound here: call ring_attention_shard inside a jax.shard_map "
+            f"over a mesh that has the axis {axis_name!r}, or call ring_attention(..., mesh=mesh) outside one"
+        ) from None
+
+
+def _check_kv_mask(kv_mask: Any, S: int) -> Array | None:
+    if kv_mask is None:
+        return None
+    kv_mask = as_bool_array(kv_mask, "kv_mask")
+    check_rank(kv_mask, 1, "kv_mask", "[S]")
+    if kv_mask.shape[0] != S:
+        raise ValueError(f"kv_mask must have shape [S] = ({S},), received {tuple(kv_mask.shape)}")
+    return kv_mask
+
+
+def ring_attention_shard(
+    q: Float[ArrayLike, "Tc N H"],
+    k: Float[ArrayLike, "Sc K H"],
+    v: Float[ArrayLike, "Sc K V"],
+    *,
+    axis_name: str,
+    kv_mask: Bool[ArrayLike, "Sc"] | None = None,
+    is_causal: bool = False,
+    scale: Real[ArrayLike, ""] | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> tuple[Float[Array, "Tc N V"], Float[Array, "N Tc"]]:
+    """The per-device body of :func:`ring_attention`, to call inside your own ``jax.shard_map``.
+
+    Takes this device's chunks (``Tc = T / P`` queries, ``Sc = S / P`` keys, P the size of the mesh axis
+    ``axis_name``, chunk ``d`` on the device whose ``jax.lax.axis_index(axis_name)`` is ``d``) and returns
+    this device's rows of the attention over the whole sequence: the key/value chunks go round the ring
+    with ``lax.ppermute`` as in :func:`ring_attention`, which is a ``shard_map`` of this function. Use it
+    where the ring is one step of a larger per-device program (a transformer block, a training step)
+    that already runs in a ``shard_map``, whose mesh may have other axes (batch, heads) as well::
+
+      def block(q, k, v):                      # [Tc, N, H], [Sc, K, H], [Sc, K, V] on each device
+          out, lse = jaxattn.ring_attention_shard(q, k, v, axis_name="seq", is_causal=True)
+          return out
+
+      spec = jax.P("seq")
+      out = jax.shard_map(block, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
+
+    The enclosing ``shard_map`` must pass ``check_vma=False`` (``NotImplementedError`` otherwise): the
+    blockwise kernel's loops do not carry ``shard_map``'s varying-axis types. The gradient is the ring's
+    own (see :func:`ring_attention`): ``dq`` of this device's queries, and ``dk, dv`` of its key/value
+    chunk summed over every device's queries (what differentiating the ``shard_map`` means); the
+    gradient of a replicated ``scale`` (``in_specs`` ``P()``) is summed over the devices by
+    ``shard_map``'s transpose.
+
+    Args:
+      q: this device's queries ``[Tc, N, H]``.
+      k: this device's keys ``[Sc, K, H]``.
+      v: this device's values ``[Sc, K, V]``.
+      axis_name: the mesh axis the sequence is split over, bound by the enclosing ``shard_map``.
+      kv_mask: optional boolean key-padding keep-mask of this device's keys ``[Sc]`` (True = attend).
+      is_causal: causal self-attention over the whole sequence (requires ``Tc == Sc``); a key chunk that
+        lies wholly after this device's queries is skipped.
+      scale, block_q, block_k: as in :func:`jaxattn.blockwise_attention` (blocks apply inside a step).
+
+    Returns:
+      ``(out [Tc, N, V], lse [N, Tc])``: this device's rows of the output and of the row log-sum-exp.
+    """
+    q, k, v, _, _, scale = _validate_multi(q, k, v, None, None, scale)
+    is_causal = check_flag(is_causal, "is_causal")
+    block_q = check_int(block_q, "block_q", what="rows per tile")
+    block_k = check_int(block_k, "block_k", what="rows per tile")
+    P = _axis_size(axis_name)
+    if is_causal and q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"is_causal ring attention is self-attention and needs chunks of equal length, received "
+            f"q {tuple(q.shape)} [Tc, N, H] and k {tuple(k.shape)} [Sc, K, H]"
+        )
+    kv_mask = _check_kv_mask(kv_mask, k.shape[0])
+    if _varying_axes(jax.lax.axis_index(axis_name)):  # the enclosing shard_map tracks varying axes
+        raise NotImplementedError(
+            "ring_attention_shard needs the enclosing jax.shard_map to pass check_vma=False: the blockwise "
+            "kernel it runs at each step starts its loops from carries that vary over no mesh axis, which "
+            "check_vma=True refuses once the loop body mixes in this device's chunks"
+        )
+    acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
+    ring = _Ring(axis_name, P, bool(is_causal), block_q, block_k)
+    return _ring_shard(q, k, v, kv_mask, jnp.asarray(scale, acc_dtype), ring)
+
+
 def ring_attention(
     q: Float[ArrayLike, "T N H"],
     k: Float[ArrayLike, "S K H"],
@@ -103,7 +198,8 @@ def ring_attention(
     The same function as :func:`jaxattn.multi_head_blockwise_attention` (equal within float32 rounding),
     with the sequence axes of q, k, v (and ``kv_mask``) split into P equal chunks over the mesh axis
     ``axis_name``. Device ``d`` holds queries ``[d·T/P, (d+1)·T/P)`` for the whole computation and sees
-    each key/value chunk once, so its memory is O((T + S) / P).
+    each key/value chunk once, so its memory is O((T + S) / P). This is a ``jax.shard_map`` of
+    :func:`ring_attention_shard`; inside your own ``shard_map``, call that one.
 
     The gradient is a ``jax.custom_vjp`` that runs the ring again (Ring Attention with FlashAttention-2's
     backward), so it too is O((T + S) / P) per device. The forward saves only each device's own chunks
@@ -144,20 +240,22 @@ def ring_attention(
         )
     if is_causal and T != S:
         raise ValueError(f"is_causal ring attention is self-attention and needs T == S, received T={T}, S={S}")
-    if kv_mask is not None:
-        kv_mask = as_bool_array(kv_mask, "kv_mask")
-        check_rank(kv_mask, 1, "kv_mask", "[S]")
-        if kv_mask.shape[0] != S:
-            raise ValueError(f"kv_mask must have shape [S] = ({S},), received {tuple(kv_mask.shape)}")
+    kv_mask = _check_kv_mask(kv_mask, S)
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    out_dtype = jnp.result_type(q, k, v)
-    ring = _Ring(mesh, axis_name, P, bool(is_causal), block_q, block_k)
-    out, lse = _ring(q, k, v, kv_mask, jnp.asarray(scale, acc_dtype), ring)  # [T, N, V] float32, [N, T]
-    return out.astype(out_dtype), lse
+    ring = _Ring(axis_name, P, bool(is_causal), block_q, block_k)
+    seq = PartitionSpec(axis_name)
+    fn = jax.shard_map(
+        lambda q, k, v, m, scale: _ring_shard(q, k, v, m, scale, ring),
+        mesh=mesh,
+        in_specs=(seq, seq, seq, seq if kv_mask is not None else None, PartitionSpec()),
+        out_specs=(seq, PartitionSpec(None, axis_name)),
+        check_vma=False,
+    )
+    return fn(q, k, v, kv_mask, jnp.asarray(scale, acc_dtype))
 
 
 # ----------------------------------------------------------------------------------------------------
-# The ring itself: a custom_vjp whose forward and backward are each one shard_map round the ring.
+# The ring itself, per device: a custom_vjp whose forward and backward each go once round the ring.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -165,7 +263,6 @@ def ring_attention(
 class _Ring:
     """Static description of a ring (hashable: the ``custom_vjp``'s static argument)."""
 
-    mesh: Mesh
     axis_name: str
     P: int  # devices on the ring
     causal: bool
@@ -192,102 +289,105 @@ class _Ring:
         branch = jnp.where(src < d, 0, jnp.where(src == d, 1, 2))
         return jax.lax.switch(branch, [below, diagonal, skip])
 
-    def place(self, x: Array, axis: int) -> Array:
-        """``x`` split over the ring along ``axis``, as ``shard_map`` wants its inputs on an Explicit mesh.
 
-        The cotangents of ``(out, lse)`` come from the caller's loss and may be placed anyhow; on an
-        Auto mesh ``shard_map`` moves them itself.
-        """
-        if self.mesh.axis_types[self.mesh.axis_names.index(self.axis_name)] != AxisType.Explicit:
-            return x
-        spec = PartitionSpec(*([None] * axis), self.axis_name)
-        return jax.reshard(x, NamedSharding(self.mesh, spec))
+def _varying_axes(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over in ``shard_map``'s type system (``check_vma=True``); empty otherwise."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", None) or ())
 
-    def shard_map(self, fn: Any, has_mask: bool, n_in: int, out_specs: Any) -> Any:
-        """``fn(q, k, v, m, scale, *rest)`` per device; rest: ``n_in`` arrays (q-like, then lse-like)."""
-        seq, rows = PartitionSpec(self.axis_name), PartitionSpec(None, self.axis_name)
-        rest = (seq, rows) * (n_in // 2)  # out [T, N, V] or d_out, then lse [N, T] or d_lse
-        in_specs = (seq, seq, seq, seq if has_mask else None, PartitionSpec(), *rest)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+def _ring_shard(q, k, v, m, scale, ring: _Ring):
+    """:func:`_ring` on inputs made to vary over the same mesh axes, as its scans and branches need.
+
+    Under ``check_vma=False`` (:func:`ring_attention`, and what :func:`ring_attention_shard` accepts)
+    nothing is tracked and nothing is cast; ``shard_map``'s own transpose sums the gradient of an input
+    it replicates. Under ``check_vma=True`` each input varies over the axes it was split over and the ring
+    mixes them all (and ``axis_index``), so each input is cast to vary over their union; autodiff of the
+    cast is a ``psum`` over the axes the input did not vary over (a replicated ``scale``'s gradient). That
+    path also needs the blockwise kernel's loop carries to follow their inputs' types, which they do not,
+    so :func:`ring_attention_shard` refuses ``check_vma=True`` before reaching here.
+    """
+    xs = (q, k, v, m, scale)
+    union = frozenset().union(*(_varying_axes(x) for x in xs if x is not None))
+    union = union | _varying_axes(jax.lax.axis_index(ring.axis_name))
+    cast = lambda x: x if x is None or not union - _varying_axes(x) else jax.lax.pcast(
+        x, tuple(sorted(union - _varying_axes(x))), to="varying")
+    out, lse = _ring(*(cast(x) for x in xs), ring)  # [Tc, N, V] accumulation dtype, [N, Tc]
+    return out.astype(jnp.result_type(q, k, v)), lse
 
 
 def _ring_forward(q, k, v, m, scale, ring: _Ring):
-    """``(out [T, N, V], lse [N, T])`` in the accumulation dtype; partial results merged through their lse."""
+    """``(out [Tc, N, V], lse [N, Tc])`` of one device, in the accumulation dtype.
 
-    def per_device(q, k, v, m, scale):  # q [Tc, N, H], k [Sc, K, H], v [Sc, K, V], m [Sc] or None
-        d = jax.lax.axis_index(ring.axis_name)
-        Tc, N, V = q.shape[0], q.shape[1], v.shape[2]
+    q ``[Tc, N, H]``, k ``[Sc, K, H]``, v ``[Sc, K, V]``, m ``[Sc]`` or None: this device's chunks. The
+    partial results of the P steps are merged through their lse.
+    """
+    d = jax.lax.axis_index(ring.axis_name)
+    Tc, N, V = q.shape[0], q.shape[1], v.shape[2]
 
-        def step_result(t, k, v, m):
-            def attend(causal):
-                out, lse = multi_head_blockwise_attention(
-                    q, k, v, mask=m, is_causal=causal, scale=scale, block_q=ring.block_q, block_k=ring.block_k
-                )
-                return out.astype(scale.dtype), lse  # [Tc, N, V], [N, Tc]
+    def step_result(t, k, v, m):
+        def attend(causal):
+            out, lse = multi_head_blockwise_attention(
+                q, k, v, mask=m, is_causal=causal, scale=scale, block_q=ring.block_q, block_k=ring.block_k
+            )
+            return out.astype(scale.dtype), lse  # [Tc, N, V], [N, Tc]
 
-            skip = lambda: (jnp.zeros((Tc, N, V), scale.dtype), jnp.full((N, Tc), -jnp.inf, scale.dtype))
-            src = (d - t) % ring.P  # after t hops device d holds the chunk that started on device d - t
-            return ring.step(src, lambda: attend(False), lambda: attend(True), skip)
+        skip = lambda: (  # zeros_like keeps q's type (the mesh axes it varies over)
+            jnp.zeros_like(q, shape=(Tc, N, V), dtype=scale.dtype),
+            jnp.full_like(q, -jnp.inf, shape=(N, Tc), dtype=scale.dtype),
+        )
+        src = (d - t) % ring.P  # after t hops device d holds the chunk that started on device d - t
+        return ring.step(src, lambda: attend(False), lambda: attend(True), skip)
 
-        out, lse = step_result(0, k, v, m)
+    out, lse = step_result(0, k, v, m)
 
-        def hop(carry, t):
-            out, lse, k, v, m = carry
-            k, v, m = ring.hop(k), ring.hop(v), ring.hop(m)
-            out_t, lse_t = step_result(t, k, v, m)
-            out, lse = _merge(out, lse, out_t, lse_t)
-            return (out, lse, k, v, m), None
+    def hop(carry, t):
+        out, lse, k, v, m = carry
+        k, v, m = ring.hop(k), ring.hop(v), ring.hop(m)
+        out_t, lse_t = step_result(t, k, v, m)
+        out, lse = _merge(out, lse, out_t, lse_t)
+        return (out, lse, k, v, m), None
 
-        (out, lse, _, _, _), _ = jax.lax.scan(hop, (out, lse, k, v, m), jnp.arange(1, ring.P))
-        return out, lse
-
-    out_specs = (PartitionSpec(ring.axis_name), PartitionSpec(None, ring.axis_name))
-    return ring.shard_map(per_device, m is not None, 0, out_specs)(q, k, v, m, scale)
+    (out, lse, _, _, _), _ = jax.lax.scan(hop, (out, lse, k, v, m), jnp.arange(1, ring.P))
+    return out, lse
 
 
 def _ring_backward(q, k, v, m, scale, out, lse, d_out, d_lse, ring: _Ring):
-    """``(dq, dk, dv, dscale)``: the ring again, with the key/value gradients travelling with their chunks.
+    """``(dq, dk, dv, dscale)`` of one device: the ring again, the key/value gradients travelling along.
 
     Device ``d`` keeps its queries, the global ``out`` and ``lse`` of its rows and their cotangents, and
     accumulates ``dq`` locally. The key/value chunk and its accumulators ``dk, dv`` travel together; at
     each step :func:`jaxattn._blockwise._multi_head_grads` gives the tile gradients of the visiting chunk
     from the GLOBAL ``out`` and ``lse`` (``p = exp(s - lse)``, ``D = rowsum(d_out · out) - d_lse``), which
     are exactly the gradient of the whole attention restricted to that chunk. After P steps one more hop
-    brings every ``dk, dv`` home to the device that owns the chunk.
+    brings every ``dk, dv`` home to the device that owns the chunk. ``dscale`` is this device's share
+    (its own queries' logits); summing the shares is the transpose of however ``scale`` reached the
+    devices (see :func:`_ring_shard`).
     """
+    grads = lambda k, v, m, causal: _multi_head_grads(
+        q, k, v, m, scale, out, lse, d_out, d_lse, is_causal=causal, block_q=ring.block_q, block_k=ring.block_k
+    )  # dq [Tc, N, H], dk [Sc, K, H], dv [Sc, K, V], dscale, in the accumulation dtype
+    zeros = lambda k, v: tuple(jnp.zeros_like(x, dtype=scale.dtype) for x in (q, k, v, scale))
+    d = jax.lax.axis_index(ring.axis_name)
 
-    def per_device(q, k, v, m, scale, out, lse, d_out, d_lse):
-        grads = lambda k, v, m, causal: _multi_head_grads(
-            q, k, v, m, scale, out, lse, d_out, d_lse, is_causal=causal, block_q=ring.block_q, block_k=ring.block_k
-        )  # dq [Tc, N, H], dk [Sc, K, H], dv [Sc, K, V], dscale, in the accumulation dtype
-        zeros = lambda k, v: (
-            jnp.zeros(q.shape, scale.dtype), jnp.zeros(k.shape, scale.dtype), jnp.zeros(v.shape, scale.dtype),
-            jnp.zeros((), scale.dtype),
-        )
-        d = jax.lax.axis_index(ring.axis_name)
+    def step_grads(t, k, v, m):
+        src = (d - t) % ring.P
+        return ring.step(src, lambda: grads(k, v, m, False), lambda: grads(k, v, m, True), lambda: zeros(k, v))
 
-        def step_grads(t, k, v, m):
-            src = (d - t) % ring.P
-            return ring.step(src, lambda: grads(k, v, m, False), lambda: grads(k, v, m, True), lambda: zeros(k, v))
+    dq, dk, dv, d_scale = step_grads(0, k, v, m)
 
-        dq, dk, dv, d_scale = step_grads(0, k, v, m)
+    def hop(carry, t):
+        dq, dk, dv, d_scale, k, v, m = carry
+        k, v, m, dk, dv = ring.hop(k), ring.hop(v), ring.hop(m), ring.hop(dk), ring.hop(dv)
+        g = step_grads(t, k, v, m)
+        dq, dk, dv, d_scale = dq + g[0], dk + g[1], dv + g[2], d_scale + g[3]
+        return (dq, dk, dv, d_scale, k, v, m), None
 
-        def hop(carry, t):
-            dq, dk, dv, d_scale, k, v, m = carry
-            k, v, m, dk, dv = ring.hop(k), ring.hop(v), ring.hop(m), ring.hop(dk), ring.hop(dv)
-            g = step_grads(t, k, v, m)
-            dq, dk, dv, d_scale = dq + g[0], dk + g[1], dv + g[2], d_scale + g[3]
-            return (dq, dk, dv, d_scale, k, v, m), None
-
-        carry = (dq, dk, dv, d_scale, k, v, m)
-        (dq, dk, dv, d_scale, _, _, _), _ = jax.lax.scan(hop, carry, jnp.arange(1, ring.P))
-        dk, dv = ring.hop(dk), ring.hop(dv)  # the P-th hop: each chunk's gradient arrives at its owner
-        d_scale = jax.lax.psum(d_scale, ring.axis_name)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_scale
-
-    seq = PartitionSpec(ring.axis_name)
-    fn = ring.shard_map(per_device, m is not None, 4, (seq, seq, seq, PartitionSpec()))
-    return fn(q, k, v, m, scale, out, lse, d_out, d_lse)
+    carry = (dq, dk, dv, d_scale, k, v, m)
+    (dq, dk, dv, d_scale, _, _, _), _ = jax.lax.scan(hop, carry, jnp.arange(1, ring.P))
+    dk, dv = ring.hop(dk), ring.hop(dv)  # the P-th hop: each chunk's gradient arrives at its owner
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_scale.astype(scale.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -297,13 +397,12 @@ def _ring(q, k, v, m, scale, ring):
 
 def _ring_fwd(q, k, v, m, scale, ring):
     out, lse = _ring_forward(q, k, v, m, scale, ring)
-    return (out, lse), (q, k, v, m, scale, out, lse)  # each device's own chunks: O((T + S) / P)
+    return (out, lse), (q, k, v, m, scale, out, lse)  # this device's own chunks: O((T + S) / P)
 
 
 def _ring_bwd(ring, residuals, cotangents):
     q, k, v, m, scale, out, lse = residuals
-    d_out, d_lse = ring.place(cotangents[0], 0), ring.place(cotangents[1], 1)
-    dq, dk, dv, d_scale = _ring_backward(q, k, v, m, scale, out, lse, d_out, d_lse, ring)
+    dq, dk, dv, d_scale = _ring_backward(q, k, v, m, scale, out, lse, *cotangents, ring)
     return dq, dk, dv, None, d_scale
 
 

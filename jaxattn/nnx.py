@@ -1,59 +1,245 @@
-"""A thin Flax NNX module over :func:`jaxattn.attention_layer`, for people who live in Flax.
+"""Flax NNX attention whose core is jaxattn's: a drop-in ``MultiHeadAttention`` and an ``attention_fn``.
 
-It holds the parameters and nothing else: the computation is the same pure function, so maps and outputs
-match the functional API exactly.
+- :func:`dot_product_attention` has the signature of ``flax.nnx.dot_product_attention`` (Flax's
+  ``attention_fn``) and computes with :func:`jaxattn.multi_head_attention`, so the maps a Flax model sows
+  (``module.sow(nnx.Intermediate, "attention_weights", ...)``) are jaxattn's. Plug it into any Flax
+  module that takes an ``attention_fn``.
+- :class:`MultiHeadAttention` is ``flax.nnx.MultiHeadAttention`` with that ``attention_fn`` as its
+  default: the same constructor (``num_heads`` first, ``in_features`` second, ``rngs`` keyword), the
+  same parameters (``query.kernel [D, N, H]``, ``out.kernel [N, H, D]``, biases by default), the same
+  call (leading batch dims, ``inputs_k``/``inputs_v``, ``mask``, dropout, ``decode`` with
+  ``init_cache``, ``sow_weights``), so a state moves between the two unchanged.
+
+Axis alphabet as in :mod:`jaxattn._attention`; ``batch...`` is any number of leading batch axes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import numbers
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from jaxattn._attention import attention_layer, init_attention_params
+from jaxattn._attention import multi_head_attention
+from jaxattn._checks import as_float_array, check_broadcastable, check_flag
 from jaxattn._extras import require
 
 require("nnx", "jaxattn.nnx", "flax")
 
 from flax import nnx  # noqa: E402  (after the check, so a missing flax names the extra)
+from flax.nnx.nn import dtypes  # noqa: E402
 
-__all__ = ["MultiHeadAttention"]
+Array = jax.Array
+
+__all__ = ["MultiHeadAttention", "dot_product_attention"]
 
 
-class MultiHeadAttention(nnx.Module):
-    """Multi-head (grouped-query when ``num_kv_heads < num_heads``) attention as an NNX module.
+def _matmul_precision(precision: Any) -> Any:
+    """A context applying Flax's ``precision`` (None, a ``lax.Precision``, its name, or a pair of one) to the
+    matmuls of jaxattn's core, which take no ``precision`` argument of their own."""
+    if precision is None:
+        return contextlib.nullcontext()
+    if isinstance(precision, (tuple, list)) and len(precision) == 2 and precision[0] == precision[1]:
+        precision = precision[0]
+    if isinstance(precision, jax.lax.Precision):
+        return jax.default_matmul_precision(precision.name.lower())
+    if isinstance(precision, str):
+        return jax.default_matmul_precision(precision)
+    raise TypeError(
+        f"precision must be None, a jax.lax.Precision, its name ('highest') or a pair of two equal ones, "
+        f"received {precision!r}"
+    )
 
-    ``__call__(h [T, D], ...)`` returns ``(out [T, D], weights [N, T, S])``; batch with ``nnx.vmap`` or
-    ``jax.vmap`` over :meth:`params` and :func:`jaxattn.attention_layer`.
+
+def _check_qkv(query: Array, key: Array, value: Array) -> None:
+    if query.ndim < 3:
+        raise ValueError(
+            f"query must have shape [batch..., T, N, H] (3 or more dimensions), received {tuple(query.shape)}"
+        )
+    for name, x, axes in (("key", key, "[batch..., S, K, H]"), ("value", value, "[batch..., S, K, V]")):
+        if x.ndim != query.ndim or x.shape[:-3] != query.shape[:-3]:
+            raise ValueError(
+                f"{name} must have shape {axes} with the batch dims of query {tuple(query.shape)} "
+                f"[batch..., T, N, H], i.e. {tuple(query.shape[:-3])}, received {tuple(x.shape)}"
+            )
+    if key.shape[-3] != value.shape[-3]:
+        raise ValueError(
+            f"key and value must have the same length S: key has shape {tuple(key.shape)}, "
+            f"value has shape {tuple(value.shape)}"
+        )
+
+
+def _check_dropout_rate(rate: Any) -> float:
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+        raise TypeError(f"dropout_rate must be a Python float in [0, 1), received {rate!r}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), received {rate}")
+    return float(rate)
+
+
+def _over_batch(attend: Any, q: Array, k: Array, v: Array, m: Array | None, b: Array | None, nb: int) -> Any:
+    """``attend`` on each example: one ``jax.vmap`` per batch dim (no reshape, so a sharded batch stays so).
+
+    ``m``, ``b``: None or of rank ``nb + 3``; a batch dim of size 1 is not mapped (the mask or bias is
+    the same for every example along it), so a shared mask reaches the core in its compact shape.
+    """
+    if nb == 0:
+        return attend(q, k, v, m, b)
+    axis = lambda x: None if x is None or x.shape[0] == 1 else 0
+    first = lambda x: x if x is None or axis(x) == 0 else x[0]
+    inner = lambda q, k, v, m, b: _over_batch(attend, q, k, v, m, b, nb - 1)
+    return jax.vmap(inner, in_axes=(0, 0, 0, axis(m), axis(b)))(q, k, v, first(m), first(b))
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Array | None = None,
+    mask: Array | None = None,
+    broadcast_dropout: bool = True,
+    dropout_rng: Array | None = None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype: Any = None,
+    precision: Any = None,
+    module: nnx.Module | None = None,
+    promote_dtype: Any = dtypes.promote_dtype,
+    is_causal: bool = False,
+    *,
+    scale: Any = None,
+) -> Array:
+    """``flax.nnx.dot_product_attention`` computed by :func:`jaxattn.multi_head_attention`.
+
+    A Flax ``attention_fn``: pass it to ``flax.nnx.MultiHeadAttention(attention_fn=...)`` (or use
+    :class:`MultiHeadAttention`, where it is the default). Each example is
+    :func:`jaxattn.multi_head_attention` (``jax.vmap`` over the batch dims), so with ``module`` given the
+    sown ``attention_weights [batch..., N, T, S]`` are exactly the maps jaxattn's functions and probes
+    return, and the output is computed from them. Differences from Flax's function: the softmax runs in
+    at least float32; a query row whose keys are all masked gives zero weights and a zero output (Flax
+    gives the mean of the values); without dropout, masked positions never leak a NaN or Inf (see
+    :func:`jaxattn.attention`).
+
+    Args:
+      query: ``[batch..., T, N, H]``.
+      key: ``[batch..., S, K, H]``, ``N % K == 0`` (grouped-query heads: query head ``n`` reads ``n // G``).
+      value: ``[batch..., S, K, V]``.
+      bias: optional additive logit bias broadcastable to ``[batch..., N, T, S]``.
+      mask: optional keep-mask broadcastable to ``[batch..., N, T, S]`` (True or nonzero = attend), as
+        Flax's masks (``make_attention_mask``, ``make_causal_mask``, ``combine_masks``) are.
+      broadcast_dropout: one dropout pattern ``[T, S]`` for every batch entry and head (Flax's default).
+      dropout_rng: the key for dropout; required when ``dropout_rate > 0`` and not ``deterministic``.
+      dropout_rate: probability of dropping an attention weight (weights kept are scaled by
+        ``1 / (1 - rate)``); drawn as Flax draws it, so a given key drops the same weights.
+      deterministic: no dropout.
+      dtype: the dtype q, k, v are promoted to (None: their common dtype), as in Flax.
+      precision: matmul precision of the attention core, as in Flax.
+      module: the module that sows ``attention_weights`` (before dropout) into ``nnx.Intermediate``;
+        None sows nothing.
+      promote_dtype: Flax's dtype promotion function for ``(query, key, value)``.
+      is_causal: also apply :func:`jaxattn.causal_mask` ``(T, S)``.
+      scale: jaxattn's logit scale, keyword only; None means ``1/sqrt(H)`` (Flax's), ``1.0`` is unscaled
+        (``functools.partial(dot_product_attention, scale=1.0)`` as an ``attention_fn``).
+
+    Returns:
+      ``[batch..., T, N, V]`` in the promoted dtype.
+    """
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    query, key, value = (as_float_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
+    _check_qkv(query, key, value)
+    batch = tuple(query.shape[:-3])
+    T, N, _ = query.shape[-3:]
+    S = key.shape[-3]
+    target, axes = batch + (N, T, S), "[batch..., N, T, S]"
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0  # Flax's masks may be float: nonzero = attend
+        check_broadcastable(mask, target, "mask", axes)
+    if bias is not None:
+        bias = as_float_array(bias, "bias")
+        check_broadcastable(bias, target, "bias", axes)
+    is_causal = check_flag(is_causal, "is_causal")
+    dropout = not check_flag(deterministic, "deterministic") and _check_dropout_rate(dropout_rate) > 0.0
+    if dropout and dropout_rng is None:
+        raise ValueError(f"dropout_rng is required for dropout_rate={dropout_rate} when deterministic is False")
+
+    attend = lambda q, k, v, m, b: multi_head_attention(q, k, v, mask=m, bias=b, scale=scale, is_causal=is_causal)
+    nb = len(batch)
+    as_rank = lambda x: None if x is None else x.reshape((1,) * (nb + 3 - x.ndim) + tuple(x.shape))
+    with _matmul_precision(precision):
+        out, weights = _over_batch(attend, query, key, value, as_rank(mask), as_rank(bias), nb)
+        # out [batch..., T, N, V], weights [batch..., N, T, S]
+        if module is not None:
+            module.sow(nnx.Intermediate, "attention_weights", weights)
+        if dropout:  # as Flax draws it: a keep pattern [T, S] shared by batch and heads, or one per weight
+            keep_prob = 1.0 - dropout_rate
+            shape = (1,) * (len(batch) + 1) + (T, S) if broadcast_dropout else weights.shape
+            keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)  # [batch... or 1, N or 1, T, S]
+            dropped = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))
+            K = key.shape[-2]
+            dropped = dropped.reshape(batch + (K, N // K, T, S))  # [batch..., K, G, T, S]
+            out = jnp.einsum("...KGTS,...SKV->...TKGV", dropped, value, precision=precision)
+            out = out.reshape(batch + (T, N, value.shape[-1])).astype(query.dtype)  # [batch..., T, N, V]
+    return out
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+    """``flax.nnx.MultiHeadAttention`` computing with jaxattn: the default ``attention_fn`` is
+    :func:`dot_product_attention`.
+
+    Everything else is Flax's: the constructor (``MultiHeadAttention(num_heads, in_features,
+    qkv_features=None, out_features=None, ..., use_bias=True, rngs=...)``), the parameters and their
+    initialisation (the same ``rngs`` give the same weights), ``__call__(inputs_q, inputs_k=None,
+    inputs_v=None, *, mask=None, deterministic=None, rngs=None, sow_weights=False, decode=None,
+    is_causal=False)`` returning ``[batch..., T, out_features]``, ``init_cache`` and decoding. With
+    ``sow_weights=True`` the maps ``[batch..., N, T, S]`` are sown as ``attention_weights`` in
+    ``nnx.Intermediate``, as Flax sows them. A state moves between this module and Flax's with
+    ``nnx.update(other, nnx.state(module))`` or ``nnx.merge(nnx.graphdef(other), nnx.state(module))``.
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        use_bias: bool = False,
-        dtype: Any = jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        params = init_attention_params(
-            rngs.params(), d_model, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            use_bias=use_bias, dtype=dtype,
-        )
-        self.num_heads = num_heads
-        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        self.names = tuple(sorted(params))
-        for name, value in params.items():
-            setattr(self, name, nnx.Param(value))
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("attention_fn", dot_product_attention)  # keyword-only in Flax's signature
+        super().__init__(*args, **kwargs)
 
-    def params(self) -> dict:
-        """The parameters as the plain dict :func:`jaxattn.attention_layer` takes."""
-        return {name: getattr(self, name)[...] for name in self.names}
+    def params(self) -> dict[str, Array]:
+        """The weights as the plain dict :func:`jaxattn.attention_layer` takes (``W_Q [D, N·H]``, ...).
 
-    def __call__(self, h, *, context=None, mask=None, bias=None, scale=None, is_causal: bool = False):
-        return attention_layer(
-            self.params(), h, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, context=context,
-            mask=mask, bias=bias, scale=scale, is_causal=is_causal,
-        )
+        ``attention_layer(m.params(), x, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads)`` equals
+        ``m(x)`` for one example ``x [T, D]`` without dropout; ``context=`` stands for ``inputs_k``.
+        """
+        if self.normalize_qk:
+            raise ValueError(
+                "params() has no place for the query/key LayerNorms of normalize_qk=True: "
+                "jaxattn.attention_layer projects without them"
+            )
+        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        params = {
+            "W_Q": self.query.kernel[...].reshape(self.in_features, N * H),
+            "W_K": self.key.kernel[...].reshape(self.in_kv_features, K * H),
+            "W_V": self.value.kernel[...].reshape(self.in_kv_features, K * H),
+            "W_O": self.out.kernel[...].reshape(N * H, -1),
+        }
+        if self.use_bias:
+            params.update(
+                b_Q=self.query.bias[...].reshape(N * H),
+                b_K=self.key.bias[...].reshape(K * H),
+                b_V=self.value.bias[...].reshape(K * H),
+                b_O=self.out.bias[...].reshape(-1),
+            )
+        return params
+
+
+def _with_default(init: Any, **defaults: Any) -> inspect.Signature:
+    signature = inspect.signature(init)
+    return signature.replace(
+        parameters=[p.replace(default=defaults.get(p.name, p.default)) for p in signature.parameters.values()]
+    )
+
+
+# help() and IDEs show Flax's constructor, with jaxattn's attention_fn as the default
+MultiHeadAttention.__init__.__signature__ = _with_default(
+    nnx.MultiHeadAttention.__init__, attention_fn=dot_product_attention
+)

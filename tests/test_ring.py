@@ -3,7 +3,8 @@
 The main pytest process has one CPU device and jax is already initialised there, so the checks run in
 a subprocess started with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (set before jax is
 imported). Running this file as a script performs the checks and prints one JSON line per check; the
-tests below run that script once (a module-scoped fixture) and assert on each check's result.
+tests below run that script once (a module-scoped fixture) and assert on each check's result. On the
+main process's one device, ``ring_attention_shard`` runs as a ring of one and its argument checks.
 """
 
 import json
@@ -12,9 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 CHECKS = [
+    "ring_shard_in_user_shard_map_matches_dense",
+    "ring_shard_on_batch_by_seq_mesh_matches_dense",
+    "ring_shard_check_vma_true_refused",
     "ring_matches_dense",
     "ring_causal_matches_dense",
     "ring_padding_gqa_matches_dense",
@@ -44,7 +49,7 @@ def four_device_results():
     return results
 
 
-@pytest.mark.slow  # one 4-device subprocess of about 35 s: `make test-slow`
+@pytest.mark.slow  # one 4-device subprocess of about 45 s on 2 cores: `make test-slow`
 @pytest.mark.parametrize("check", CHECKS)
 def test_four_device_check(four_device_results, check):
     proc = four_device_results["_proc"]
@@ -52,6 +57,77 @@ def test_four_device_check(four_device_results, check):
     record = four_device_results[check]
     assert record["devices"] == 4
     assert record["ok"], record
+
+
+# ----------------------------------------------------------------------------------------------------
+# ring_attention_shard on the main process's one device: a ring of one, and its argument checks.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _one_device_shard_map(fn):
+    import jax
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))  # shard_map places inputs
+    spec = PartitionSpec("seq")
+    return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, PartitionSpec(None, "seq")),
+                         check_vma=False)
+
+
+def test_ring_attention_shard_in_a_one_device_shard_map_equals_dense():
+    import jaxattn
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((6, 2, n)).astype(np.float32) for n in (4, 4, 3))
+    run = _one_device_shard_map(lambda q, k, v: jaxattn.ring_attention_shard(q, k, v, axis_name="seq", is_causal=True))
+    out, lse = run(q, k, v)
+    ref_out, _ = jaxattn.multi_head_attention(q, k, v, is_causal=True)
+    _, ref_lse = jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(out, ref_out, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(axis_name=1), TypeError, "axis_name must be the name (a str) of a mesh axis, received 1"),
+        (dict(axis_name="nope"), ValueError, "axis_name='nope' is not bound here"),
+    ],
+    ids=["axis_name_not_str", "axis_name_unbound"],
+)
+def test_ring_attention_shard_refuses_an_axis_it_cannot_use(kwargs, error, message):
+    import jaxattn
+
+    q = np.zeros((4, 2, 4), np.float32)
+    with pytest.raises(error) as info:  # outside any shard_map, and inside one without that axis
+        jaxattn.ring_attention_shard(q, q, q, **kwargs)
+    assert message in str(info.value)
+    with pytest.raises(error) as info:
+        _one_device_shard_map(lambda q, k, v: jaxattn.ring_attention_shard(q, k, v, **kwargs))(q, q, q)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, k_len, message",
+    [
+        (dict(kv_mask=np.ones(3, bool)), 4, "kv_mask must have shape [S] = (4,), received (3,)"),
+        (dict(kv_mask=np.ones(4, np.float32)), 4, "kv_mask must be a boolean keep-mask"),
+        (dict(is_causal=True), 2, "needs chunks of equal length, received q (4, 2, 4) [Tc, N, H] and k (2, 2, 4)"),
+    ],
+    ids=["kv_mask_shape", "kv_mask_dtype", "causal_unequal_chunks"],
+)
+def test_ring_attention_shard_checks_its_chunks(kwargs, k_len, message):
+    import jax
+
+    import jaxattn
+
+    q, k = np.zeros((4, 2, 4), np.float32), np.zeros((k_len, 2, 4), np.float32)
+    mask = kwargs.get("kv_mask")
+    rest = {key: value for key, value in kwargs.items() if key != "kv_mask"}
+    f = lambda q, k, v: jaxattn.ring_attention_shard(q, k, v, axis_name="seq", kv_mask=mask, **rest)
+    with pytest.raises((ValueError, TypeError)) as info:
+        jax.eval_shape(_one_device_shard_map(f), q, k, k)
+    assert message in str(info.value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -247,7 +323,93 @@ def _main():  # pragma: no cover - runs in the subprocess
             else:
                 raise AssertionError(f"no ValueError for {kwargs}")
 
+    def max_abs(**pairs):  # reported in the check's record, never asserted
+        diff = lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        return {f"max_abs_{name}": diff(a, b) for name, (a, b) in pairs.items()}
+
+    def shard_vjp(fn, mesh, spec, lse_spec, has_mask):
+        """One compiled function: ``fn(q, k, v, m, scale)`` in the caller's own shard_map, forward and vjp."""
+        in_specs = (spec, spec, spec, spec if has_mask else None, PartitionSpec())
+        body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(spec, lse_spec), check_vma=False)
+
+        @jax.jit
+        def run(q, k, v, m, scale, d_out, d_lse):
+            out, vjp = jax.vjp(lambda q, k, v, s: body(q, k, v, m, s), q, k, v, scale)
+            return out, vjp((d_out, d_lse))
+        return run
+
+    def ring_shard_in_user_shard_map_matches_dense():
+        """ring_attention_shard in the caller's shard_map (4-device ring): out, lse, dq, dk, dv, dscale.
+
+        Causal, grouped-query, keys 9.. padded; scale is an input replicated over the ring (P()), so its
+        gradient is the devices' shares summed by shard_map's transpose.
+        """
+        T, N, K = 12, 4, 2
+        q, k, v = qkv(T, N, 4, K=K)
+        kv_mask = np.arange(T) < 9
+        d_out = rng.standard_normal((T, N, 3)).astype(np.float32)
+        d_lse = rng.standard_normal((N, T)).astype(np.float32)
+
+        def block(q, k, v, m, s):  # this device's chunks [3, N, H], [3, K, H], [3, K, V], [3]
+            return jaxattn.ring_attention_shard(q, k, v, axis_name="seq", kv_mask=m, is_causal=True, scale=s,
+                                                block_q=2, block_k=2)
+
+        run = shard_vjp(block, seq_mesh, PartitionSpec("seq"), PartitionSpec(None, "seq"), True)
+        placed = on(seq_mesh, PartitionSpec("seq"), q, k, v, kv_mask)
+        (out, lse), grads = run(*placed, np.float32(0.6), d_out, d_lse)
+        ref = lambda q, k, v, s: jaxattn.multi_head_blockwise_attention(q, k, v, mask=kv_mask, is_causal=True, scale=s)
+        (out_ref, lse_ref), grads_ref = jax.jit(lambda *a: single_vjp(ref, a, (d_out, d_lse)))(q, k, v, np.float32(0.6))
+        dense = jaxattn.multi_head_attention(q, k, v, mask=kv_mask, is_causal=True, scale=0.6)[0]
+        np.testing.assert_allclose(out, dense, **tol)
+        np.testing.assert_allclose(out, out_ref, **tol)
+        np.testing.assert_allclose(lse, lse_ref, **tol)
+        for g, g_ref, what in zip(grads, grads_ref, ("q", "k", "v", "scale")):
+            np.testing.assert_allclose(g, g_ref, atol=1e-4, rtol=1e-5, err_msg=f"d{what}")
+        assert len(out.sharding.device_set) == 4
+        grad_pairs = dict(zip(("dq", "dk", "dv", "dscale"), zip(grads, grads_ref)))
+        return max_abs(out=(out, dense), lse=(lse, lse_ref), **grad_pairs)
+
+    def ring_shard_on_batch_by_seq_mesh_matches_dense():
+        """A 2 x 2 (batch, seq) mesh: the caller vmaps ring_attention_shard over its examples; not causal."""
+        mesh = jax.make_mesh((2, 2), ("batch", "seq"))
+        q, k, v = batched(4, 8, 4, 2)
+        d_out = rng.standard_normal((4, 8, 4, 3)).astype(np.float32)
+        d_lse = rng.standard_normal((4, 4, 8)).astype(np.float32)
+
+        def block(q, k, v, m, s):  # [2, 4, N, H] ...: this device's 2 examples, 4 positions of each
+            f = lambda q, k, v: jaxattn.ring_attention_shard(q, k, v, axis_name="seq", scale=s, block_q=2, block_k=3)
+            return jax.vmap(f)(q, k, v)
+
+        spec = PartitionSpec("batch", "seq")
+        run = shard_vjp(block, mesh, spec, PartitionSpec("batch", None, "seq"), False)
+        (out, lse), grads = run(*on(mesh, spec, q, k, v), None, np.float32(0.5), d_out, d_lse)
+        ref = jax.vmap(lambda q, k, v, s: jaxattn.multi_head_blockwise_attention(q, k, v, scale=s), (0, 0, 0, None))
+        (out_ref, lse_ref), grads_ref = jax.jit(lambda *a: single_vjp(ref, a, (d_out, d_lse)))(q, k, v, np.float32(0.5))
+        dense = jax.vmap(lambda q, k, v: jaxattn.multi_head_attention(q, k, v, scale=0.5)[0])(q, k, v)
+        np.testing.assert_allclose(out, dense, **tol)
+        np.testing.assert_allclose(lse, lse_ref, **tol)
+        for g, g_ref, what in zip(grads, grads_ref, ("q", "k", "v", "scale")):
+            np.testing.assert_allclose(g, g_ref, atol=1e-4, rtol=1e-5, err_msg=f"d{what}")
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec), out.ndim), out.sharding
+        grad_pairs = dict(zip(("dq", "dk", "dv", "dscale"), zip(grads, grads_ref)))
+        return max_abs(out=(out, dense), lse=(lse, lse_ref), **grad_pairs)
+
+    def ring_shard_check_vma_true_refused():
+        q, k, v = on(seq_mesh, PartitionSpec("seq"), *qkv(8, 2, 4))
+        spec = PartitionSpec("seq")
+        body = jax.shard_map(lambda q, k, v: jaxattn.ring_attention_shard(q, k, v, axis_name="seq"), mesh=seq_mesh,
+                             in_specs=(spec, spec, spec), out_specs=(spec, PartitionSpec(None, "seq")))
+        try:
+            jax.eval_shape(body, q, k, v)
+        except NotImplementedError as e:
+            assert "check_vma=False" in str(e), str(e)
+        else:
+            raise AssertionError("no NotImplementedError under check_vma=True")
+
     checks = {
+        "ring_shard_in_user_shard_map_matches_dense": ring_shard_in_user_shard_map_matches_dense,
+        "ring_shard_on_batch_by_seq_mesh_matches_dense": ring_shard_on_batch_by_seq_mesh_matches_dense,
+        "ring_shard_check_vma_true_refused": ring_shard_check_vma_true_refused,
         "ring_matches_dense": lambda: check_ring(False),
         "ring_causal_matches_dense": lambda: check_ring(True),
         "ring_padding_gqa_matches_dense": ring_padding_gqa_matches_dense,
@@ -261,8 +423,7 @@ def _main():  # pragma: no cover - runs in the subprocess
     for name, fn in checks.items():
         start = time.perf_counter()
         try:
-            fn()
-            record = dict(check=name, ok=True, devices=devices)
+            record = dict(check=name, ok=True, devices=devices, **(fn() or {}))
         except Exception:  # report every failure, keep checking the rest
             record = dict(check=name, ok=False, devices=devices, error=traceback.format_exc()[-3000:])
         record["seconds"] = round(time.perf_counter() - start, 2)  # reported, never asserted

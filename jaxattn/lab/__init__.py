@@ -58,9 +58,11 @@ from jaxattn.lab._trophy import (  # noqa: E402
     png_grid,
     png_pair,
     render_ascii,
+    render_contrast,
     render_part3,
     render_part4,
     sentence_maps,
+    substitutions,
     word_span,
 )
 
@@ -91,6 +93,7 @@ __all__ = [
     "png_pair",
     "readout_norm_mean",
     "render_ascii",
+    "render_contrast",
     "render_laws",
     "render_part1",
     "render_part3",
@@ -102,6 +105,7 @@ __all__ = [
     "scaled_band",
     "sentence_maps",
     "side_by_side",
+    "substitutions",
     "sweep",
     "sweep_table",
     "word_span",

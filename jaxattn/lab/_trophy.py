@@ -26,6 +26,20 @@ SENTENCES = {
 RESOLUTION_PROMPT = ' In that sentence, "it" refers to the'
 RESOLUTIONS = {"trophy": " trophy", "suitcase": " suitcase"}
 
+
+def substitutions(sentence: str) -> tuple[str, dict[str, str]]:
+    """The sentence split for substitution scoring (Trinh & Le 2018): ``(prefix, {candidate: rest})``.
+
+    Each candidate replaces the pronoun: ``prefix + rest`` is the sentence with "the trophy" (or "the
+    suitcase") in place of "it". The prefix is the same for both, so comparing ``log p(rest | prefix)``
+    compares the two whole sentences' log-probabilities.
+    """
+    at = sentence.find(" it ", sentence.find("because"))
+    if at < 0:
+        raise ValueError(f"the sentence must contain ' it ' after 'because', received {sentence!r}")
+    prefix, rest = sentence[:at], sentence[at + len(" it"):]
+    return prefix, {name: f" the{word}{rest}" for name, word in RESOLUTIONS.items()}
+
 # Intensity characters for ASCII maps, from weight 0 (blank) to weight 1.
 LEVELS = " .:-=+*#%@"
 
@@ -215,6 +229,8 @@ class Comparison:
       flip: ``{row: [L, N]}``, ``preference[big] - preference[small]``: positive when the head looks
         more at the trophy in "too big" and more at the suitcase in "too small" (the right way).
       log_probs: ``{sentence: {"trophy": lp, "suitcase": lp}}``, or ``None`` without a scorer.
+      substitution: ``{sentence: {"trophy": lp, "suitcase": lp}}``, the log-probability of the sentence
+        with "it" replaced by each candidate (:func:`substitutions`), or ``None`` without a scorer.
       entropy: ``{"scaled": [L, N], "unscaled": [L, N]}``, the mean row entropy (nats) of the "big"
         sentence with the model's own scale and with ``scale=1.0``.
       max_weight: the same for the mean of each row's largest weight.
@@ -231,6 +247,7 @@ class Comparison:
     log_probs: dict[str, dict[str, float]] | None
     entropy: dict[str, np.ndarray]
     max_weight: dict[str, np.ndarray]
+    substitution: dict[str, dict[str, float]] | None = None
 
     def ranking(self, row: str, top: int | None = None) -> list[dict[str, Any]]:
         """Heads sorted by ``flip[row]``, largest first: ``[{layer, head, big, small, flip}, ...]``."""
@@ -261,6 +278,7 @@ class Comparison:
             "flip": {r: v.tolist() for r, v in self.flip.items()},
             "ranking": {r: self.ranking(r) for r in self.flip},
             "log_probs": self.log_probs,
+            "substitution": self.substitution,
             "entropy": {k: v.tolist() for k, v in self.entropy.items()},
             "max_weight": {k: v.tolist() for k, v in self.max_weight.items()},
         }
@@ -294,7 +312,7 @@ def compare(
     sentences = dict(SENTENCES if sentences is None else sentences)
     if set(sentences) != {"big", "small"}:
         raise ValueError(f"sentences must have the keys 'big' and 'small', received {sorted(sentences)}")
-    total = 3 + (4 if model.score is not None else 0)  # maps of big, small, big unscaled; 4 scores
+    total = 3 + (8 if model.score is not None else 0)  # maps of big, small, big unscaled; 8 scores
     done = 0
 
     def say(what: str) -> None:
@@ -344,6 +362,15 @@ def compare(
             for res, cont in RESOLUTIONS.items():
                 say(f"log p({cont!r} | 'too {k}')")
                 log_probs[k][res] = float(model.score(sentences[k] + RESOLUTION_PROMPT, cont))
+    substitution = None
+    if model.score is not None:
+        substitution = {}
+        for k in ("big", "small"):
+            prefix, rests = substitutions(sentences[k])
+            substitution[k] = {}
+            for res, rest in rests.items():
+                say(f"log p('{prefix.split()[-1]}{rest}' | ...) ('too {k}', it -> the {res})")
+                substitution[k][res] = float(model.score(prefix, rest))
 
     say("maps of 'too big' with scale=1.0")
     unscaled = sentence_maps(model, sentences["big"], scale=1.0)
@@ -355,7 +382,7 @@ def compare(
     }
     max_weight = {"scaled": big.attentions.max(-1).mean(-1), "unscaled": unscaled.attentions.max(-1).mean(-1)}
     return Comparison(model.name, model.causal, maps, first_difference, it, it_diff, preference, flip,
-                      log_probs, entropy, max_weight)
+                      log_probs, entropy, max_weight, substitution)
 
 
 def _why_it_row(c: Comparison) -> str:
@@ -422,6 +449,17 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
         right = (c.log_probs["big"]["trophy"] > c.log_probs["big"]["suitcase"]
                  and c.log_probs["small"]["suitcase"] > c.log_probs["small"]["trophy"])
         lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
+    if c.substitution is not None:
+        lines.append(f"\nits verdict by substitution (Trinh & Le 2018): log p of the sentence with 'it' replaced by "
+                     f"each candidate, nats")
+        for k in ("big", "small"):
+            lp = c.substitution[k]
+            pick = max(lp, key=lp.get)
+            lines.append(f"  too {k:<5}: 'the trophy was too {k}' {lp['trophy']:8.3f}  'the suitcase was too {k}' "
+                         f"{lp['suitcase']:8.3f}  -> prefers 'the {pick}' (by {abs(lp['trophy'] - lp['suitcase']):.3f})")
+        right = (c.substitution["big"]["trophy"] > c.substitution["big"]["suitcase"]
+                 and c.substitution["small"]["suitcase"] > c.substitution["small"]["trophy"])
+        lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
     else:
         lines.append(f"\nwhat it concludes (prediction): not reported. {c.model} has no scorer (no language-model "
                      f"head), so it gives no probability to 'the trophy' vs 'the suitcase'; only where it looks "
@@ -436,6 +474,37 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
                      f"max weight {m['scaled'][layer].mean():.3f} -> {m['unscaled'][layer].mean():.3f}")
     lines.append(f"  all heads: {e['scaled'].mean():.3f} -> {e['unscaled'].mean():.3f} nats; heads whose entropy "
                  f"fell: {int(np.sum(e['unscaled'] < e['scaled']))} of {L * N}")
+    return "\n".join(lines)
+
+
+def render_contrast(causal: Comparison, encoder: Comparison) -> str:
+    """The " it" row of a causal model beside a bidirectional one's: the same rows, side by side.
+
+    Per layer: the largest change of the row between "too big" and "too small" (over heads and keys),
+    and the mean over heads of the row's preference for " trophy" over " suitcase" in each sentence.
+    """
+    if not causal.causal or encoder.causal:
+        raise ValueError("render_contrast takes a causal model's Comparison first and a bidirectional one's second")
+    rows = []
+    for c in (causal, encoder):
+        d, p = c.it_row_max_abs_diff, c.preference.get("it") or {
+            k: _preference(m, c.it_index) for k, m in c.maps.items()}
+        rows.append([(float(d[layer].max()), float(p["big"][layer].mean()), float(p["small"][layer].mean()))
+                     for layer in range(d.shape[0])])
+    name_c, name_e = causal.model, encoder.model
+    lines = [f"== The ' it' row, causal beside bidirectional: {name_c} | {name_e} ==",
+             "  per layer: max |A_big - A_small| over heads and keys; mean over heads of the row's weight on "
+             "' trophy' minus ' suitcase' in 'too big' / 'too small'",
+             f"  {'layer':>5}  {'max|diff|':>10} {'pref big':>9} {'pref small':>10}  |  {'max|diff|':>10} "
+             f"{'pref big':>9} {'pref small':>10}"]
+    for layer in range(max(len(rows[0]), len(rows[1]))):
+        cells = []
+        for r in rows:
+            cells.append(f"{r[layer][0]:>10.3g} {r[layer][1]:>9.4f} {r[layer][2]:>10.4f}" if layer < len(r) else " " * 31)
+        lines.append(f"  {layer:>5}  {cells[0]}  |  {cells[1]}")
+    dc, de = causal.it_row_max_abs_diff.max(), encoder.it_row_max_abs_diff.max()
+    lines.append(f"  over all heads: {name_c} {dc:.3g}" + (" (bit-identical)" if dc == 0.0 else "")
+                 + f"; {name_e} {de:.3g}: the causal ' it' cannot see the adjective, the bidirectional one can.")
     return "\n".join(lines)
 
 

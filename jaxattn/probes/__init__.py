@@ -16,9 +16,19 @@ softmax): there is no second attention path.
   program, :func:`saturation_sweep`, :func:`summarize_sweep`, :func:`sweep_trial_fn`;
 - the laws the unscaled sweep follows, float64 NumPy (``_laws``): :func:`gap_survival`,
   :func:`gap_density_at_zero`, :func:`gap_median`, :func:`underflow_gap`, :func:`predicted_laws`,
-  :func:`fit_power_law`, :func:`fit_stretched_exp`.
+  :func:`fit_power_law`, :func:`fit_stretched_exp`;
+- a lower bound on a head's row entropy from the spectral norm of its query-key matrix, after Zhai et
+  al. 2023 (``_bound``): :func:`entropy_lower_bound`, :func:`logit_spread_bound`, :func:`entropy_floor`,
+  :func:`two_level_entropy`, :func:`qk_spectral_norm`.
 """
 
+from jaxattn.probes._bound import (
+    entropy_floor,
+    entropy_lower_bound,
+    logit_spread_bound,
+    qk_spectral_norm,
+    two_level_entropy,
+)
 from jaxattn.probes._grads import attention_grads, grad_norms
 from jaxattn.probes._jacobian import softmax_jacobian, softmax_jacobian_norms
 from jaxattn.probes._laws import (
@@ -45,6 +55,8 @@ __all__ = [
     "dot_product_variance",
     "effective_support",
     "entropy",
+    "entropy_floor",
+    "entropy_lower_bound",
     "fit_power_law",
     "fit_stretched_exp",
     "gap_density_at_zero",
@@ -52,14 +64,17 @@ __all__ = [
     "gap_survival",
     "grad_norms",
     "head_entropy",
+    "logit_spread_bound",
     "max_weight",
     "normalized_entropy",
     "predicted_laws",
+    "qk_spectral_norm",
     "row_stats",
     "saturation_sweep",
     "softmax_jacobian",
     "softmax_jacobian_norms",
     "summarize_sweep",
     "sweep_trial_fn",
+    "two_level_entropy",
     "underflow_gap",
 ]

@@ -1,0 +1,131 @@
+"""Benchmark: loading the bundled SmolLM2-135M-Instruct (a Q4_1 GGUF, dequantized to float32), and
+jaxattn's Llama forward pass with every attention map vs Hugging Face's FlaxLlamaForCausalLM
+(output_attentions=True) on the same weights, both jit-compiled, timed alternately in one run.
+
+    python experiments/bench_llama.py                  # T=512
+    python experiments/bench_llama.py --T 256 --repeats 3
+
+The Flax Llama of transformers 4.57 builds its RoPE table with base 10000 whatever the config says, so
+both run at base 10000 here (SmolLM2's is 100000; the base changes no cost) and their outputs can be
+compared. Its head is never tied: it gets the embedding's transpose. Needs transformers 4.x with its Flax
+classes (the dev extra). Prints the load time, the median forward times and the ratio jaxattn / Hugging
+Face (target <= 1.0), and writes them to bench_llama.json in the output folder it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxattn import llama
+from jaxattn.checkpoint import flatten, unflatten
+from jaxattn.io import write_json
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+
+def _timed_both(fn) -> tuple[float, float]:
+    """``(wall, cpu)`` seconds of one call; cpu sums every thread of this process, so it moves less than
+    the wall time when other jobs share the machine."""
+    t, c = time.perf_counter(), time.process_time()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--T", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="lab-output/bench_llama")
+    args = parser.parse_args(argv)
+
+    t_load = []
+    for _ in range(args.load_repeats):
+        t = time.perf_counter()
+        params, config, _ = llama.load()
+        jax.block_until_ready(params)
+        t_load.append(time.perf_counter() - t)
+    n_params = sum(int(np.prod(v.shape)) for v in flatten(params).values())
+    print(f"load {llama.BUNDLED_NAME}: {n_params / 1e6:.1f}M parameters to float32, median "
+          f"{statistics.median(t_load):.2f} s (runs: {', '.join(f'{t:.2f}' for t in t_load)})")
+
+    import transformers
+
+    config = config._replace(rope_theta=10000.0)  # Flax Llama's fixed base; see the module docstring
+    print(f"seed {args.seed}; {config.num_hidden_layers} layers x {config.num_attention_heads} query heads "
+          f"({config.num_key_value_heads} key/value heads), d_model={config.hidden_size}, V={config.vocab_size}, "
+          f"T={args.T}; jax {jax.__version__} on {jax.devices()[0].platform} "
+          f"({platform.processor() or platform.machine()})")
+    ids = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.T).astype(np.int32)
+    hf = transformers.FlaxLlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, max_position_embeddings=args.T,
+        rms_norm_eps=config.rms_norm_eps), _do_init=False)
+    flat = flatten(params)
+    hf_params = unflatten({**flat, "lm_head/kernel": flat["model/embed_tokens/embedding"].T})
+    hf_run = jax.jit(lambda p, x: hf(x, params=p, output_attentions=True))
+
+    def ours():
+        out = llama.forward(params, config, ids)
+        return out.logits, out.attentions  # [T, V], [L, N, T, T]
+
+    def theirs():
+        with jax.numpy_rank_promotion("allow"):
+            out = hf_run(hf_params, ids[None])
+        return out.logits, out.attentions  # [1, T, V], L x [1, N, T, T]
+
+    compile_ours, compile_theirs = _timed(ours), _timed(theirs)  # first calls: compile + run
+    a, b = ours(), theirs()
+    max_logit = float(np.abs(np.asarray(a[0]) - np.asarray(b[0][0])).max())
+    logit_scale = float(np.abs(np.asarray(b[0][0])).max())
+    max_att = max(float(np.abs(np.asarray(a[1][i]) - np.asarray(b[1][i][0])).max())
+                  for i in range(config.num_hidden_layers))
+    del a, b
+    t_ours, t_theirs, c_ours, c_theirs = [], [], [], []
+    for _ in range(args.repeats):  # alternate, so load on the machine hits both alike
+        for fn, wall, cpu in ((ours, t_ours, c_ours), (theirs, t_theirs, c_theirs)):
+            w, c = _timed_both(fn)
+            wall.append(w), cpu.append(c)
+    m_ours, m_theirs = statistics.median(t_ours), statistics.median(t_theirs)
+    ratio = m_ours / m_theirs
+    pair_ratio = statistics.median(a / b for a, b in zip(t_ours, t_theirs))  # each run against its neighbour
+    cpu_ratio = statistics.median(c_ours) / statistics.median(c_theirs)
+    print(f"outputs agree: max |logits diff| {max_logit:.2e} (max |logit| {logit_scale:.1f}), "
+          f"max |attention diff| {max_att:.2e}")
+    print(f"first call (compile + run): jaxattn {compile_ours:.2f} s, Hugging Face {compile_theirs:.2f} s")
+    print(f"jaxattn.llama.forward  median {m_ours * 1e3:9.1f} ms  (runs: {', '.join(f'{t * 1e3:.0f}' for t in t_ours)})")
+    print(f"FlaxLlamaForCausalLM   median {m_theirs * 1e3:9.1f} ms  (runs: {', '.join(f'{t * 1e3:.0f}' for t in t_theirs)})")
+    print(f"ratio jaxattn / Hugging Face = {ratio:.3f}  (target <= 1.0: {'met' if ratio <= 1.0 else 'NOT met'}); "
+          f"median of paired ratios {pair_ratio:.3f}; CPU time {statistics.median(c_ours):.2f} s vs "
+          f"{statistics.median(c_theirs):.2f} s, ratio {cpu_ratio:.3f}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"command": "python experiments/bench_llama.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "seed": args.seed, "T": args.T, "platform": jax.devices()[0].platform, "load_s": t_load,
+              "median_load_s": statistics.median(t_load), "parameters": n_params,
+              "jaxattn_s": t_ours, "huggingface_s": t_theirs, "median_jaxattn_s": m_ours,
+              "median_huggingface_s": m_theirs, "ratio": ratio, "paired_ratio": pair_ratio,
+              "jaxattn_cpu_s": c_ours, "huggingface_cpu_s": c_theirs, "cpu_ratio": cpu_ratio,
+              "max_abs_logits_diff": max_logit, "max_abs_logit": logit_scale, "max_abs_attention_diff": max_att}
+    write_json(out / "bench_llama.json", record)
+    print(f"wrote {out}/bench_llama.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

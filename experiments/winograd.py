@@ -1,0 +1,90 @@
+"""Winograd schemas (WSC273 pairs, bundled) scored three ways, with 95% intervals; chance is 50%.
+
+    python experiments/winograd.py                   # SmolLM2-135M (bundled): substitution, max attention, best head
+    python experiments/winograd.py --model minilm    # all-MiniLM-L6-v2: the attention scorers (it has no LM head)
+    python experiments/winograd.py --model gpt2      # GPT-2 from the hub or a local directory (fails offline)
+
+Scorers: substitution (Trinh & Le 2018: the pronoun replaced by each candidate, full-sentence and partial
+log-probability); maximum attention (Klein & Nabi 2019: heads vote with the pronoun's attention to each
+candidate); the single best head (selected on a seeded half of the pairs, scored on the other half, both
+ways round). Writes winograd.json and winograd.md into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from jaxattn import bert, gpt2, interventions, llama
+from jaxattn.checkpoint import CheckpointError
+from jaxattn.io import atomic_write, write_json
+
+
+def load(model):
+    if model == "smollm2":
+        return (llama, *llama.load(), "SmolLM2-135M-Instruct (bundled GGUF, Q4_1 weights as float32)")
+    if model == "minilm":
+        return (bert, *bert.load(), bert.BUNDLED_NAME)
+    return (gpt2, *gpt2.load(model), str(model))
+
+
+def render(result, name, meta):
+    lines = [f"# Winograd schemas: {name}", "",
+             f"{result['pairs']} pairs ({result['sentences']} sentences) from WSC273. Source: {meta['source']} "
+             f"License: {meta['license']}.", "",
+             "| method | accuracy | correct / total | 95% interval (Wilson) |", "|---|---|---|---|"]
+    names = {"substitution_full": "substitution, full sentence (Trinh & Le 2018)",
+             "substitution_partial": "substitution, partial: the words after the candidate",
+             "max_attention": "maximum attention from the pronoun (Klein & Nabi 2019)",
+             "best_head": "single best head, selected on the other half of the pairs"}
+    for key, label in names.items():
+        if key in result:
+            r = result[key]
+            lines.append(f"| {label} | {100 * r['accuracy']:.1f}% | {r['correct']} / {r['total']} | "
+                         f"{100 * r['low']:.1f}% - {100 * r['high']:.1f}% |")
+    if "best_head" in result:
+        for f in result["best_head"]["folds"]:
+            lines.append(f"\nbest head selected on one half: layer {f['head'][0]}, head {f['head'][1]} "
+                         f"({100 * f['select_accuracy']:.1f}% there), {f['correct']} / {f['total']} on the other half")
+    lines.append(f"\npairs whose sentences first differ after the pronoun: {result['special_after_pronoun']} of "
+                 f"{result['pairs']} (a causal model's pronoun row is the same in both sentences of these)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, gpt2 or a GPT-2 directory")
+    parser.add_argument("--seed", type=int, default=0, help="the split of the pairs for the best head")
+    parser.add_argument("--out", default=None, help="output folder (default lab-output/winograd/<model>)")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        module, params, config, tok, name = load(args.model)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        print("(offline: --model smollm2 or --model minilm run on bundled weights)", file=sys.stderr)
+        return 2
+    print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
+    pairs = interventions.load_pairs()
+    causal = hasattr(module, "log_prob")
+    score = interventions.lm_scorer(module, params, config, tok) if causal else None
+    if not causal:
+        print(f"{name} has no language-model head: substitution scoring skipped, attention scorers only")
+    t0 = time.perf_counter()
+    result = interventions.evaluate(pairs, score=score, maps=interventions.model_maps(module, params, config, tok),
+                                    seed=args.seed)
+    text = render(result, name, interventions.load_metadata())
+    print(text)
+    print(f"({time.perf_counter() - t0:.0f} s)")
+    out = Path(args.out or f"lab-output/winograd/{Path(args.model).name}")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "winograd.json", {"model": name, "seed": args.seed, **result})
+    atomic_write(out / "winograd.md", text + "\n")
+    print(f"wrote winograd.json, winograd.md to {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

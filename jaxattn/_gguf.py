@@ -1,0 +1,367 @@
+"""GGUF files (llama.cpp's format) read for :mod:`jaxattn.llama`: metadata, weights, tokenizer.
+
+Read with the ``gguf`` package (llama.cpp's own Python reader, ``gguf.GGUFReader``) and dequantized with
+``gguf.quants.dequantize`` (vectorised NumPy). Only the ``llama`` architecture is read, and everything
+it does not understand is refused by name: another architecture, a metadata key of the architecture it
+does not implement (RoPE scaling, experts, ...), a tensor type outside :data:`TENSOR_TYPES`, a missing,
+unexpected or misshapen tensor, a tokenizer other than GPT-2's byte-level BPE.
+
+Layout. GGUF lists a tensor's dims as ``ne`` (``ne0`` the fastest-varying, the INPUT features of a
+weight matrix), the reverse of NumPy's order; read row-major, a weight is ``[out, in]``, PyTorch's
+``nn.Linear`` orientation. Messages quote shapes in GGUF order, as ``gguf-dump`` prints them.
+
+llama.cpp's RoPE rotates ADJACENT pairs ``(x[2j], x[2j+1])``, Hugging Face's rotates HALVES
+``(x[j], x[j + H/2])``. ``convert_hf_to_gguf.py`` therefore permutes the rows of every head of
+``q_proj`` and ``k_proj`` (``LlamaModel.permute``); :func:`unpermute` undoes it, so one forward
+(halves) serves both sources.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxattn.checkpoint import CheckpointError, TextTokenizer
+
+# Tensor types read (names of ``gguf.GGMLQuantizationType``): floats and llama.cpp's block quantizations,
+# each dequantized by ``gguf.quants.dequantize``. Others (integer tensors, the IQ/TQ/FP4 families) are refused.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# ``llama.*`` metadata keys: the ones read, and the ones that must hold a value that changes nothing.
+_LLAMA_KEYS = {
+    "llama.context_length", "llama.embedding_length", "llama.block_count", "llama.feed_forward_length",
+    "llama.attention.head_count", "llama.attention.head_count_kv", "llama.attention.layer_norm_rms_epsilon",
+    "llama.rope.freq_base", "llama.rope.dimension_count", "llama.attention.key_length",
+    "llama.attention.value_length", "llama.vocab_size",
+}
+_NEUTRAL = {"llama.rope.scaling.type": ("none",), "llama.expert_count": (0,), "llama.expert_used_count": (0,)}
+
+# Pre-tokenizers (``tokenizer.ggml.pre``) as ``tokenizers`` pre-tokenizer sequences. llama.cpp's "smollm"
+# splits every numeric character off (``\p{N}``), then applies GPT-2's regex; "gpt-2" only the regex.
+PRE_TOKENIZERS = ("smollm", "gpt-2")
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+    "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template",
+}
+_SPECIAL_ID = re.compile(r"^tokenizer\.ggml\.\w+_token_id$")  # bos/eos/unknown/padding/...: ids, not behaviour
+
+
+def _type_name(raw: Any) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(int(raw)).name
+    except ValueError:
+        return f"unknown type id {int(raw)}"
+
+
+def open_gguf(path: str | os.PathLike) -> Any:
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped; nothing is dequantized yet).
+
+    Raises:
+      CheckpointError: the file is missing, truncated, not a GGUF file or holds a tensor type the reader
+        does not know; the message names the file.
+    """
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: GGUF file not found")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, KeyError, IndexError, struct errors...
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", detail)
+        if unknown:
+            raise CheckpointError(
+                f"{path}: a tensor has type id {unknown.group(1)}, an unknown tensor type "
+                f"(this loader reads {', '.join(TENSOR_TYPES)})"
+            ) from None
+        raise CheckpointError(f"{path}: cannot read GGUF file, truncated or corrupt? ({detail})") from None
+    end = len(reader.data)
+    for t in reader.tensors:  # memory-mapped views end at the file's end: a short tensor means truncation
+        if t.data_offset + int(t.n_bytes) > end or t.data.nbytes != int(t.n_bytes):
+            raise CheckpointError(
+                f"{path}: tensor '{t.name}' needs {int(t.n_bytes)} bytes at offset {t.data_offset}, "
+                f"but the file ends at {end}: the file is truncated"
+            )
+    return reader
+
+
+def metadata(reader: Any) -> dict[str, Any]:
+    """``{key: value}`` for every metadata field (strings decoded, arrays as lists)."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the header: version, counts
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def _int(meta: dict, key: str, path: Path, default: Any = None) -> Any:
+    if key not in meta:
+        if default is None:
+            raise CheckpointError(f"{path}: metadata key '{key}' is missing")
+        return default
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise CheckpointError(f"{path}: metadata key '{key}' must be an integer, found {value!r}")
+    return int(value)
+
+
+def _float(meta: dict, key: str, path: Path, default: Any = None) -> float:
+    if key not in meta:
+        if default is None:
+            raise CheckpointError(f"{path}: metadata key '{key}' is missing")
+        return float(default)
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise CheckpointError(f"{path}: metadata key '{key}' must be a number, found {value!r}")
+    if isinstance(value, float) and float(np.float32(value)) == value:
+        # a float32 field holds the converter's decimal (1e-05) rounded; its shortest float32 repr gives it back
+        return float(str(np.float32(value)))
+    return float(value)
+
+
+def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """The model's sizes from a llama GGUF's metadata, as :class:`jaxattn.llama.LlamaConfig` fields.
+
+    Raises:
+      CheckpointError: another architecture; a ``llama.*`` key this model does not implement (or one with
+        a value other than the neutral one, e.g. ``llama.rope.scaling.type`` other than ``none``); a
+        missing or mistyped key; a RoPE dimension count other than the head dim (partial RoPE).
+    """
+    path = Path(path)
+    meta = metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(
+            f"{path}: general.architecture is {arch!r}; this loader reads the 'llama' architecture only"
+        )
+    for key in sorted(k for k in meta if k.startswith("llama.")):
+        if key in _NEUTRAL:
+            if meta[key] not in _NEUTRAL[key]:
+                raise CheckpointError(f"{path}: metadata key '{key}' = {meta[key]!r} is not supported "
+                                      f"(supported: {', '.join(repr(v) for v in _NEUTRAL[key])})")
+        elif key not in _LLAMA_KEYS:
+            raise CheckpointError(f"{path}: unsupported metadata key '{key}'; this model does not implement it, "
+                                  "so its weights could be misread")
+    D = _int(meta, "llama.embedding_length", path)
+    N = _int(meta, "llama.attention.head_count", path)
+    K = _int(meta, "llama.attention.head_count_kv", path, default=N)
+    H = _int(meta, "llama.attention.key_length", path, default=D // N if N else 1)
+    if _int(meta, "llama.attention.value_length", path, default=H) != H:
+        raise CheckpointError(f"{path}: llama.attention.value_length differs from key_length; not supported")
+    if _int(meta, "llama.rope.dimension_count", path, default=H) != H:
+        raise CheckpointError(
+            f"{path}: llama.rope.dimension_count = {meta['llama.rope.dimension_count']} but the head dim is {H}; "
+            "partial rotary embeddings are not supported"
+        )
+    names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise CheckpointError(f"{path}: missing tensor 'token_embd.weight'")
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    V = _int(meta, "llama.vocab_size", path, default=int(embd.shape[1]) if len(embd.shape) == 2 else 0)
+    return dict(
+        vocab_size=V,
+        hidden_size=D,
+        intermediate_size=_int(meta, "llama.feed_forward_length", path),
+        num_hidden_layers=_int(meta, "llama.block_count", path),
+        num_attention_heads=N,
+        num_key_value_heads=K,
+        head_dim=H,
+        max_position_embeddings=_int(meta, "llama.context_length", path),
+        rope_theta=_float(meta, "llama.rope.freq_base", path, default=10000.0),
+        rms_norm_eps=_float(meta, "llama.attention.layer_norm_rms_epsilon", path),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+    )
+
+
+def tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """``{gguf name: shape in GGUF order (ne0 first)}`` of every tensor a llama GGUF of ``config`` holds."""
+    V, D, I = config.vocab_size, config.hidden_size, config.intermediate_size
+    N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shapes = {"token_embd.weight": (D, V), "output_norm.weight": (D,)}
+    if not config.tie_word_embeddings:
+        shapes["output.weight"] = (D, V)
+    for i in range(config.num_hidden_layers):
+        b = f"blk.{i}"
+        shapes.update({
+            f"{b}.attn_norm.weight": (D,),
+            f"{b}.attn_q.weight": (D, N * H), f"{b}.attn_k.weight": (D, K * H), f"{b}.attn_v.weight": (D, K * H),
+            f"{b}.attn_output.weight": (N * H, D),
+            f"{b}.ffn_norm.weight": (D,),
+            f"{b}.ffn_gate.weight": (D, I), f"{b}.ffn_up.weight": (D, I), f"{b}.ffn_down.weight": (I, D),
+        })
+        if config.qkv_bias:
+            shapes.update({f"{b}.attn_q.bias": (N * H,), f"{b}.attn_k.bias": (K * H,), f"{b}.attn_v.bias": (K * H,)})
+        if config.o_bias:
+            shapes[f"{b}.attn_output.bias"] = (D,)
+    return shapes
+
+
+def torch_name(gguf_name: str) -> str:
+    """The Hugging Face (PyTorch) name of a llama GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``)."""
+    table = {
+        "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    }
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
+    return f"{table[parts[0]]}.{parts[1]}"
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo ``convert_hf_to_gguf.py``'s ``LlamaModel.permute`` on ``q_proj``/``k_proj`` rows (``[heads·H, ...]``).
+
+    The converter maps row ``c·H/2 + j`` of a head (``c`` in {0, 1}, the half) to row ``2j + c``, so that
+    llama.cpp's adjacent-pair RoPE rotates the pairs Hugging Face's half-split RoPE rotates; this is its
+    inverse, for a weight ``[out, in]`` or a bias ``[out]``.
+    """
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(heads, out // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any) -> dict[str, np.ndarray]:
+    """Every weight of a llama GGUF as float32 ``{Hugging Face name: array}`` in PyTorch orientation
+    (``[out, in]``), q and k un-permuted (:func:`unpermute`).
+
+    Raises:
+      CheckpointError: a tensor type outside :data:`TENSOR_TYPES`, a missing or unexpected tensor, or a
+        shape other than ``config``'s, each named.
+    """
+    from gguf.quants import dequantize
+
+    path = Path(path)
+    expected = tensor_shapes(config)
+    tensors = {t.name: t for t in reader.tensors}
+    for name in expected:
+        if name not in tensors:
+            raise CheckpointError(f"{path}: missing tensor '{name}'")
+    for name, t in tensors.items():
+        if name not in expected:
+            raise CheckpointError(f"{path}: unexpected tensor '{name}', which this model does not use")
+        kind = _type_name(t.tensor_type)
+        if kind not in TENSOR_TYPES:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has type {kind}, which this loader does not read "
+                f"(supported: {', '.join(TENSOR_TYPES)})"
+            )
+        shape = tuple(int(d) for d in t.shape)
+        if shape != expected[name]:
+            raise CheckpointError(
+                f"{path}: tensor '{name}' has shape {list(shape)}, expected {list(expected[name])} "
+                "(GGUF order, ne0 first)"
+            )
+    N, K = config.num_attention_heads, config.num_key_value_heads
+
+    def one(name: str) -> tuple[str, np.ndarray]:
+        t = tensors[name]
+        w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(expected[name][::-1])  # [out, in]
+        if name.split(".")[-2] in ("attn_q", "attn_k"):
+            w = unpermute(w, N if ".attn_q." in name else K)
+        return torch_name(name), w
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NumPy releases the GIL on large arrays
+        return dict(pool.map(one, sorted(tensors, key=lambda n: -int(tensors[n].n_bytes))))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tokenizer
+# ----------------------------------------------------------------------------------------------------
+
+
+def _pre_tokenizer(name: str) -> Any:
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex, then bytes
+    if name == "gpt-2":
+        return byte_level
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])  # "smollm"
+
+
+def read_tokenizer(reader: Any, path: str | os.PathLike) -> TextTokenizer:
+    """GPT-2-style byte-level BPE from a GGUF's ``tokenizer.ggml.*`` metadata, with the ``tokenizers`` package.
+
+    The vocabulary (``tokens``) and ``merges`` make a ``tokenizers`` BPE model; ``pre`` chooses the
+    pre-tokenizer (:data:`PRE_TOKENIZERS`); control tokens (token type 3) become special tokens, so
+    ``"<|im_start|>"`` in text is one id; ``add_bos_token``/``add_eos_token`` add them around the text.
+
+    Raises:
+      CheckpointError: no tokenizer, a model other than ``gpt2`` (byte-level BPE), an unknown
+        pre-tokenizer or ``tokenizer.ggml.*`` key, a malformed merge, each named.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    path = Path(path)
+    meta = metadata(reader)
+    for key in sorted(k for k in meta if k.startswith("tokenizer.")):
+        if key not in _TOKENIZER_KEYS and not _SPECIAL_ID.match(key) and not key.startswith("tokenizer.chat_template."):
+            raise CheckpointError(f"{path}: unsupported tokenizer metadata key '{key}'")
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        raise CheckpointError(f"{path}: the file holds no tokenizer (metadata key 'tokenizer.ggml.model' is missing)")
+    if model != "gpt2":
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{path}: tokenizer.ggml.pre is {pre!r}, a pre-tokenizer this loader does not implement "
+            f"(supported: {', '.join(PRE_TOKENIZERS)})"
+        )
+    if meta.get("tokenizer.ggml.add_space_prefix", False):
+        raise CheckpointError(f"{path}: tokenizer.ggml.add_space_prefix = true is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        missing = "tokenizer.ggml.tokens" if not tokens else "tokenizer.ggml.merges"
+        raise CheckpointError(f"{path}: metadata key '{missing}' is missing")
+    pairs = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise CheckpointError(f"{path}: tokenizer.ggml.merges holds {m!r}, not two tokens separated by a space")
+        pairs.append((parts[0], parts[1]))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens holds a token twice")
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
+        raise CheckpointError(f"{path}: the BPE vocabulary and merges do not fit together ({e})") from None
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    tok.add_special_tokens(special)
+    around = [(key, meta.get(f"tokenizer.ggml.{key}_token_id")) for key in ("bos", "eos")
+              if meta.get(f"tokenizer.ggml.add_{key}_token", False)]
+    if around:
+        for key, i in around:
+            if i is None or not 0 <= int(i) < len(tokens):
+                raise CheckpointError(f"{path}: tokenizer.ggml.add_{key}_token is set but {key}_token_id is {i!r}")
+        bos = [tokens[int(i)] for key, i in around if key == "bos"]
+        eos = [tokens[int(i)] for key, i in around if key == "eos"]
+        single = " ".join(bos + ["$A"] + eos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=single + " " + " ".join(bos + ["$B"] + eos),
+            special_tokens=[(tokens[int(i)], int(i)) for _, i in around],
+        )
+    return TextTokenizer(tok)

@@ -1,0 +1,140 @@
+"""Which heads does the answer depend on? Ablation, patching and gradients as arguments of a pure forward.
+
+Attention maps show where heads look, not what the output depends on. The bundled models' forwards
+take interventions as arguments (``head_mask [L, N]`` and ``patch``, see ``docs/models.md``), so the
+effect of every head is one compiled program over a batch of masks or patches: no hooks, no state.
+
+- a model on fixed inputs (``_model``): :class:`Bound`, :func:`bind`;
+- effect tables ``[L, N]`` for a metric of the output (``_effects``): :func:`ablation_effects`,
+  :func:`patching_effects` (activation patching; mean-ablation with :func:`reference_mean`),
+  :func:`gate_gradients`, :func:`attribution_patching`, :func:`attention_gradient`,
+  :func:`layer_gradients`, :func:`metric_value`, and the masks they run, :func:`head_masks`,
+  :func:`head_where`;
+- metrics (``_metrics``): :func:`span_log_prob`, :func:`choice_metric` (a causal LM's log-probability
+  difference between two continuations), :func:`similarity_metric` (an encoder's, no LM head);
+- tokens of a text (``_text``): :func:`encode_with_offsets`, :func:`char_span_to_tokens`,
+  :func:`find_span`, :func:`encode_choices`;
+- statistics (``_stats``): :func:`spearman`, :func:`wilson_interval`;
+- Winograd schemas (``_winograd``): :func:`load_pairs` (the bundled WSC273 subset), :class:`Schema`,
+  :func:`substitution_scores`, :func:`pronoun_attention`, :func:`max_attention_predictions`,
+  :func:`best_head`, :func:`accuracy`, :func:`model_maps`, :func:`lm_scorer`, :func:`evaluate` (all of
+  them on a model), :func:`special_after_pronoun`;
+- the entropy bound on real heads (``_heads``): :func:`qk_weights`, :func:`entropy_bounds`;
+- reports (``_report``): :func:`head_tables` (every method's table), :func:`correlations`,
+  :func:`top_heads`, :func:`heatmaps_png`, :func:`benchmark_ablations` (one program vs a loop),
+  :func:`bound_summary`, and their ``render_*`` functions.
+
+Needs the ``[models]`` extra (the tokenizers; the bundled models).
+"""
+
+from jaxattn._extras import require
+
+require("models", "jaxattn.interventions", "safetensors", "tokenizers", "huggingface_hub")
+
+from jaxattn.interventions._effects import (  # noqa: E402
+    HEAD_SITES,
+    ablation_effects,
+    attention_gradient,
+    attribution_patching,
+    gate_gradients,
+    head_masks,
+    head_where,
+    layer_gradients,
+    metric_value,
+    patching_effects,
+    reference_mean,
+)
+from jaxattn.interventions._heads import QKWeights, attention_inputs, entropy_bounds, qk_weights  # noqa: E402
+from jaxattn.interventions._metrics import choice_metric, similarity_metric, span_log_prob  # noqa: E402
+from jaxattn.interventions._model import Bound, bind  # noqa: E402
+from jaxattn.interventions._report import (  # noqa: E402
+    METHODS,
+    attention_row_reduce,
+    benchmark_ablations,
+    bound_summary,
+    choice_pair,
+    correlations,
+    head_tables,
+    heatmaps_png,
+    render_bound,
+    render_correlations,
+    render_top,
+    top_heads,
+)
+from jaxattn.interventions._stats import spearman, wilson_interval  # noqa: E402
+from jaxattn.interventions._text import char_span_to_tokens, encode_choices, encode_with_offsets, find_span  # noqa: E402
+from jaxattn.interventions._winograd import (  # noqa: E402
+    Schema,
+    accuracy,
+    best_head,
+    evaluate,
+    flatten_pairs,
+    head_predictions,
+    lm_scorer,
+    load_metadata,
+    load_pairs,
+    max_attention_predictions,
+    model_maps,
+    parse_pairs,
+    pronoun_attention,
+    special_after_pronoun,
+    split_pairs,
+    substitution_scores,
+)
+
+__all__ = [
+    "HEAD_SITES",
+    "METHODS",
+    "Bound",
+    "QKWeights",
+    "Schema",
+    "ablation_effects",
+    "accuracy",
+    "attention_gradient",
+    "attention_inputs",
+    "attention_row_reduce",
+    "attribution_patching",
+    "benchmark_ablations",
+    "best_head",
+    "bind",
+    "bound_summary",
+    "char_span_to_tokens",
+    "choice_metric",
+    "choice_pair",
+    "correlations",
+    "encode_choices",
+    "encode_with_offsets",
+    "entropy_bounds",
+    "evaluate",
+    "find_span",
+    "flatten_pairs",
+    "gate_gradients",
+    "head_masks",
+    "head_predictions",
+    "head_tables",
+    "head_where",
+    "heatmaps_png",
+    "layer_gradients",
+    "lm_scorer",
+    "load_metadata",
+    "load_pairs",
+    "max_attention_predictions",
+    "metric_value",
+    "model_maps",
+    "parse_pairs",
+    "patching_effects",
+    "pronoun_attention",
+    "qk_weights",
+    "reference_mean",
+    "render_bound",
+    "render_correlations",
+    "render_top",
+    "similarity_metric",
+    "span_log_prob",
+    "spearman",
+    "special_after_pronoun",
+    "split_pairs",
+    "substitution_scores",
+    "top_heads",
+    "wilson_interval",
+]

@@ -1,0 +1,360 @@
+"""Every head's effect on a metric, each table one compiled program: ablation, patching, gradients.
+
+A metric is a function of the model's output (``metric(output) -> scalar``): a log-probability
+difference read off the logits, or any function of an encoder's hidden states. Each table is ``[L, N]``:
+
+- :func:`ablation_effects`: ``metric(head (l, n) zeroed) - metric(clean)``, through ``head_mask``;
+- :func:`patching_effects`: ``metric(head (l, n)'s tensor replaced by value) - metric(clean)``, through
+  ``patch``: activation patching from another input's run, or mean-ablation with :func:`reference_mean`;
+- :func:`gate_gradients`: ``∂metric/∂head_mask`` at ones;
+- :func:`attribution_patching`: ``Σ (value - clean) · ∂metric/∂tensor`` over the head's entries, the
+  first-order estimate of :func:`patching_effects`;
+- :func:`attention_gradient`: ``A ⊙ ∂metric/∂A`` for every weight ``[L, N, T, S]``; summed over a row, the
+  attention × gradient attribution of that query;
+- :func:`layer_gradients`: the total derivative of the metric with respect to any captured tensor.
+
+The L·N interventions of a table run as ``jax.lax.map`` over the stacked masks or patches with
+``batch_size=chunk``: ``jax.vmap`` over ``chunk`` of them at a time, so at most ``chunk`` copies of the
+activations are alive at once, in one ``jax.jit`` program that takes the weights as arguments.
+
+Axis alphabet: B inputs of a batch, L layers, N heads, T queries, S keys, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._sites import CAPTURE_NAMES
+from jaxattn.interventions._model import Bound
+
+Array = jax.Array
+Metric = Callable[[Any], Array]
+
+# The captured tensors a head owns (their head axis is N, or K for keys and values), which can be patched per head.
+HEAD_SITES = ("q", "k", "v", "attn_weights", "z")
+
+
+def _check_bound(bound: Any) -> Bound:
+    if not isinstance(bound, Bound):
+        raise TypeError(f"bound must be a jaxattn.interventions.Bound (from bind), received {type(bound).__name__}")
+    return bound
+
+
+def _check_metric(metric: Any) -> Metric:
+    if not callable(metric):
+        raise TypeError(f"metric must be a function output -> scalar, received {type(metric).__name__}")
+    return metric
+
+
+def _check_chunk(chunk: Any, total: int) -> int:
+    if chunk is None:
+        return total
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int (interventions run at once) or None (all), received {chunk!r}")
+    return min(int(chunk), total)
+
+
+def _scalar(metric: Metric, out: Any) -> Array:
+    value = jnp.asarray(metric(out))
+    if value.shape != ():
+        raise ValueError(f"metric must return a scalar, received shape {value.shape}")
+    return value.astype(jnp.promote_types(value.dtype, jnp.float32))
+
+
+def _float() -> Any:
+    """The default float dtype: float32, or float64 under ``jax.enable_x64`` (finite differences need it)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
+def head_masks(n_layers: int, n_heads: int, *, value: float = 0.0) -> Array:
+    """``[L·N, L, N]``: ones, with ``value`` at head ``(l, n)`` in mask ``l·N + n`` (one head ablated each)."""
+    eye = jnp.eye(n_layers * n_heads, dtype=_float()).reshape(n_layers * n_heads, n_layers, n_heads)
+    return 1.0 - (1.0 - value) * eye
+
+
+def head_where(name: str, shape: Sequence[int], *, positions: Any = None) -> Array:
+    """``[L·N, L, ...]`` boolean patch masks for ``name``: mask ``l·N + n`` selects head ``(l, n)``.
+
+    Args:
+      name: a tensor with a head axis: ``q``, ``k``, ``v`` (``[L, T, K, H]``: a query head ``n`` reads
+        key/value head ``n // (N/K)``), ``attn_weights`` (``[L, N, T, S]``) or ``z`` (``[L, T, N, H]``).
+      shape: the tensor's full shape ``[L, ...]`` (as captured, without a batch axis).
+      positions: optional boolean ``[T]``: patch only these query positions (all when ``None``).
+
+    Returns:
+      boolean masks, size 1 along the axes they do not select (they broadcast in the patch).
+    """
+    if name not in HEAD_SITES:
+        raise ValueError(f"name must be a tensor with a head axis, one of {HEAD_SITES}, received {name!r}")
+    axes = CAPTURE_NAMES[name][0].split()
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(axes) + 1:
+        raise ValueError(f"shape must be the {name} shape [L, {', '.join(axes)}], received {shape}")
+    L = shape[0]
+    head_axis = 1 + (axes.index("N") if "N" in axes else axes.index("K"))
+    t_axis = 1 + axes.index("T")
+    keep = [1] * len(shape)
+    keep[0], keep[head_axis] = L, shape[head_axis]
+    if positions is not None:
+        pos = np.asarray(positions)
+        if pos.dtype != np.bool_ or pos.shape != (shape[t_axis],):
+            raise ValueError(f"positions must be boolean [T] = ({shape[t_axis]},), received dtype {pos.dtype.name} shape {pos.shape}")
+        keep[t_axis] = shape[t_axis]
+    heads = shape[head_axis]
+    out = np.zeros((L * heads, *keep), bool)
+    for i in range(L * heads):
+        index = [i, i // heads] + [slice(None)] * (len(shape) - 1)
+        index[1 + head_axis] = i % heads
+        out[tuple(index)] = True
+    if positions is not None:
+        pos_shape = [1] * (len(shape) + 1)
+        pos_shape[1 + t_axis] = shape[t_axis]
+        out = out & pos.reshape(pos_shape)
+    return jnp.asarray(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(fn: Callable[[Any, Any], Array], size: int | None) -> Callable[[Any, Any], Array]:
+    """``jit(lax.map(fn, xs, batch_size=size))``, or ``jit(fn)`` for one item (``size=None``); kept per
+    ``(fn, size)`` so a second table of the same shapes compiles nothing."""
+    if size is None:
+        return jax.jit(fn)
+    return jax.jit(lambda args, xs: jax.lax.map(lambda x: fn(args, x), xs, batch_size=size))
+
+
+def _run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None, loop: bool) -> Array:
+    """``[fn(args, x) for x in xs]``: one ``jit(lax.map(..., batch_size=chunk))``, or a Python loop of one
+    jitted call per item. ``xs[0]`` is the clean intervention (no change); the result is
+    ``fn(xs[1:]) - fn(xs[0])``, both from the same compiled program."""
+    total = jax.tree.leaves(xs)[0].shape[0]
+    if loop:
+        one = _program(fn, None)
+        values = jnp.stack([one(args, jax.tree.map(lambda a: a[i], xs)) for i in range(total)])
+    else:
+        size = _check_chunk(chunk, total)
+        pad = -total % size  # whole chunks only (one compiled body): repeat the clean row
+        padded = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)]), xs)
+        values = _program(fn, size)(args, padded)[:total]
+    return values[1:] - values[0]
+
+
+def metric_value(bound: Bound, metric: Metric) -> Array:
+    """``metric(bound())``: the clean value every table is measured from (compiled)."""
+    _check_bound(bound), _check_metric(metric)
+    return _program(_clean_fn(bound.apply, metric), None)(bound.args, None)
+
+
+@functools.lru_cache(maxsize=64)
+def _clean_fn(apply: Callable[..., Any], metric: Metric) -> Callable[[Any, Any], Array]:
+    return lambda args, _: _scalar(metric, apply(args))
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_fn(apply: Callable[..., Any], metric: Metric) -> Callable[[Any, Any], Array]:
+    return lambda args, mask: _scalar(metric, apply(args, head_mask=mask))
+
+
+@functools.lru_cache(maxsize=64)
+def _patch_fn(apply: Callable[..., Any], metric: Metric, name: str) -> Callable[[Any, Any], Array]:
+    return lambda args_value, where: _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}))
+
+
+def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, value: float = 0.0,
+                     loop: bool = False) -> Array:
+    """``[L, N]``: ``metric(head (l, n) multiplied by value) - metric(clean)``; ``value=0`` ablates.
+
+    Every ablation multiplies one head's output ``z`` by ``value`` through ``head_mask`` (Hugging Face's
+    meaning), so the head adds ``value ·`` its usual contribution to the residual stream. The clean
+    metric comes from the same compiled program (an all-ones mask), so a head with no effect gives 0.
+
+    Args:
+      bound: the model on its inputs (:func:`bind`).
+      metric: ``output -> scalar``.
+      chunk: how many ablations run at once (``jax.vmap``) inside the one program: at most ``chunk``
+        copies of the activations are alive; ``None`` runs all L·N at once.
+      value: the gate of the ablated head (0: removed; 1: no change).
+      loop: run a Python loop of one jitted forward per head instead (the same numbers; a baseline).
+    """
+    _check_bound(bound), _check_metric(metric)
+    L, N = bound.n_layers, bound.n_heads
+    masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=float(value))])
+    return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, loop).reshape(L, N)
+
+
+def _value_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
+    rank = 1 + len(CAPTURE_NAMES[name][0].split())
+    if value.ndim == rank + 1 and bound.batch is not None:
+        return tuple(value.shape[1:])
+    if value.ndim != rank:
+        raise ValueError(f"value must have shape [L, ...] ({rank} axes) or, for a batch, [B, L, ...], "
+                         f"received shape {tuple(value.shape)}")
+    return tuple(value.shape)
+
+
+def _check_value(name: str, value: Any) -> Array:
+    if name not in HEAD_SITES:
+        raise ValueError(f"name must be a tensor with a head axis, one of {HEAD_SITES}, received {name!r}")
+    dtype = getattr(value, "dtype", None) or np.asarray(value).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"value must be a float array (a captured {name}), received dtype {np.dtype(dtype).name}")
+    return jnp.asarray(value)
+
+
+def _where_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
+    """The full per-input shape of ``name``, from the value (size-1 axes filled in from a capture's shape)."""
+    shape = _value_shape(bound, name, value)
+    if 1 not in shape[1:]:
+        return shape
+    out = jax.eval_shape(lambda a: bound.apply(a, capture=(name,)), bound.args).captured[name]
+    return tuple(out.shape[1:]) if bound.batch is not None else tuple(out.shape)
+
+
+def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
+                     chunk: int | None = 16, loop: bool = False) -> Array:
+    """``[L, N]``: ``metric(head (l, n)'s name replaced by value) - metric(clean)`` (activation patching).
+
+    Args:
+      bound: the model on the input patched into (e.g. "... too big").
+      metric: ``output -> scalar``.
+      value: the replacement, the shape of the captured tensor ``[L, ...]`` (or ``[B, L, ...]`` for a
+        batched bound): usually ``source(capture=(name,)).captured[name]`` from the same model on another
+        input of the same length (e.g. "... too small"), or :func:`reference_mean` (mean-ablation; size-1
+        axes broadcast).
+      name: ``z`` (each head's output, default), ``attn_weights`` (its attention pattern, applied to the
+        clean values), ``q``; or ``k``/``v`` (under grouped-query attention a key/value head is shared by
+        N/K query heads, so patching one replaces it for all of them: the table is then ``[L, K]``).
+      positions: optional boolean ``[T]``, the query positions to patch (all when ``None``).
+      chunk, loop: as in :func:`ablation_effects`.
+    """
+    _check_bound(bound), _check_metric(metric)
+    value = _check_value(name, value)
+    shape = _where_shape(bound, name, value)
+    where = head_where(name, shape, positions=positions)  # [L·N, L, ...]
+    where = jnp.concatenate([jnp.zeros_like(where[:1]), where])  # row 0: nothing patched (the clean run)
+    effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop)
+    return effects.reshape(bound.n_layers, -1)
+
+
+def gate_gradients(bound: Bound, metric: Metric) -> Array:
+    """``[L, N]``: ``∂metric/∂head_mask`` at ``head_mask = 1`` (one backward pass).
+
+    ``metric(ablate (l, n)) - metric(clean) ≈ -gate_gradients[l, n]`` to first order: the gradient is the
+    linear estimate of every ablation at once ("attribution patching" of the gates).
+    """
+    _check_bound(bound), _check_metric(metric)
+    ones = jnp.ones((bound.n_layers, bound.n_heads), _float())
+    return _gate_program(bound.apply, metric)(ones, bound.args)
+
+
+@functools.lru_cache(maxsize=64)
+def _gate_program(apply: Callable[..., Any], metric: Metric) -> Callable[[Any, Any], Array]:
+    return jax.jit(jax.grad(lambda m, args: _scalar(metric, apply(args, head_mask=m))))
+
+
+def _reduce_heads(x: Array, name: str, batched: bool) -> Array:
+    """Sum ``x`` (``[(B,) L, ...]``) over every axis but layers and the head axis: ``[L, N]``."""
+    axes = CAPTURE_NAMES[name][0].split()
+    head = 1 + (axes.index("N") if "N" in axes else axes.index("K"))
+    lead = 1 if batched else 0
+    x = jnp.moveaxis(x, lead + head, lead + 1)  # [(B,) L, N, ...]
+    sum_axes = tuple(range(lead + 2, x.ndim)) + ((0,) if batched else ())
+    return jnp.sum(x, axis=sum_axes)
+
+
+def layer_gradients(bound: Bound, metric: Metric, name: str, *, chunk: int | None = 8) -> tuple[Array, Array]:
+    """``(x, ∂metric/∂x)`` for the captured tensor ``x = name`` of every layer, ``[(B,) L, ...]`` each.
+
+    Each layer's gradient is the total derivative: the tensor of layer ``l`` is patched with its own value
+    (``where`` true at layer ``l`` only), so every later layer recomputes from it. Patching all layers at
+    once would hold the later layers' tensors fixed and drop the paths through them; instead the L
+    backward passes run as one ``lax.map`` (``chunk`` at a time).
+    """
+    _check_bound(bound), _check_metric(metric)
+    if name not in CAPTURE_NAMES or name == "attn_logits":
+        raise ValueError(f"name must be a patchable capture name, received {name!r}")
+    batched = bound.batch is not None
+    clean = bound(capture=(name,)).captured[name]  # [(B,) L, ...]
+    L = bound.n_layers
+    size = _check_chunk(chunk, L)
+    layers = jnp.arange(L + (-L % size))  # whole chunks only; the extra layers repeat the last one
+    grads = _layer_program(bound.apply, metric, name, L, batched, size)(bound.args, clean, jnp.minimum(layers, L - 1))
+    grads = grads[:L]  # [L, (B,) ...]
+    return clean, (jnp.moveaxis(grads, 0, 1) if batched else grads)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_program(apply: Callable[..., Any], metric: Metric, name: str, L: int, batched: bool,
+                   size: int) -> Callable[..., Array]:
+    rank = 1 + len(CAPTURE_NAMES[name][0].split())
+
+    def one(args, x, layer):
+        where = (jnp.arange(L) == layer).reshape((L,) + (1,) * (rank - 1))
+        g = jax.grad(lambda v: _scalar(metric, apply(args, patch={name: (v, where)})))(x)
+        return g[:, layer] if batched else g[layer]  # [(B,) ...]
+
+    return jax.jit(lambda args, x, layers: jax.lax.map(lambda l: one(args, x, l), layers, batch_size=size))
+
+
+def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str = "z",
+                         chunk: int | None = 8) -> Array:
+    """``[L, N]``: ``Σ (value - clean) · ∂metric/∂name`` over each head's entries (L backward passes).
+
+    The first-order estimate of :func:`patching_effects` with the same ``value`` (Nanda's "attribution
+    patching"), with the total derivative of :func:`layer_gradients`: exact where the metric is linear in
+    the patched tensor.
+    """
+    value = _check_value(name, value)
+    clean, grad = layer_gradients(bound, metric, name, chunk=chunk)
+    return _reduce_heads((jnp.broadcast_to(value, clean.shape) - clean) * grad, name, bound.batch is not None)
+
+
+def attention_gradient(bound: Bound, metric: Metric, *, chunk: int | None = 8) -> Array:
+    """``A ⊙ ∂metric/∂A`` for every attention weight: ``[L, N, T, S]`` (``[B, L, N, T, S]`` for a batch).
+
+    ``∂metric/∂A`` is the total derivative (:func:`layer_gradients`): the gradient flows from the weights
+    into each head's output ``z = A v`` and on through every later layer. Summed over a query row ``t`` it
+    is the attention × gradient attribution of that row; summed over every row and key it equals
+    :func:`gate_gradients` (``z`` is linear in ``A``, so scaling a head's weights scales its output like
+    its gate does).
+    """
+    weights, grad = layer_gradients(bound, metric, "attn_weights", chunk=chunk)
+    return weights * grad
+
+
+def reference_mean(bounds: Sequence[Bound], name: str = "z") -> Array:
+    """``[L, 1, ...]``: ``name`` averaged over the real tokens of each input, then over the inputs.
+
+    The value of mean-ablation (``patching_effects(bound, metric, reference_mean(refs))``): each head's
+    output replaced by its average over a reference set, at every position. Inputs may differ in length.
+
+    Args:
+      bounds: unbatched :class:`Bound` s of one model on the reference inputs.
+      name: a tensor whose per-layer shape starts with T: ``z``, ``q``, ``k``, ``v``, ``resid_pre``, ...
+    """
+    if isinstance(bounds, Bound) or not bounds:
+        raise TypeError("bounds must be a non-empty sequence of Bound (one per reference input)")
+    axes = CAPTURE_NAMES.get(name, ("",))[0].split()
+    if not axes or axes[0] != "T":
+        names = [n for n, (a, _) in CAPTURE_NAMES.items() if a.startswith("T")]
+        raise ValueError(f"name must be a tensor with a token axis first, one of {names}, received {name!r}")
+    means = []
+    for b in _check_all(bounds):
+        x = b(capture=(name,)).captured[name]  # [L, T, ...]
+        m = b.args["mask"].astype(x.dtype).reshape((1, -1) + (1,) * (x.ndim - 2))  # [1, T, 1...]
+        means.append(jnp.sum(x * m, axis=1) / jnp.sum(m))  # [L, ...]
+    return jnp.mean(jnp.stack(means), axis=0)[:, None]  # [L, 1, ...]
+
+
+def _check_all(bounds: Sequence[Any]) -> list[Bound]:
+    out = []
+    for b in bounds:
+        _check_bound(b)
+        if b.batch is not None:
+            raise ValueError("reference_mean takes unbatched bounds (one input each), received a batched one")
+        out.append(b)
+    return out

@@ -1,0 +1,90 @@
+"""Metrics: functions of a model's output to the scalar every effect table is measured on.
+
+- :func:`span_log_prob`: ``Σ log p(ids[t] | ids[:t])`` over a span of a causal model's logits;
+- :func:`choice_metric`: the log-probability difference between two continuations (a causal LM);
+- :func:`similarity_metric`: for an encoder with no language-model head, how much closer the last
+  hidden state of one token is to one span's than to another's.
+
+Axis alphabet: C choices, T tokens, V vocabulary, D model width.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+
+def span_log_prob(logits: Any, ids: Any, start: Any, end: Any) -> Array:
+    """``Σ_{start <= t < end} log softmax(logits[t - 1])[ids[t]]``: a span's log-probability (nats).
+
+    Args:
+      logits: ``[T, V]`` a causal model's next-token logits (row ``t`` predicts token ``t + 1``).
+      ids: ``[T]`` the tokens.
+      start, end: the span, ``1 <= start <= end <= T`` (may be traced).
+    """
+    logits = jnp.asarray(logits)
+    ids = jnp.asarray(ids)
+    if logits.ndim != 2 or ids.shape != logits.shape[:1]:
+        raise ValueError(f"logits must be [T, V] and ids [T] with one T, received {logits.shape} and {ids.shape}")
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)  # at least float32 (float64 stays float64)
+    logp = jax.nn.log_softmax(logits[:-1].astype(dtype), axis=-1)  # [T - 1, V]: predicts ids[1:]
+    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
+    t = jnp.arange(1, ids.shape[0])  # [T - 1], the position each entry scores
+    return jnp.sum(jnp.where((t >= start) & (t < end), picked, 0.0))
+
+
+def choice_metric(choices: Mapping[str, Any]) -> Callable[[Any], Array]:
+    """``output -> log p(choice 0) - log p(choice 1)`` for a bound built on :func:`encode_choices`' rows.
+
+    Args:
+      choices: the dict from :func:`jaxattn.interventions.encode_choices` with two choices
+        (``input_ids [2, T]``, ``start [2]``, ``end [2]``); bind its ``input_ids`` and ``attention_mask``.
+
+    Returns:
+      a metric of a batched causal model's output (``logits [2, T, V]``): positive when the model prefers
+      choice 0.
+    """
+    ids = np.asarray(choices["input_ids"])
+    start, end = np.asarray(choices["start"]), np.asarray(choices["end"])
+    if ids.ndim != 2 or ids.shape[0] != 2 or start.shape != (2,) or end.shape != (2,):
+        raise ValueError(f"choices must hold two rows: input_ids [2, T], start [2], end [2]; received "
+                         f"{ids.shape}, {start.shape}, {end.shape}")
+    if np.any(start < 1) or np.any(end <= start) or np.any(end > ids.shape[1]):
+        raise ValueError(f"each choice must satisfy 1 <= start < end <= T, received start={start}, end={end}")
+    ids_j = jnp.asarray(ids)
+
+    def metric(output: Any) -> Array:
+        lp = [span_log_prob(output.logits[i], ids_j[i], int(start[i]), int(end[i])) for i in range(2)]
+        return lp[0] - lp[1]
+
+    return metric
+
+
+def _unit(x: Array) -> Array:
+    return x / jnp.maximum(jnp.linalg.norm(x), 1e-12)
+
+
+def similarity_metric(token: int, span_a: tuple[int, int], span_b: tuple[int, int]) -> Callable[[Any], Array]:
+    """``output -> cos(h[token], h̄_a) - cos(h[token], h̄_b)`` on an encoder's ``last_hidden_state [T, D]``.
+
+    ``h̄`` is the mean of a span's hidden states. Needs no language-model head: for the trophy sentence,
+    positive when the pronoun's final state is closer to "trophy" than to "suitcase".
+    """
+    for name, span in (("span_a", span_a), ("span_b", span_b)):
+        if len(span) != 2 or not 0 <= span[0] < span[1]:
+            raise ValueError(f"{name} must be (start, stop) with 0 <= start < stop, received {span!r}")
+
+    def metric(output: Any) -> Array:
+        h = output.last_hidden_state
+        h = h.astype(jnp.promote_types(h.dtype, jnp.float32))  # [T, D], at least float32
+        p = _unit(h[token])  # [D]
+        a = _unit(jnp.mean(h[span_a[0]:span_a[1]], axis=0))  # [D]
+        b = _unit(jnp.mean(h[span_b[0]:span_b[1]], axis=0))  # [D]
+        return jnp.dot(p, a) - jnp.dot(p, b)
+
+    return metric

@@ -1,0 +1,357 @@
+"""Winograd schemas, scored three ways: language-model substitution, pronoun attention, one selected head.
+
+The bundled data (``jaxattn/data/wsc273_pairs.json``) holds pairs of sentences from WSC273 (Levesque,
+Davis & Morgenstern 2012; CC BY 4.0) that differ in one special word, which flips which candidate the
+pronoun refers to. Each sentence is a :class:`Schema`. The scorers:
+
+- **substitution** (Trinh & Le 2018): replace the pronoun by each candidate and compare the language
+  model's log-probability of the full sentence, or of the part after the candidate ("partial");
+- **maximum attention** (Klein & Nabi 2019): every head votes for the candidate its pronoun row
+  attends to more, with the weight of that attention; the candidate with more votes wins;
+- **the single best head**: the head whose pronoun row picks the right candidate most often on one half
+  of the pairs, evaluated on the other half.
+
+Functions return data; models enter as functions (a scorer of continuations, a function from a text to
+its attention maps), so the same code serves GPT-2, Llama and BERT.
+
+Axis alphabet: S sentences, L layers, N heads, T tokens; C = 2 candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.interventions._metrics import span_log_prob
+from jaxattn.interventions._stats import wilson_interval
+from jaxattn.interventions._text import char_span_to_tokens, encode_with_offsets, find_span
+
+DATA_FILE = "wsc273_pairs.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """One Winograd sentence.
+
+    Attributes:
+      pair: the index of its pair (the two sentences of a pair share it).
+      text: the sentence.
+      pronoun: ``(start, end)`` characters of the pronoun.
+      candidates: two ``(start, end)`` character spans, each candidate's mention before the pronoun.
+      substitutions: the sentence with the pronoun replaced by candidate 0, and by candidate 1.
+      substitute_ends: where each substitute ends in its substitution (characters): "partial"
+        scoring scores what follows.
+      answer: 0 or 1, the candidate the pronoun refers to.
+    """
+
+    pair: int
+    text: str
+    pronoun: tuple[int, int]
+    candidates: tuple[tuple[int, int], tuple[int, int]]
+    substitutions: tuple[str, str]
+    substitute_ends: tuple[int, int]
+    answer: int
+
+    def span_text(self, span: tuple[int, int]) -> str:
+        return self.text[span[0]:span[1]]
+
+
+def _schema(pair: int, raw: str, mentions: Sequence[Any], subs: Sequence[str], answer: int, where: str) -> Schema:
+    if raw.count("[") != 1 or raw.count("]") != 1 or raw.index("[") > raw.index("]"):
+        raise ValueError(f"{where}: the text must mark the pronoun with one [bracket] pair, received {raw!r}")
+    start = raw.index("[")
+    end = raw.index("]") - 1
+    text = raw.replace("[", "", 1).replace("]", "", 1)
+    spans = []
+    for m in mentions:
+        phrase, k = (m, 0) if isinstance(m, str) else (m[0], int(m[1]))
+        spans.append(find_span(text, phrase, occurrence=k, before=start))
+    if spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
+        raise ValueError(f"{where}: the candidates' mentions overlap: {mentions!r}")
+    substitutions, ends = [], []
+    for s in subs:
+        if text[start].isupper():
+            s = s[:1].upper() + s[1:]
+        substitutions.append(text[:start] + s + text[end:])
+        ends.append(start + len(s))
+    if answer not in (0, 1):
+        raise ValueError(f"{where}: answer must be 0 or 1, received {answer!r}")
+    return Schema(pair, text, (start, end), (spans[0], spans[1]), (substitutions[0], substitutions[1]),
+                  (ends[0], ends[1]), answer)
+
+
+def parse_pairs(data: Any) -> list[tuple[Schema, Schema]]:
+    """The pairs of a data dict (the bundled file's layout: ``{"pairs": [{texts, candidates, substitutes, answers}]}``).
+
+    Raises:
+      ValueError: naming the pair and the field that is malformed (a pronoun not marked once, a mention
+        not found before the pronoun, answers that are not one of each).
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("pairs"), list):
+        raise ValueError("data must be a dict with a list under 'pairs'")
+    out = []
+    for i, p in enumerate(data["pairs"]):
+        where = f"pair {i}"
+        for key in ("texts", "candidates", "substitutes", "answers"):
+            if not isinstance(p.get(key), list) or len(p[key]) != 2:
+                raise ValueError(f"{where}: '{key}' must be a list of two entries, received {p.get(key)!r}")
+        if sorted(p["answers"]) != [0, 1]:
+            raise ValueError(f"{where}: the two sentences must have different answers (0 and 1), received {p['answers']}")
+        out.append(tuple(_schema(i, t, p["candidates"], p["substitutes"], a, where)
+                         for t, a in zip(p["texts"], p["answers"])))
+    return out
+
+
+def load_pairs(path: str | Path | None = None) -> list[tuple[Schema, Schema]]:
+    """The Winograd pairs of a JSON file; ``None``: the bundled WSC273 subset (``jaxattn/data``)."""
+    if path is None:
+        text = resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    return parse_pairs(json.loads(text))
+
+
+def load_metadata(path: str | Path | None = None) -> dict[str, str]:
+    """The data file's ``name``, ``source``, ``license`` and ``note`` (its citation)."""
+    if path is None:
+        text = resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8")
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+    data = json.loads(text)
+    return {k: data.get(k, "") for k in ("name", "source", "license", "note")}
+
+
+def flatten_pairs(pairs: Sequence[tuple[Schema, Schema]]) -> list[Schema]:
+    """The sentences of the pairs, in order (two per pair)."""
+    return [s for pair in pairs for s in pair]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scorer 1: substitution (Trinh & Le 2018).
+# ----------------------------------------------------------------------------------------------------
+
+Scorer = Callable[[str, str], float]  # (context, continuation) -> log p(continuation | context), nats
+
+
+def substitution_scores(schemas: Sequence[Schema], score: Scorer) -> dict[str, np.ndarray]:
+    """Each candidate's substitution score: ``{"full": [S, 2], "partial": [S, 2]}`` (nats).
+
+    ``full`` is ``score("", substitution)``: the log-probability of the whole sentence with the candidate
+    in place of the pronoun (a model without a start token cannot score the first token, which the two
+    candidates share). ``partial`` is ``score(up to and with the candidate, the rest)``: the
+    log-probability of the words after the candidate, given it (Trinh & Le's partial scoring).
+    """
+    full = np.zeros((len(schemas), 2))
+    partial = np.zeros((len(schemas), 2))
+    for i, s in enumerate(schemas):
+        for c in range(2):
+            text, cut = s.substitutions[c], s.substitute_ends[c]
+            full[i, c] = score("", text)
+            partial[i, c] = score(text[:cut], text[cut:])
+    return {"full": full, "partial": partial}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scorers 2 and 3: the pronoun's attention to the candidates.
+# ----------------------------------------------------------------------------------------------------
+
+MapsFn = Callable[[str], tuple[Any, Any]]  # text -> (attentions [L, N, T, T], offsets [T, 2])
+
+
+def pronoun_attention(schemas: Sequence[Schema], maps: MapsFn) -> np.ndarray:
+    """``[S, L, N, 2]``: the weight the pronoun's (first) token puts on each candidate's tokens (summed).
+
+    Args:
+      schemas: the sentences.
+      maps: ``text -> (attentions [L, N, T, T], offsets [T, 2])``, e.g. :func:`model_maps`.
+    """
+    out = []
+    for s in schemas:
+        att, offsets = maps(s.text)
+        att = np.asarray(att, np.float64)
+        p = char_span_to_tokens(offsets, *s.pronoun)[0]
+        row = att[:, :, p, :]  # [L, N, T]
+        cols = []
+        for span in s.candidates:
+            a, b = char_span_to_tokens(offsets, *span)
+            cols.append(row[:, :, a:b].sum(-1))  # [L, N]
+        out.append(np.stack(cols, -1))  # [L, N, 2]
+    return np.stack(out)
+
+
+def max_attention_predictions(attention: Any) -> np.ndarray:
+    """``[S]``: Klein & Nabi's maximum attention score (MAS) choice from ``attention [S, L, N, 2]``.
+
+    Each head keeps the attention of the candidate it attends to more and gives the other 0; the
+    candidate with the larger sum over heads wins (ties: candidate 0).
+    """
+    a = np.asarray(attention, np.float64)
+    if a.ndim != 4 or a.shape[-1] != 2:
+        raise ValueError(f"attention must have shape [S, L, N, 2], received {a.shape}")
+    winner = a == a.max(-1, keepdims=True)  # [S, L, N, 2]
+    mas = np.where(winner, a, 0.0).sum((1, 2))  # [S, 2]
+    return np.argmax(mas, axis=-1)
+
+
+def head_predictions(attention: Any) -> np.ndarray:
+    """``[S, L, N]``: the candidate each head's pronoun row attends to more (ties: candidate 0)."""
+    a = np.asarray(attention, np.float64)
+    return (a[..., 1] > a[..., 0]).astype(np.int64)
+
+
+def split_pairs(n_pairs: int, *, seed: int = 0) -> np.ndarray:
+    """``[n_pairs]`` bool: a seeded random half of the pairs (True), the rest False."""
+    order = np.random.default_rng(seed).permutation(n_pairs)
+    half = np.zeros(n_pairs, bool)
+    half[order[: n_pairs // 2]] = True
+    return half
+
+
+def best_head(attention: Any, answers: Any, pair_ids: Any, *, seed: int = 0) -> list[dict[str, Any]]:
+    """The single best head, selected on one half of the pairs and scored on the other, both ways round.
+
+    Pairs, not sentences, are split (a seeded permutation), so a pair's two sentences are on one side.
+
+    Returns:
+      two dicts (select on half A, evaluate on half B; then the reverse): ``head (l, n)``,
+      ``select_accuracy``, ``correct`` and ``total`` on the evaluation half.
+    """
+    pred = head_predictions(attention)  # [S, L, N]
+    answers = np.asarray(answers)
+    pair_ids = np.asarray(pair_ids)
+    if pred.shape[0] != answers.shape[0] or answers.shape != pair_ids.shape:
+        raise ValueError(f"attention [S, ...], answers [S] and pair_ids [S] must agree, received "
+                         f"{pred.shape[0]}, {answers.shape}, {pair_ids.shape}")
+    half = split_pairs(int(pair_ids.max()) + 1, seed=seed)[pair_ids]  # [S]
+    right = pred == answers[:, None, None]  # [S, L, N]
+    folds = []
+    for select in (half, ~half):
+        acc = right[select].mean(0)  # [L, N]
+        l, n = np.unravel_index(int(np.argmax(acc)), acc.shape)
+        evaluate = ~select
+        folds.append({"head": (int(l), int(n)), "select_accuracy": float(acc[l, n]),
+                      "correct": int(right[evaluate, l, n].sum()), "total": int(evaluate.sum())})
+    return folds
+
+
+def accuracy(correct: Any) -> dict[str, float]:
+    """``{"accuracy", "correct", "total", "low", "high"}`` with Wilson's 95% interval."""
+    c = np.asarray(correct, bool).ravel()
+    k, n = int(c.sum()), int(c.size)
+    low, high = wilson_interval(k, n)
+    return {"accuracy": k / n, "correct": k, "total": n, "low": low, "high": high}
+
+
+# ----------------------------------------------------------------------------------------------------
+# A model's maps and scores, for the functions above.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _bucket(n: int) -> int:
+    return max(16, -(-n // 16) * 16)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(module: Any, config: Any) -> Callable[..., Any]:
+    """One jitted forward per model: ``(params, ids, mask) -> output`` (the scorer and the maps share it)."""
+    return jax.jit(lambda params, ids, mask: module.forward(params, config, ids, attention_mask=mask))
+
+
+def _padded(ids: np.ndarray, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    T = _bucket(len(ids))
+    out = np.full(T, pad_id, np.int32)
+    out[: len(ids)] = ids
+    return out, np.arange(T) < len(ids)
+
+
+def model_maps(module: Any, params: Any, config: Any, tokenizer: Any) -> MapsFn:
+    """``text -> (attentions [L, N, T, T], offsets [T, 2])`` for a bundled model (right-padded to a
+    multiple of 16 tokens under the mask, so a few lengths compile; the real rows and keys are returned)."""
+    run = _compiled(module, config)
+
+    def maps(text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids, offsets = encode_with_offsets(tokenizer, text)
+        padded, mask = _padded(ids)
+        att = np.asarray(run(params, jnp.asarray(padded), jnp.asarray(mask)).attentions)
+        T = len(ids)
+        return att[:, :, :T, :T], offsets
+
+    return maps
+
+
+def lm_scorer(module: Any, params: Any, config: Any, tokenizer: Any) -> Scorer:
+    """``(context, continuation) -> log p(continuation | context)`` in nats, for a causal bundled model.
+
+    The two are encoded as one text; the continuation is the tokens that start at or after
+    ``len(context)`` (a token straddling the boundary raises). With an empty context every token but the
+    first is scored (the first has no prediction unless the tokenizer adds a start token).
+    """
+    run = _compiled(module, config)
+
+    def score(context: str, continuation: str) -> float:
+        ids, offsets = encode_with_offsets(tokenizer, context + continuation)
+        real = offsets[:, 1] > offsets[:, 0]
+        after = np.flatnonzero(real & (offsets[:, 1] > len(context)))
+        if after.size == 0:
+            raise ValueError(f"the continuation {continuation!r} has no token")
+        first = int(after[0])
+        if offsets[first, 0] < len(context):
+            raise ValueError(f"a token straddles the end of the context {context!r} and the continuation {continuation!r}")
+        padded, mask = _padded(ids)
+        logits = run(params, jnp.asarray(padded), jnp.asarray(mask)).logits
+        return float(span_log_prob(logits, padded, max(first, 1), int(after[-1]) + 1))
+
+    return score
+
+
+def special_after_pronoun(pair: tuple[Schema, Schema]) -> bool:
+    """Whether the two sentences of a pair first differ after the pronoun: then a causal model's pronoun
+    row sees the same tokens in both, so pronoun-row attention cannot tell them apart."""
+    a, b = pair[0].text, pair[1].text
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return first >= pair[0].pronoun[1]
+
+
+def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = None, maps: MapsFn | None = None,
+             seed: int = 0) -> dict[str, Any]:
+    """Every scorer the model allows on the pairs: ``{method: accuracy dict}`` plus the details.
+
+    Args:
+      pairs: from :func:`load_pairs`.
+      score: a continuation scorer (:func:`lm_scorer`), for substitution; ``None`` (an encoder) skips it.
+      maps: ``text -> (attentions, offsets)`` (:func:`model_maps`), for the attention scorers.
+      seed: the split of the pairs for the single best head.
+
+    Returns:
+      ``{"substitution_full", "substitution_partial", "max_attention", "best_head"}`` (those computed),
+      each an :func:`accuracy` dict (``best_head`` pools its two folds, each scored on pairs it was not
+      selected on, and keeps the folds under ``"folds"``); ``"sentences"`` and ``"pairs"``; and
+      ``"special_after_pronoun"``, the pairs whose sentences first differ after the pronoun.
+    """
+    schemas = flatten_pairs(pairs)
+    answers = np.array([s.answer for s in schemas])
+    out: dict[str, Any] = {"sentences": len(schemas), "pairs": len(pairs),
+                           "special_after_pronoun": int(sum(special_after_pronoun(p) for p in pairs))}
+    if score is not None:
+        scores = substitution_scores(schemas, score)
+        for mode in ("full", "partial"):
+            out[f"substitution_{mode}"] = accuracy(scores[mode].argmax(1) == answers)
+        out["scores"] = {k: v.tolist() for k, v in scores.items()}
+    if maps is not None:
+        attention = pronoun_attention(schemas, maps)
+        out["max_attention"] = accuracy(max_attention_predictions(attention) == answers)
+        folds = best_head(attention, answers, [s.pair for s in schemas], seed=seed)
+        correct = sum(f["correct"] for f in folds)
+        total = sum(f["total"] for f in folds)
+        out["best_head"] = {**accuracy(np.arange(total) < correct), "folds": folds}
+        per_head = (head_predictions(attention) == answers[:, None, None]).mean(0)  # [L, N]
+        out["head_accuracy"] = per_head.tolist()
+    return out

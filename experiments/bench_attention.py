@@ -1,11 +1,13 @@
 """Benchmark: dense attention, blockwise attention, jax.nn.dot_product_attention and the chapter's naive version.
 
-Configurations: GPT-2 shapes (T=S=1024, N=12, H=64) and long single-head sequences (N=1, H=64, T=S=4k..64k),
-forward and forward+backward, causal and not. For each configuration every implementation is compiled,
+Configurations: GPT-2 shapes (T=S=1024, N=12, H=64) and long sequences (N=1 by default, ``--long-N``; H=64,
+T=S=4k..64k), forward and forward+backward (``--modes``), causal and not. For each configuration every implementation is compiled,
 then timed in interleaved rounds in ONE process (so that the ratios compare like with like), next to
 the same process's large-matmul throughput (the machine's ceiling). Peak memory is measured for each
 (configuration, implementation) in its own subprocess. On a GPU (``--gpu``, or detected) everything
-runs in bfloat16 and ``jax.nn.dot_product_attention(..., implementation='cudnn')`` joins.
+runs in bfloat16 and ``jax.nn.dot_product_attention(..., implementation='cudnn')`` joins, with the
+Pallas GPU kernel through ``multi_head_blockwise_attention(..., implementation="pallas")``; a second table
+then gives every implementation's time against cuDNN's and, with ``--peak-tflops``, its share of the peak.
 
 FLOP count: 4·T·S·H per head for the forward (two matmuls), halved for causal; forward+backward counts
 3.5× that (the backward's five matmuls, FlashAttention-2's convention).
@@ -33,7 +35,7 @@ from jaxattn.io import atomic_write
 
 GIB = 1024**3
 IMPLS_CPU = ("xla", "dense", "naive", "blockwise")
-IMPLS_GPU = ("cudnn", "xla", "dense", "naive", "blockwise")
+IMPLS_GPU = ("cudnn", "pallas", "xla", "dense", "naive", "blockwise")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,6 +73,8 @@ def _implementations(causal: bool, block_q: int, block_k: int):
         "blockwise": lambda q, k, v: jaxattn.multi_head_blockwise_attention(
             q, k, v, is_causal=causal, block_q=block_q, block_k=block_k
         )[0],
+        # the Pallas GPU kernel (jax.experimental.pallas.ops.gpu.attention.mha) through jaxattn's switch
+        "pallas": lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=causal, implementation="pallas")[0],
     }
 
 
@@ -100,7 +104,7 @@ def _flops(cfg: dict) -> float:
 
 def _quadratic_bytes(cfg: dict, impl: str) -> float:
     """Rough memory the [T, S] buffers of the materialising implementations need (0 for blockwise/cudnn)."""
-    if impl in ("blockwise", "cudnn"):
+    if impl in ("blockwise", "cudnn", "pallas"):
         return 0.0
     buffers = 4 if cfg["mode"] == "fwd" else 8  # logits, weights, temporaries; the backward keeps more
     return buffers * 4.0 * cfg["T"] * cfg["T"] * cfg["N"]
@@ -238,10 +242,10 @@ def _peak_memory(cfg: dict, impl: str, seed: int, timeout: float) -> dict:
 
 def _configs(args, dtype: str) -> list[dict]:
     base = dict(H=64, dtype=dtype, block_q=args.block_q, block_k=args.block_k)
-    shapes = [("gpt2", args.gpt2_T, 12)] + [("long", T, 1) for T in args.long_T]
+    shapes = ([] if args.skip_gpt2 else [("gpt2", args.gpt2_T, 12)]) + [("long", T, args.long_N) for T in args.long_T]
     configs = []
     for group, T, N in shapes:
-        for mode in ("fwd", "fwd+bwd"):
+        for mode in args.modes:
             for causal in (False, True):
                 configs.append(dict(base, group=group, T=T, N=N, mode=mode, causal=causal))
     return configs
@@ -259,14 +263,42 @@ def _fmt_time(entry: dict | None) -> str:
 
 
 def _ratios(record: dict, impls: list[str]) -> dict:
+    """Time ratios against ``xla`` and, where it ran, against ``cudnn`` (the GPU's reference kernel)."""
     res = record["results"]
     out = {}
-    ref = res.get("xla", {}).get("seconds")
-    for impl in impls:
-        s = res.get(impl, {}).get("seconds")
-        if s and ref and impl != "xla":
-            out[f"{impl}/xla"] = s / ref
+    for base in ("xla", "cudnn"):
+        ref = res.get(base, {}).get("seconds")
+        for impl in impls:
+            s = res.get(impl, {}).get("seconds")
+            if s and ref and impl != base:
+                out[f"{impl}/{base}"] = s / ref
     return out
+
+
+def _render_against_cudnn(report: dict, impls: list[str], peak_tflops: float | None) -> list[str]:
+    """A table per configuration against cuDNN: time, time / cuDNN's, TFLOP/s and the share of the peak."""
+    if "cudnn" not in impls:
+        return []
+    others = [i for i in impls if i != "cudnn"]
+    peak = f" and % of the {peak_tflops:g} TFLOP/s peak" if peak_tflops else ""
+    lines = ["", f"Against `jax.nn.dot_product_attention(implementation='cudnn')`: time, ratio to cuDNN's time, "
+             f"TFLOP/s{peak} (same FLOP count for every implementation).", "",
+             "| config | " + " | ".join(impls) + " | " + " | ".join(f"{i}/cudnn" for i in others) + " | "
+             + " | ".join(f"{i} TFLOP/s" for i in impls) + " |",
+             "|" + "---|" * (1 + 2 * len(impls) + len(others))]
+    for key, rec in report["configs"].items():
+        res, ratios = rec["results"], rec.get("ratios", {})
+
+        def tflops(impl):
+            g = res.get(impl, {}).get("gflops")
+            if g is None:
+                return "–"
+            return f"{g / 1e3:.1f}" + (f" ({100 * g / 1e3 / peak_tflops:.0f}%)" if peak_tflops else "")
+
+        lines.append(f"| {key} | " + " | ".join(_fmt_time(res.get(i)) for i in impls) + " | "
+                     + " | ".join(f"{ratios[f'{i}/cudnn']:.2f}" if f"{i}/cudnn" in ratios else "–" for i in others)
+                     + " | " + " | ".join(tflops(i) for i in impls) + " |")
+    return lines
 
 
 def _render(report: dict, impls: list[str]) -> str:
@@ -309,6 +341,7 @@ def _render(report: dict, impls: list[str]) -> str:
               for impl, entry in rec["results"].items() if "error" in entry]
     if notes:
         lines += ["", "Notes:"] + notes
+    lines += _render_against_cudnn(report, impls, report["meta"].get("peak_tflops"))
     lines += ["", "Derived (each against its design target):"] + [f"- {line}" for line in report.get("derived", [])]
     return "\n".join(lines) + "\n"
 
@@ -360,8 +393,15 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="require a GPU (bf16, adds cuDNN); detected automatically otherwise")
     parser.add_argument("--resume", action="store_true", help="keep configurations already in the JSON file")
     parser.add_argument("--only", default="", help="run only configurations whose key contains this text")
+    parser.add_argument("--impls", nargs="*", default=None,
+                        help="time only these implementations (default: all the backend's); ratios need xla")
     parser.add_argument("--gpt2-T", type=int, default=1024)
+    parser.add_argument("--skip-gpt2", action="store_true", help="only the long configurations")
     parser.add_argument("--long-T", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--long-N", type=int, default=1, help="heads of the long configurations (default 1)")
+    parser.add_argument("--modes", nargs="*", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak TFLOP/s in the benchmark's dtype (H200 bf16 dense: 989), for the share of peak")
     parser.add_argument("--block-q", type=int, default=512)
     parser.add_argument("--block-k", type=int, default=512)
     parser.add_argument("--matmul-n", type=int, default=2048, help="side of the ceiling matmul")
@@ -389,6 +429,11 @@ def main() -> None:
     if args.gpu and not on_gpu:
         raise SystemExit(f"--gpu given but jax's default backend is {backend!r}")
     impls = list(IMPLS_GPU if on_gpu else IMPLS_CPU)
+    if args.impls:
+        unknown = sorted(set(args.impls) - set(impls))
+        if unknown:
+            raise SystemExit(f"--impls: {unknown} not among this backend's implementations {impls}")
+        impls = [i for i in impls if i in args.impls]
     dtype = "bfloat16" if on_gpu else "float32"
     if args.quick:
         args.gpt2_T, args.long_T = 256, [2048]
@@ -414,6 +459,7 @@ def main() -> None:
         matmul_n=args.matmul_n,
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         seed=args.seed,
+        peak_tflops=args.peak_tflops,
     )
 
     for cfg in _configs(args, dtype):
@@ -443,6 +489,10 @@ def main() -> None:
         times = ", ".join(f"{i} {_fmt_time(record['results'].get(i))}" for i in impls)
         ratios = ", ".join(f"{name} {value:.2f}" for name, value in record["ratios"].items())
         print(f"  {times}; matmul {record['matmul_gflops']:.0f} GFLOP/s; ratios: {ratios}", flush=True)
+        if args.peak_tflops:
+            shares = ", ".join(f"{i} {r['gflops'] / 1e3:.1f} TFLOP/s = {100 * r['gflops'] / 1e3 / args.peak_tflops:.0f}% of peak"
+                               for i, r in record["results"].items() if "gflops" in r)
+            print(f"  {shares}", flush=True)
         report["derived"] = _derived(report)
         atomic_write(json_path, json.dumps(report, indent=1))
         atomic_write(md_path, _render(report, impls))

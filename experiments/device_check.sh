@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# The benchmarks that need a GPU, in one command of about 6 minutes; results in $1 (devices.txt,
-# bench_sweep.txt, bench_attention.txt/.json/.md, status.txt).
+# The checks that need a GPU, in one command of about 10 minutes; results in $1 (devices.txt,
+# bench_sweep.txt, bench_attention.txt/.json/.md, conformance.txt/.md/.json, vs_cudnn/bench_attention.*,
+# status.txt).
 #   * bench_sweep.py: the speed-up of the one jit(vmap) sweep over a Python loop, waiting for each
 #     result and asynchronous;
 #   * bench_attention.py --gpu: bf16 blockwise and dense attention against jax.nn.dot_product_attention
-#     with implementation='xla' and 'cudnn', GPT-2 shapes and T = 8k, 32k (peak memory skipped).
+#     with implementation='xla' and 'cudnn', GPT-2 shapes and T = 8k, 32k (peak memory skipped);
+#   * conformance.py: every implementation the GPU runs (xla, cudnn, pallas compiled, blockwise) against
+#     the float64 oracle on the whole grid (masks, causal, GQA, dtypes, odd lengths; forward and
+#     gradient), one table;
+#   * bench_attention.py against cuDNN: bf16 forward+backward, causal and not, T = 4k, 8k, 16k, 32k with
+#     16 heads of 64: blockwise and pallas (jaxattn's implementation switch) against
+#     jax.nn.dot_product_attention(implementation='cudnn'): the time ratio and each one's share of the
+#     H200's bf16 dense peak (989 TFLOP/s), in vs_cudnn/bench_attention.md.
 # It needs only jax (with CUDA) and numpy, which the device image has: jaxattn is used from the tree.
 #   bash experiments/device_check.sh OUT
+# SMOKE=1 checks the script itself on a CPU in about 2 minutes: the steps that can run there (devices,
+# conformance --quick with xla, blockwise and cudnn, which reports cudnn unsupported; the benchmark table
+# with xla and blockwise at T = 512, 1024), at toy sizes; the steps that need a GPU are skipped.
 # Exit status: 0 only if every step succeeded; each step's status is in status.txt.
 set -uo pipefail
 out=${1:-device-output}
@@ -21,9 +32,22 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   echo "$name $status" >>"$out/status.txt"
   [ "$status" -eq 0 ] || failed=1
 }
+if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes, CPU allowed: checks the script, not the GPU
+  gpu=() long_T=(512 1024) heads=2 conformance=(--quick --implementations xla blockwise cudnn)
+  vs=(--impls xla blockwise)
+else
+  gpu=(--gpu) long_T=(4096 8192 16384 32768) heads=16 conformance=()
+  vs=(--impls cudnn pallas blockwise)
+fi
 step devices 60 python -c "import jax; print(jax.__version__, jax.devices())"
-step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # best of 3: both loops and the program
-step bench_attention 200 python experiments/bench_attention.py --gpu --no-memory --seconds-per-config 2 \
-  --max-rounds 5 --long-T 8192 32768 --out "$out"
+if [ "${SMOKE:-0}" != 1 ]; then
+  step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # best of 3: both loops and the program
+  step bench_attention 200 python experiments/bench_attention.py --gpu --no-memory --seconds-per-config 2 \
+    --max-rounds 5 --long-T 8192 32768 --out "$out"
+fi
+step conformance 400 python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
+step vs_cudnn 300 python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
+  --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config 2 --max-rounds 5 \
+  --out "$out/vs_cudnn"
 cat "$out/status.txt"
 exit "$failed"

@@ -15,6 +15,7 @@ from jaxattn._attention import (
     split_heads,
 )
 from jaxattn._blockwise import blockwise_attention, multi_head_blockwise_attention, weights_from_lse
+from jaxattn._conformance import check_conformance, conformance_table
 from jaxattn._masks import causal_mask, combine_masks, padding_mask
 from jaxattn import probes  # jaxattn.probes.entropy, ... (saturation and gradient probes)
 from jaxattn._ring import ring_attention, ring_attention_shard, sharded_attention
@@ -28,7 +29,9 @@ __all__ = [
     "attention_weights",
     "blockwise_attention",
     "causal_mask",
+    "check_conformance",
     "combine_masks",
+    "conformance_table",
     "init_attention_params",
     "merge_heads",
     "multi_head_attention",

@@ -31,6 +31,7 @@ from jaxattn._checks import (
     check_scale,
     softmax_dtype,
 )
+from jaxattn._backends import check_implementation
 from jaxattn._masks import causal_mask
 from jaxattn._typing import ArrayLike, Bool, Float, Key, Real, Shaped, UInt32
 
@@ -546,11 +547,19 @@ def attention_layer(
     bias: Float[ArrayLike, "#N #T #S"] | Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
-) -> tuple[Float[Array, "T D"], Float[Array, "N T S"]]:
+    return_weights: bool = True,
+    implementation: str | None = None,
+) -> tuple[Float[Array, "T D"], Float[Array, "N T S"]] | tuple[Float[Array, "T D"], Float[Array, "N T"]]:
     """Multi-head attention from the model width: project, attend per head, merge, project out.
 
     ``Q = h W_Q``, ``K = c W_K``, ``V = c W_V`` (``c = context``, or ``h`` for self-attention), split into
     heads, :func:`multi_head_attention`, merged, then ``out = merged W_O`` (plus biases if present).
+
+    With ``return_weights=False`` the heads are computed by :func:`jaxattn.multi_head_blockwise_attention`
+    with ``implementation`` (``None``, ``"blockwise"``, ``"xla"``, ``"cudnn"``, ``"pallas"``; see there)
+    and no ``[N, T, S]`` map exists: the layer returns ``(out, lse)``, and
+    :func:`jaxattn.weights_from_lse` recovers any row of the map. ``bias`` needs the map's logits and is
+    refused there.
 
     Args:
       params: dict with ``W_Q [D, N·H]``, ``W_K [Dc, K·H]``, ``W_V [Dc, K·V]``, ``W_O [N·V, D]`` and
@@ -560,10 +569,25 @@ def attention_layer(
       num_kv_heads: K, the number of key/value heads (``None`` means N).
       context: optional ``[S, Dc]`` for cross-attention.
       mask, bias, scale, is_causal: as in :func:`multi_head_attention`.
+      return_weights: return the map ``weights [N, T, S]`` (the dense core), or, if False, ``lse [N, T]``.
+      implementation: with ``return_weights=False``, which kernel attends (see
+        :func:`jaxattn.multi_head_blockwise_attention`); with ``return_weights=True`` it must be None.
 
     Returns:
-      ``(out [T, D], weights [N, T, S])``.
+      ``(out [T, D], weights [N, T, S])``, or ``(out [T, D], lse [N, T])`` with ``return_weights=False``.
     """
+    return_weights = check_flag(return_weights, "return_weights")
+    implementation = check_implementation(implementation)
+    if return_weights and implementation is not None:
+        raise ValueError(
+            f"implementation={implementation!r} needs return_weights=False: the weights [N, T, S] come from "
+            f"the dense core, the implementations return (out, lse) (rows of the map: jaxattn.weights_from_lse)"
+        )
+    if not return_weights and bias is not None:
+        raise ValueError(
+            "bias needs return_weights=True: with return_weights=False the heads are computed without the "
+            "[N, T, S] logits a bias is added to"
+        )
     missing = [name for name in _WEIGHT_KEYS if name not in params]
     if missing:
         raise ValueError(f"params is missing {missing}; expected keys {list(_WEIGHT_KEYS)} (+ optional biases)")
@@ -590,7 +614,14 @@ def attention_layer(
     q = split_heads(_project(h, params, "W_Q", "b_Q"), N)  # [T, N, H]
     k = split_heads(_project(c, params, "W_K", "b_K"), K)  # [S, K, H]
     v = split_heads(_project(c, params, "W_V", "b_V"), K)  # [S, K, V]
-    out, weights = multi_head_attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+    if return_weights:
+        out, weights = multi_head_attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+    else:
+        from jaxattn._blockwise import multi_head_blockwise_attention  # (imports this module)
+
+        out, weights = multi_head_blockwise_attention(  # weights: lse [N, T]
+            q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=implementation
+        )
     w_o = params["W_O"]
     if jnp.ndim(w_o) != 2 or w_o.shape[0] != N * v.shape[2]:
         raise ValueError(

@@ -17,10 +17,11 @@ The gradient is a ``jax.custom_vjp`` (FlashAttention-2's backward): the forward 
 out, lse``; the backward recomputes every tile's weights exactly as ``p = exp(logit - lse)``, so the
 memory of the gradient is O(T + S) too, instead of autodiff storing every tile of the loop.
 
-With ``is_causal`` the tiles wholly above the diagonal are never visited (the loops' trip counts depend
-on the query block), tiles wholly below it run without any mask, and only the tiles the diagonal
-crosses pay for a mask. A padding mask is kept in its broadcast shape (``[S]`` stays ``[S]``), so it
-costs O(S) memory, not O(T·S).
+With ``is_causal`` the tiles wholly above the diagonal are never computed (each step of the tile loops
+runs its tile under a ``lax.cond``), tiles wholly below it run without any mask, and only the tiles the
+diagonal crosses pay for a mask. The loops have static trip counts, so that the forward and the
+backward are themselves differentiable in reverse mode (``jax.grad`` of ``jax.grad``). A padding mask
+is kept in its broadcast shape (``[S]`` stays ``[S]``), so it costs O(S) memory, not O(T·S).
 
 Axis alphabet as in :mod:`jaxattn._attention`: T queries, S keys, N query heads, K key/value heads,
 G = N // K, H query/key head dim, V value head dim.
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import _kept_nonfinite, _logits, _per_head, _validate_multi, _validate_single
+from jaxattn._backends import attend, check_implementation, resolve
 from jaxattn._checks import (
     as_bool_array,
     as_float_array,
@@ -85,21 +87,31 @@ def _plan(T: int, S: int, block_q: int, block_k: int, causal: bool, has_mask: bo
     return _Plan(T, S, bq, bk, -(-T // bq), -(-S // bk), causal, has_mask)
 
 
+def _min(a: Any, b: Any) -> Any:
+    """``min`` of Python ints (the static trip counts), ``jnp.minimum`` of traced ones."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _max(a: Any, b: Any) -> Any:
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
 def _k_range(plan: _Plan, i: Any) -> tuple[Any, Any]:
     """For query block ``i``: key blocks ``[0, n_full)`` need no mask, ``[n_full, n_hi)`` need one.
 
     Blocks ``j >= n_hi`` lie wholly above the causal diagonal and are skipped. Causal: key ``c`` is
     visible to row ``r`` iff ``c <= r``. A key block is mask-free for every row of block ``i`` iff its
     last key ``(j+1)·bk - 1`` is at most the block's first row ``i·bq`` and it holds no padding.
+    ``i`` is a Python int (the bounds are then Python ints) or a traced index.
     """
     if plan.has_mask:
         n_full = 0
     elif plan.causal:
-        n_full = jnp.minimum((i * plan.bq + 1) // plan.bk, plan.full_k)
+        n_full = _min((i * plan.bq + 1) // plan.bk, plan.full_k)
     else:
         n_full = plan.full_k
     if plan.causal:
-        n_hi = jnp.minimum(((i + 1) * plan.bq + plan.bk - 1) // plan.bk, plan.nk)
+        n_hi = _min(((i + 1) * plan.bq + plan.bk - 1) // plan.bk, plan.nk)
     else:
         n_hi = plan.nk
     return n_full, n_hi
@@ -109,19 +121,78 @@ def _q_range(plan: _Plan, j: Any) -> tuple[Any, Any]:
     """For key block ``j``: query blocks ``[i_lo, i_full)`` need a mask, ``[i_full, nq)`` need none.
 
     The transpose of :func:`_k_range`, so that the backward visits exactly the tiles the forward did,
-    each with the same mask decision.
+    each with the same mask decision. ``j`` is a Python int or a traced index.
     """
     i_lo = (j * plan.bk) // plan.bq if plan.causal else 0
     if plan.has_mask:
         i_full = plan.nq
     else:
-        complete = (j + 1) * plan.bk <= plan.S
         if plan.causal:
             first_free = ((j + 1) * plan.bk - 1 + plan.bq - 1) // plan.bq
         else:
             first_free = 0
-        i_full = jnp.where(complete, jnp.clip(first_free, i_lo, plan.nq), plan.nq)
+        free = _min(_max(first_free, i_lo), plan.nq)
+        complete = (j + 1) * plan.bk <= plan.S  # the block holds no padded key
+        if isinstance(j, int):
+            i_full = free if complete else plan.nq
+        else:
+            i_full = jnp.where(complete, free, plan.nq)
     return i_lo, i_full
+
+
+def _loop_counts(plan: _Plan) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Static trip counts: the most key blocks any query block visits without and with a mask (forward),
+    and the most query blocks any key block visits with and without a mask (backward)."""
+    fwd = [_k_range(plan, i) for i in range(plan.nq)]
+    bwd = [_q_range(plan, j) for j in range(plan.nk)]
+    return (
+        (max(n_full for n_full, _ in fwd), max(n_hi - n_full for n_full, n_hi in fwd)),
+        (max(i_full - i_lo for i_lo, i_full in bwd), max(plan.nq - i_full for _, i_full in bwd)),
+    )
+
+
+def _tied(index: Any, data: Any) -> tuple[Any, Any]:
+    """``(index, data)`` through an optimization barrier: to JAX's partial evaluation, the tile index is
+    then as unknown as the tile's data.
+
+    When ``jax.grad`` differentiates a scan around this function (the map over heads, a user's scan over
+    layers), the scan's partial evaluation hoists out of the loop everything that depends only on values
+    it knows, storing it per step: the tile index is such a value (it comes from ``arange`` and a loop
+    counter), and with it the tile's keep-mask and the cond's predicate, which would be stored as
+    ``[steps, bq, bk]`` arrays (O(T·S) memory in the gradient, and slower). Tied to the data, they are
+    computed inside the tile. The barrier computes nothing at run time.
+    """
+    return jax.lax.optimization_barrier((index, data))
+
+
+def _tile_loop(lo: Any, hi: Any, count: int, body, carry, local=None):
+    """``carry = body(j, carry)`` for ``j`` in ``[lo, hi)``, in a loop with a static trip count.
+
+    Python-int bounds give ``fori_loop(lo, hi)``. Traced bounds (causal, padding) give ``count >= hi - lo``
+    steps, each running ``body`` under a ``lax.cond`` only if ``j < hi``: a skipped tile costs a
+    predicate, never its matmuls. Static trip counts make the loops differentiable in reverse mode, so
+    that the ``custom_vjp``'s forward and backward can themselves be differentiated (``jax.grad`` of
+    ``jax.grad``); a traced trip count makes a ``while_loop``, which reverse mode refuses.
+
+    ``local = (take, put)``: ``body`` sees only ``take(j, carry)`` and ``put(j, carry, result)`` writes it
+    back, outside the cond, so that a large accumulator is never an operand of the cond.
+    """
+    take, put = local or ((lambda j, carry: carry), (lambda j, carry, part: part))
+    if isinstance(lo, int) and isinstance(hi, int):
+
+        def plain(j, carry):
+            j_data, part = _tied(j, take(j, carry))
+            return put(j, carry, body(j_data, part))
+
+        return jax.lax.fori_loop(lo, hi, plain, carry)
+
+    def step(t, carry):
+        j = lo + t
+        j_data, part = _tied(j, take(j, carry))
+        part = jax.lax.cond(j_data < hi, body, lambda j, part: part, j_data, part)
+        return put(j, carry, part)
+
+    return jax.lax.fori_loop(0, count, step, carry)
 
 
 def _tile_keep(plan: _Plan, mask: Array | None, i: Any, j: Any) -> Array:
@@ -166,8 +237,11 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
     pre = q.dtype == acc_dtype
     if pre:
         q = _scaled(q, scale)  # [Tp, H]
+    (n_free, n_masked), _ = _loop_counts(plan)
 
     def q_block(i, qb):  # qb [bq, H]
+        i, qb = _tied(i, qb)  # see _tied
+
         def tile(j, carry, masked):
             m, l, acc = carry  # [bq], [bq], [bq, V]
             kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk)  # [bk, H]
@@ -188,12 +262,16 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
             return m_new, l, acc
 
         n_full, n_hi = _k_range(plan, i)
-        carry = (jnp.full((bq,), fill, acc_dtype), jnp.zeros((bq,), acc_dtype), jnp.zeros((bq, V), acc_dtype))
-        carry = jax.lax.fori_loop(0, n_full, functools.partial(tile, masked=False), carry)
-        carry = jax.lax.fori_loop(n_full, n_hi, functools.partial(tile, masked=True), carry)
+        # initial values made from the data, so that they carry its sharding (heads split over devices)
+        zero = jnp.zeros_like(qb[:, 0], acc_dtype)  # [bq]
+        carry = (zero + fill, zero, jnp.broadcast_to(zero[:, None], (bq, V)))
+        carry = _tile_loop(0, n_full, n_free, functools.partial(tile, masked=False), carry)
+        carry = _tile_loop(n_full, n_hi, n_masked, functools.partial(tile, masked=True), carry)
         m, l, acc = carry
-        out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # [bq, V]; a row with no kept key gives 0
-        lse = m + jnp.log(l)  # [bq]; log 0 = -inf for a row with no kept key
+        empty = l == 0.0  # [bq], a row with no kept key
+        l1 = jnp.where(empty, 1.0, l)  # [bq]; the double where keeps log 0 out of the gradient (0 · inf)
+        out = acc / l1[:, None]  # [bq, V]; a row with no kept key gives 0
+        lse = jnp.where(empty, -jnp.inf, m + jnp.log(l1))  # [bq]; log 0 = -inf for a row with no kept key
         return out, lse
 
     def scan_body(_, xs):
@@ -241,12 +319,14 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)  # [Tp]
     pre = q.dtype == acc_dtype  # as in _forward: bf16/fp16 tiles scale their float32 product instead
     q_s = _scaled(q, scale) if pre else q  # [Tp, H]
+    _, (n_masked_b, n_free_b) = _loop_counts(plan)
 
     def k_block(j, dq, kb, vb):  # kb [bk, H], vb [bk, V]
+        j, (kb, vb) = _tied(j, (kb, vb))  # see _tied
         vb32 = vb.astype(acc_dtype)  # [bk, V]
 
         def tile(i, carry, masked):
-            dq, dk, dv = carry  # [Tp, H], [bk, H], [bk, V]
+            dq_b, dk, dv = carry  # [bq, H], [bk, H], [bk, V]
             qb = jax.lax.dynamic_slice_in_dim(q_s, i * bq, bq)  # [bq, H], scaled
             dob = jax.lax.dynamic_slice_in_dim(d_out, i * bq, bq)  # [bq, V]
             lse_b = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq)  # [bq]
@@ -263,17 +343,24 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             dv = dv + jnp.einsum("ST,TV->SV", p, dob)  # [bk, V]
             dp = jnp.einsum("SV,TV->ST", vb32, dob)  # [bk, bq]
             ds = p * (dp - D_b[None, :])  # [bk, bq]
-            dq_b = jax.lax.dynamic_slice_in_dim(dq, i * bq, bq)  # [bq, H]
             ds_t = jax.lax.optimization_barrier(ds.T)  # [bq, bk]
             dq_b = dq_b + jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [bq, H]
-            dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_b, i * bq, axis=0)  # [Tp, H]
             dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
-            return dq, dk, dv
+            return dq_b, dk, dv
+
+        # The tile's rows of dq go in and out of the (possibly skipped) tile alone.
+        def take(i, carry):
+            dq, dk, dv = carry
+            return jax.lax.dynamic_slice_in_dim(dq, i * bq, bq), dk, dv  # [bq, H], [bk, H], [bk, V]
+
+        def put(i, carry, part):
+            dq_b, dk, dv = part
+            return jax.lax.dynamic_update_slice_in_dim(carry[0], dq_b, i * bq, axis=0), dk, dv  # [Tp, H], ...
 
         i_lo, i_full = _q_range(plan, j)
-        carry = (dq, jnp.zeros((bk, H), acc_dtype), jnp.zeros((bk, V), acc_dtype))
-        carry = jax.lax.fori_loop(i_lo, i_full, functools.partial(tile, masked=True), carry)
-        carry = jax.lax.fori_loop(i_full, plan.nq, functools.partial(tile, masked=False), carry)
+        carry = (dq, jnp.zeros_like(kb, acc_dtype), jnp.zeros_like(vb, acc_dtype))  # (made from the data: see _forward)
+        carry = _tile_loop(i_lo, i_full, n_masked_b, functools.partial(tile, masked=True), carry, (take, put))
+        carry = _tile_loop(i_full, plan.nq, n_free_b, functools.partial(tile, masked=False), carry, (take, put))
         return carry
 
     def scan_body(dq, xs):
@@ -283,7 +370,7 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
 
     ks = k.reshape(plan.nk, bk, H)  # [nk, bk, H]
     vs = v.reshape(plan.nk, bk, V)  # [nk, bk, V]
-    dq0 = jnp.zeros((plan.nq * bq, H), acc_dtype)  # [Tp, H], unscaled
+    dq0 = jnp.zeros_like(q, acc_dtype)  # [Tp, H], unscaled
     dq, (dk, dv) = jax.lax.scan(scan_body, dq0, (jnp.arange(plan.nk), ks, vs))  # [Tp, H], [nk, bk, H], [nk, bk, V]
     d_scale = jnp.sum(dq * q.astype(acc_dtype))  # Σ_ij ds_ij (q_i · k_j)
     dq = dq * scale  # [Tp, H]
@@ -331,6 +418,19 @@ def _axis_is_sharded(x: Array, axis: int) -> bool:
     """Whether ``x``'s axis is split over devices in its (explicit-sharding) type."""
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     return spec is not None and len(spec) > axis and spec[axis] is not None
+
+
+def _heads_side_by_side(q: Array, k: Array) -> bool:
+    """Whether to vmap the heads (side by side) rather than map them one after another.
+
+    One after another (a scan) keeps each head's tiles in cache on a CPU, but a scan cannot run on an
+    axis split over devices: XLA would gather the heads onto every device, and the output would lose the
+    input's head sharding. So the heads are vmapped when their axis is split in the inputs' (explicit
+    sharding) types, and whenever the process has more than one device, since under ``jit`` with
+    automatic sharding the inputs' placement is not visible while tracing. The two orders compute each
+    head the same way.
+    """
+    return _axis_is_sharded(q, 1) or _axis_is_sharded(k, 1) or jax.device_count() > 1
 
 
 def _pad_rows(x: Array, n: int) -> Array:
@@ -419,6 +519,7 @@ def blockwise_attention(
     scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    implementation: str | None = None,
 ) -> tuple[Float[Array, "T V"], Float[Array, "T"]]:
     """Attention of one head, ``softmax(scale · q kᵀ) v``, computed tile by tile in O(T + S) memory.
 
@@ -457,16 +558,31 @@ def blockwise_attention(
       scale: logit scale, ``None`` for ``1/sqrt(H)``.
       block_q: query rows per tile (clipped to T).
       block_k: keys per tile (clipped to S).
+      implementation: ``None``, ``"blockwise"``, ``"xla"``, ``"cudnn"`` or ``"pallas"``, named as in
+        ``jax.nn.dot_product_attention``: see :func:`multi_head_blockwise_attention`. ``"blockwise"`` is
+        the function described here; ``None`` is ``"blockwise"`` on CPU and TPU.
 
     Returns:
       ``(out, lse)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``lse [T]`` the row log-sum-exp of
       the kept logits, in float32 (float64 for float64 inputs).
     """
+    return _blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, block_q=block_q,
+                                block_k=block_k, implementation=implementation, interpret=False)
+
+
+def _blockwise_attention(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret):
+    """:func:`blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode (any platform)."""
     q, k, v, mask, _, scale = _validate_single(q, k, v, mask, None, scale, broadcast_mask=False)
     is_causal = check_flag(is_causal, "is_causal")
     T, S = q.shape[0], k.shape[0]
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
+    implementation = check_implementation(implementation)
+    name = resolve(implementation, q[:, None], k[:, None], v[:, None], mask, scale, is_causal, interpret=interpret)
+    if name != "blockwise":
+        out, lse = attend(name, q[:, None], k[:, None], v[:, None], mask, scale, is_causal, block_q=block_q,
+                          block_k=block_k, interpret=interpret)  # [T, 1, V], [1, T]
+        return out[:, 0], lse[0]
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     return _blockwise(q, k, v, _mask_2d(mask, T, S), _scale_array(scale, acc_dtype), is_causal, block_q, block_k)
 
@@ -481,12 +597,17 @@ def multi_head_blockwise_attention(
     scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    implementation: str | None = None,
 ) -> tuple[Float[Array, "T N V"], Float[Array, "N T"]]:
     """Multi-head and grouped-query :func:`blockwise_attention`: the single-head function mapped over heads.
 
     The heads run one after another (``jax.lax.map``), which keeps each head's tiles in cache; the
-    result is the same as ``jax.vmap`` of :func:`blockwise_attention`. The head convention of :func:`jaxattn.multi_head_attention`: query head ``n`` reads key/value head
-    ``n // G`` with ``G = N // K``. For a batch, ``jax.vmap`` this function over a leading axis.
+    result is the same as ``jax.vmap`` of :func:`blockwise_attention`. In a process with more than one
+    device, or with the head axis split in the inputs' sharding, the heads are vmapped instead, so that
+    a head axis split over devices stays split (``jit(vmap(...))`` on inputs placed
+    ``P('batch', None, 'heads', None)`` returns outputs placed so). The head convention of
+    :func:`jaxattn.multi_head_attention`: query head ``n`` reads key/value head ``n // G`` with
+    ``G = N // K``. For a batch, ``jax.vmap`` this function over a leading axis.
 
     Args:
       q: queries ``[T, N, H]``.
@@ -494,14 +615,43 @@ def multi_head_blockwise_attention(
       v: values ``[S, K, V]``.
       mask: optional boolean keep-mask broadcastable to ``[N, T, S]`` (e.g. ``[S]``, ``[T, S]``).
       is_causal, scale, block_q, block_k: as in :func:`blockwise_attention`.
+      implementation: which kernel computes it, named as in ``jax.nn.dot_product_attention``; every one
+        returns the same ``(out, lse)`` (lse from the kernel, differentiable), so
+        :func:`weights_from_lse` recovers rows of the map whichever ran:
+
+        - ``"blockwise"``: the tiled online softmax described here; any platform, mask and dtype.
+        - ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla", return_residual=True)``;
+          materialises ``[N, T, S]``; any mask. Its softmax runs in float32, also for float64 inputs.
+        - ``"cudnn"``: the same with ``implementation="cudnn"``: NVIDIA GPU, bfloat16/float16, a concrete
+          scale; ``lse`` is cuDNN's saved softmax statistic, which JAX returns rounded to the input dtype.
+        - ``"pallas"``: ``jax.experimental.pallas.ops.gpu.attention.mha`` (NVIDIA GPU), no mask
+          (``is_causal`` only), a concrete scale; ``lse`` is the kernel's saved statistic, float32.
+        - ``None``: the fastest available: on a GPU, ``"cudnn"`` (bf16/fp16, no mask, ``H == V``,
+          ``H % 8 == 0``, ``H <= 128``), else ``"pallas"`` (bf16/fp16, no mask), else ``"blockwise"``;
+          ``"blockwise"`` on CPU and TPU.
+
+        One that cannot honour the call raises ``ValueError`` naming ``implementation`` and the reason;
+        nothing falls back. ``block_q``, ``block_k`` tile ``"blockwise"`` (and the backward pass that
+        gives the library kernels' ``lse`` its gradient). The guarantees on non-finite inputs at masked
+        positions are those of ``"blockwise"``; the library kernels give no such guarantee.
 
     Returns:
       ``(out [T, N, V], lse [N, T])``.
     """
+    return _multi_head_blockwise(q, k, v, mask=mask, is_causal=is_causal, scale=scale, block_q=block_q,
+                                 block_k=block_k, implementation=implementation, interpret=False)
+
+
+def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret):
+    """:func:`multi_head_blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode."""
     q, k, v, mask, _, scale = _validate_multi(q, k, v, mask, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
+    implementation = check_implementation(implementation)
+    name = resolve(implementation, q, k, v, mask, scale, is_causal, interpret=interpret)
+    if name != "blockwise":
+        return attend(name, q, k, v, mask, scale, is_causal, block_q=block_q, block_k=block_k, interpret=interpret)
     T, N, H = q.shape
     S, K, V = v.shape
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
@@ -513,7 +663,7 @@ def multi_head_blockwise_attention(
         (q1,), (k1, v1) = qs, kvs
         return _blockwise(q1, k1, v1, _mask_2d(m1, T, S), scale, is_causal, block_q, block_k)
 
-    out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, _axis_is_sharded(q, 1) or _axis_is_sharded(k, 1))
+    out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, _heads_side_by_side(q, k))
     out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V], from [K, G, T, V]
     return out, lse.reshape(N, T)
 
@@ -532,9 +682,8 @@ def _over_heads(one_head, per_q, per_kv, mask, m_axis, vmapped):
     ``[K, G, t, s]`` (``m_axis = 0``), shared ``[t, s]`` or None, from :func:`_per_head`.
 
     Heads run one after another (lax.map), not side by side (vmap): a vmapped tile is N times bigger
-    and falls out of cache on a CPU.
-    When the head axis is split over devices (explicit sharding, ``vmapped``), a sequential loop cannot
-    run on a split axis, so the heads are vmapped and each device computes its own heads.
+    and falls out of cache on a CPU. ``vmapped`` (see :func:`_heads_side_by_side`): the heads are
+    vmapped, so that a head axis split over devices stays split and each device computes its own heads.
     """
     if vmapped:
         over_group = jax.vmap(one_head, in_axes=(0, None, 0 if m_axis == 0 else None))
@@ -577,8 +726,7 @@ def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal
         m1 = _mask_2d(m1, T, S)
         return _blockwise_grads(q1, k1, v1, m1, scale, out1, lse1, d_out1, d_lse1, is_causal, block_q, block_k)
 
-    vmapped = _axis_is_sharded(q, 1) or _axis_is_sharded(k, 1)
-    dq, dk, dv, d_scale = _over_heads(one_head, per_q, per_kv, m, m_axis, vmapped)  # [K, G, ...] each
+    dq, dk, dv, d_scale = _over_heads(one_head, per_q, per_kv, m, m_axis, _heads_side_by_side(q, k))  # [K, G, ...] each
     dq = dq.transpose(2, 0, 1, 3).reshape(T, N, H)  # [T, N, H]
     dk = jnp.sum(dk, axis=1).transpose(1, 0, 2)  # [S, K, H]
     dv = jnp.sum(dv, axis=1).transpose(1, 0, 2)  # [S, K, V]

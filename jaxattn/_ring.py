@@ -328,8 +328,9 @@ def _ring_forward(q, k, v, m, scale, ring: _Ring):
 
     def step_result(t, k, v, m):
         def attend(causal):
-            out, lse = multi_head_blockwise_attention(
-                q, k, v, mask=m, is_causal=causal, scale=scale, block_q=ring.block_q, block_k=ring.block_k
+            out, lse = multi_head_blockwise_attention(  # blockwise: the backward's tiles recompute from this lse
+                q, k, v, mask=m, is_causal=causal, scale=scale, block_q=ring.block_q, block_k=ring.block_k,
+                implementation="blockwise",
             )
             return out.astype(scale.dtype), lse  # [Tc, N, V], [N, Tc]
 

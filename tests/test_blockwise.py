@@ -238,12 +238,17 @@ def _max_intermediate_size(jaxpr):
     return biggest
 
 
-def test_gradient_never_builds_a_T_by_S_buffer():
+@pytest.mark.parametrize("heads", [None, 2])
+def test_gradient_never_builds_a_T_by_S_buffer(heads):
+    """Single head, and heads under the map (a scan, whose partial evaluation must not hoist tiles out)."""
     T = S = 64
     q, k, v = _qkv(9, T, S)
 
     def loss(q, k, v):
-        return jnp.sum(jaxattn.blockwise_attention(q, k, v, is_causal=True, block_q=16, block_k=16)[0])
+        if heads is None:
+            return jnp.sum(jaxattn.blockwise_attention(q, k, v, is_causal=True, block_q=16, block_k=16)[0])
+        q, k, v = (jnp.stack([x] * heads, axis=1) for x in (q, k, v))  # [T, N, H], [S, N, H], [S, N, V]
+        return jnp.sum(jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=True, block_q=16, block_k=16)[0])
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
     assert _max_intermediate_size(jaxpr) <= 16 * 16 * 4  # tiles and O(T) vectors only; T*S = 4096
@@ -516,3 +521,153 @@ def test_ring_attention_masked_non_finite_inputs_do_not_leak():
         expect = np.zeros(out.shape, bool)
         expect[2:, :2, 1] = True
         np.testing.assert_array_equal(np.isnan(out), expect)
+
+
+# ---------------------------------------------------------------------------------------------- second order
+# The forward and the backward skip tiles with loops of traced trip count (while loops); their own
+# derivatives come from the same loops with static trip counts (a cond per tile). jax.grad of jax.grad
+# (reverse over reverse) and jax.jvp of jax.grad (forward over reverse) must equal those of dense
+# attention, without a mask, causal, with a padding mask and with a general mask holding an empty row.
+
+
+def _second_order_losses(T, S, V, mask, is_causal, bq, bk, seed=14):
+    rng = np.random.default_rng(seed)
+    w_out = rng.standard_normal((T, V))
+    w_lse = rng.standard_normal(T)
+    keep = np.ones((T, S), bool) if mask is None else np.broadcast_to(mask, (T, S)).copy()
+    if is_causal:
+        keep &= np.arange(S)[None, :] <= np.arange(T)[:, None]
+    has_key = keep.any(axis=1)  # [T]
+
+    def blockwise(q, k, v):
+        out, lse = jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=bq, block_k=bk)
+        return jnp.sum(jnp.sin(out) * w_out) + jnp.sum(jnp.where(has_key, lse, 0.0) * w_lse)
+
+    def dense(q, k, v):
+        out, _ = jaxattn.attention(q, k, v, mask=mask, is_causal=is_causal)
+        logits = jnp.where(keep, jaxattn.attention_logits(q, k), -jnp.inf)  # [T, S]
+        lse = jax.nn.logsumexp(jnp.where(has_key[:, None], logits, 0.0), axis=1)  # [T]
+        return jnp.sum(jnp.sin(out) * w_out) + jnp.sum(jnp.where(has_key, lse, 0.0) * w_lse)
+
+    return blockwise, dense
+
+
+# (T, S, block_q, block_k, is_causal, mask kind): blocks that do not divide the lengths (padded tiles).
+SECOND_ORDER_CASES = [
+    (7, 9, 3, 4, True, None),
+    (7, 7, 3, 2, False, None),
+    (9, 9, 4, 4, True, "padding"),
+    (8, 6, 3, 4, False, "random"),
+]
+
+
+# Each case compiles two second-order programs: reverse over reverse for the causal case in `make test`
+# (the mode the loops with traced trip counts could not take), every case and mode in `make test-slow`.
+@pytest.mark.parametrize("mode,T,S,bq,bk,is_causal,mask_kind", [
+    pytest.param(mode, *case, marks=() if (mode, case) == ("rev", SECOND_ORDER_CASES[0]) else pytest.mark.slow)
+    for case in SECOND_ORDER_CASES for mode in ("rev", "fwd")
+])
+def test_second_derivatives_equal_dense_attention(x64, mode, T, S, bq, bk, is_causal, mask_kind):
+    q, k, v = _qkv(15, T, S, H=4, V=3, dtype=np.float64)
+    mask = _mask(mask_kind, T, S)
+    blockwise, dense = _second_order_losses(T, S, 3, mask, is_causal, bq, bk)
+    rng = np.random.default_rng(16)
+    directions = tuple(rng.standard_normal(x.shape) for x in (q, k, v))
+
+    def hessian_times_directions(loss):
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        if mode == "rev":  # reverse over reverse: the gradient of <grad, directions>
+            inner = lambda q, k, v: sum(jnp.sum(g * d) for g, d in zip(grad(q, k, v), directions))
+            return jax.jit(jax.grad(inner, (0, 1, 2)))(q, k, v)
+        return jax.jit(lambda q, k, v: jax.jvp(grad, (q, k, v), directions)[1])(q, k, v)  # forward over reverse
+
+    for name, a, b in zip(["dq", "dk", "dv"], hessian_times_directions(blockwise), hessian_times_directions(dense)):
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10, err_msg=f"{mode} {name}")
+
+
+@pytest.mark.slow  # numerical second derivatives: many evaluations
+@pytest.mark.parametrize("is_causal,mask_kind", [(True, None), (False, None), (True, "random")])
+def test_check_grads_order_two_float64(x64, is_causal, mask_kind):
+    q, k, v = _qkv(17, 6, 7, H=3, V=2, dtype=np.float64)
+    mask = _mask(mask_kind, 6, 7)
+
+    @jax.jit
+    def f(q, k, v):
+        out, lse = jaxattn.blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, block_q=4, block_k=3)
+        return out, jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    check_grads(f, (q, k, v), order=2, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_grouped_query_second_derivatives_equal_dense(x64):
+    T, S, N, K, H = 6, 7, 4, 2, 3
+    rng = np.random.default_rng(18)
+    q, k, v = rng.standard_normal((T, N, H)), rng.standard_normal((S, K, H)), rng.standard_normal((S, K, 2))
+    w = rng.standard_normal((T, N, 2))
+
+    def hvp(attn):
+        loss = lambda q, k, v: jnp.sum(jnp.sin(attn(q, k, v)[0]) * w)
+        return jax.grad(lambda q, k, v: jnp.sum(jax.grad(loss, (0, 1, 2))(q, k, v)[0] ** 2), (0, 1, 2))(q, k, v)
+
+    got = jax.jit(lambda: hvp(lambda *a: jaxattn.multi_head_blockwise_attention(*a, is_causal=True, block_q=4, block_k=3)))()
+    expected = jax.jit(lambda: hvp(lambda *a: jaxattn.multi_head_attention(*a, is_causal=True)))()
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------- sharding
+# jit(vmap(multi_head_blockwise_attention)) on inputs split over ('batch', 'heads') returns outputs split the
+# same way, as jax.nn.dot_product_attention does, with automatic and explicit sharding. The main process
+# has one CPU device, so the check runs in a subprocess with 4 host devices (as tests/test_ring.py does).
+
+_SHARDING_SCRIPT = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jaxattn
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+rng = np.random.default_rng(0)
+B, T, S, N, K, H = 4, 12, 10, 4, 2, 8
+host = [rng.standard_normal(shape).astype(np.float32) for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H))]
+f = jax.vmap(lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=True, block_q=4, block_k=4))
+loss = lambda q, k, v: jnp.sum(f(q, k, v)[0] ** 2)
+expected = f(*host), jax.grad(loss, (0, 1, 2))(*host)  # one device's program (heads mapped one after another)
+results = {"devices": jax.device_count()}
+for kind in ("auto", "explicit"):
+    mesh = jax.make_mesh((2, 2), ("batch", "heads"), axis_types=(getattr(AxisType, kind.capitalize()),) * 2)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("batch", None, "heads", None)))
+    q, k, v = (put(x) for x in host)
+    (out, lse), grads = jax.jit(f)(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
+    reference = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2), is_causal=True))(q, k, v)
+    close = all(np.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip((out, lse, *grads), (*expected[0], *expected[1])))
+    spec = lambda x: list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))  # axis names, one per axis
+    results[kind] = dict(out=spec(out), lse=spec(lse), dq=spec(grads[0]), dk=spec(grads[1]), jax_nn=spec(reference),
+                         close=bool(close))
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow  # a 4-device subprocess: jax start-up and eight compilations, about 15 s on 2 cores
+def test_head_sharding_carries_through_jit_of_vmap():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    proc = subprocess.run([sys.executable, "-c", _SHARDING_SCRIPT], env=env, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["devices"] == 4
+    for kind in ("auto", "explicit"):
+        r = results[kind]
+        assert r["jax_nn"] == ["batch", None, "heads", None], r  # what jax.nn.dot_product_attention does
+        assert r["out"] == r["jax_nn"] and r["dq"] == r["jax_nn"] and r["dk"] == r["jax_nn"], (kind, r)
+        assert r["lse"] == ["batch", "heads", None], (kind, r)
+        assert r["close"], (kind, r)

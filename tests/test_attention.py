@@ -318,15 +318,16 @@ def _expected_nan(keep, field, where):
 
 # (T, S, mask kind, is_causal, field, the poisoned entries): a future key under causal (kept by the last
 # rows only), T > S and T < S, padded keys (masked for every row), a general mask, a q row with no kept key.
+_SLOW = pytest.mark.slow  # make test keeps one case per field and mask kind; make test-slow runs them all
 NONFINITE_CASES = [
     (6, 6, None, True, "v", (5, 1)),
-    (6, 6, None, True, "v", (np.s_[4:], np.s_[:])),
-    (7, 5, None, True, "v", (3, 0)),
+    pytest.param(6, 6, None, True, "v", (np.s_[4:], np.s_[:]), marks=_SLOW),
+    pytest.param(7, 5, None, True, "v", (3, 0), marks=_SLOW),
     (5, 7, "padding", False, "v", (np.s_[5:], 2)),
-    (6, 6, "padding", True, "v", (np.s_[3:], np.s_[:])),
-    (6, 6, "general", False, "v", (2, 1)),
-    (6, 6, None, True, "k", (4, 2)),
-    (5, 7, "padding", True, "k", (np.s_[5:], np.s_[:])),
+    pytest.param(6, 6, "padding", True, "v", (np.s_[3:], np.s_[:]), marks=_SLOW),
+    pytest.param(6, 6, "general", False, "v", (2, 1), marks=_SLOW),
+    pytest.param(6, 6, None, True, "k", (4, 2), marks=_SLOW),
+    pytest.param(5, 7, "padding", True, "k", (np.s_[5:], np.s_[:]), marks=_SLOW),
     (6, 6, "general", True, "k", (2, 0)),
     (6, 6, "general", False, "q", (1, 3)),
 ]

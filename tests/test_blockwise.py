@@ -327,7 +327,8 @@ def _half_errors(dtype, q, k, v, d_out, scale, bq=16, bk=16):
 
 
 # (scale, |q|, |k|): logits scale·q·k of order 1; fp16's scale 1e-8 rounds to 0, and scale·q = 8e4 > 65504
-HALF_SCALES = [(1e-8, 1e4, 1e4), (1000.0, 80.0, 1e-5), (0.0123, 30.0, 1.0)]
+HALF_SCALES = [(1e-8, 1e4, 1e4), pytest.param(1000.0, 80.0, 1e-5, marks=pytest.mark.slow),
+               pytest.param(0.0123, 30.0, 1.0, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(np.float16, marks=pytest.mark.slow)])
@@ -429,9 +430,8 @@ BLOCK_NONFINITE_CASES = [
 # NaN in `make test`; ±Inf (each case compiles its own programs) in `make test-slow`.
 @pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow), pytest.param(-np.inf, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("T,S,bq,bk,is_causal,mask_kind,field,where", [
-    c if i in (0, 3, 10, 11) else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(BLOCK_NONFINITE_CASES)
-])  # one case of each kind in `make test` (v causal with block_k = 1, v padded in a partial tile, k and q
-    # under a general mask), every case in `make test-slow`
+    c if i in (0, 11) else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(BLOCK_NONFINITE_CASES)
+])  # `make test`: v causal with block_k = 1, q under a general mask; `make test-slow`: every case
 def test_masked_non_finite_inputs_do_not_leak_blockwise(T, S, bq, bk, is_causal, mask_kind, field, where, value):
     mask, keep = _nonfinite_case(T, S, mask_kind, is_causal)
     rng = np.random.default_rng(11)
@@ -473,7 +473,7 @@ def test_masked_non_finite_inputs_do_not_leak_blockwise(T, S, bq, bk, is_causal,
         _close(a, c)
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow)])
 def test_multi_head_blockwise_gqa_masked_non_finite_inputs_do_not_leak(value):
     T, N, K, H, V = 9, 4, 2, 4, 3
     rng = np.random.default_rng(9)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import jaxattn
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -86,6 +86,7 @@ def test_forward_shapes_and_maps_are_causal_distributions():
     np.testing.assert_allclose(logits, again, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # a training compile: make test-slow
 def test_unscaled_initial_entropy_is_lower_than_scaled():
     """Probe consistency: the same params, the unscaled logits are √d_k larger, so the maps are sharper."""
     params = train.init_params(7, CONFIG)
@@ -154,6 +155,7 @@ def test_resolve_scale():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a training compile: make test-slow
 def test_train_step_decreases_the_loss_on_a_fixed_batch():
     batch = train.recall_batch(11, TASK, B)
     state = train.init_state(0, CONFIG, STEP_OPT)
@@ -167,6 +169,7 @@ def test_train_step_decreases_the_loss_on_a_fixed_batch():
     assert int(state["step"]) == 12
 
 
+@pytest.mark.slow  # a training compile: make test-slow
 def test_logged_series_are_finite_with_documented_shapes(history):
     C, steps = 2, OPT.total_steps
     expected = {
@@ -198,6 +201,7 @@ def test_logged_series_are_finite_with_documented_shapes(history):
     assert history["loss"][0, 0] != history["loss"][1, 0]
 
 
+@pytest.mark.slow  # a training compile: make test-slow
 def test_same_seed_is_bit_for_bit_reproducible(history):
     again = train.train(CONFIG, TASK, OPT, seeds=[3, 3], learning_rates=[1e-2, 1e-2], scales=[None, 1.0], chunk=3)
     for name in train.METRICS:

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn._checks import as_key
+
 Array = jax.Array
 
 
@@ -102,3 +104,64 @@ def positions(keep: Array) -> Array:
     """Position ids from an attention mask ``[T]``: each real token's index among the real tokens (as
     Hugging Face's ``generate`` does for left padding); padded positions get 0."""
     return jnp.where(keep, jnp.cumsum(keep) - 1, 0).astype(jnp.int32)  # [T]
+
+
+# ----------------------------------------------------------------------------------------------------
+# What the causal models share around their forward: span scores, sampling arguments, length buckets.
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_span(start: Any, end: Any, T: int) -> Any:
+    """``end`` (``None``: ``T``) once ``start``/``end`` are ints (or traced) with ``0 <= start <= end <= T``."""
+    end = T if end is None else end
+    for name, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not (isinstance(value, jax.core.Tracer) or np.issubdtype(np.asarray(value).dtype, np.integer)):
+            raise TypeError(f"{name} must be an int, received {value!r}")
+    if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer) and not 0 <= int(start) <= int(end) <= T:
+        raise ValueError(f"the span must satisfy 0 <= start <= end <= T={T}, received start={start!r}, end={end!r}")
+    return end
+
+
+def span_log_prob(logits: Array, ids: Array, keep: Array, start: Any, end: Any) -> Array:
+    """``Σ_{start <= t < end, keep[t]} log p(ids[t] | ids[:t])`` from next-token ``logits [T, V]`` (float32, nats).
+
+    Token 0 has no prediction, so ``t = 0`` never counts; ``start``, ``end`` come from :func:`check_span`.
+    """
+    logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V], predicting ids[1:]
+    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
+    t = jnp.arange(1, ids.shape[0])  # [T - 1], the position each entry scores
+    counted = (t >= start) & (t < end) & keep[1:]  # [T - 1]
+    return jnp.sum(jnp.where(counted, picked, 0.0))
+
+
+def sampling(temperature: Any, key: Any) -> tuple[bool, Array]:
+    """``(greedy, key)`` for ``generate``: temperature 0 is greedy; ``> 0`` samples and needs a key."""
+    greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
+    if not greedy:
+        if not isinstance(temperature, jax.core.Tracer) and not (np.ndim(temperature) == 0 and float(temperature) > 0):
+            raise ValueError(f"temperature must be 0 (greedy) or > 0, received {temperature!r}")
+        if key is None:
+            raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
+    return greedy, as_key(0 if key is None else key)
+
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # sequence lengths :func:`pad_to_bucket` pads to
+
+
+def pad_to_bucket(input_ids: Any, *, buckets: Any = BUCKETS, pad_id: int = 0) -> tuple[Array, Array]:
+    """Right-pad ``input_ids [T]`` to the smallest bucket length ``B >= T``: ``(ids [B], attention_mask [B])``.
+
+    Each distinct input length compiles its own forward; padded to a handful of bucket lengths, an
+    experiment over many sentences compiles a handful of programs. With the returned mask, a causal
+    model's forward gives at positions ``< T`` the logits and maps of the sequence alone (the pads come
+    after them, and are masked as keys), so slice ``[:T]`` (``[..., :T, :T]`` for maps). A ``T`` above
+    the largest bucket is returned as it is.
+    """
+    ids = np.asarray(input_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be integer token ids [T], received dtype {ids.dtype} shape {ids.shape}")
+    T = ids.shape[0]
+    B = next((int(b) for b in sorted(buckets) if b >= T), T)
+    padded = np.full((B,), pad_id, np.int32)
+    padded[:T] = ids
+    return jnp.asarray(padded), jnp.asarray(np.arange(B) < T)

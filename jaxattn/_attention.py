@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn._checks import (
     as_bool_array,
@@ -64,10 +65,23 @@ def _logits(q: Array, k: Array, bias: Array | None, scale: Any) -> Array:
     return logits
 
 
-def _keep(mask: Array | None, is_causal: bool, T: int, S: int) -> Array | None:
-    """The effective keep-mask ``[T, S]`` (or ``None``: keep everything)."""
-    if is_causal:
-        causal = causal_mask(T, S)  # [T, S]
+def _causal(is_causal: Any, causal_offset: Any) -> int | None:
+    """The causal diagonal's offset (``causal_mask``'s ``offset``), or ``None`` without ``is_causal``."""
+    is_causal = check_flag(is_causal, "is_causal")
+    if isinstance(causal_offset, bool) or not isinstance(causal_offset, (int, np.integer)):
+        raise TypeError(
+            f"causal_offset must be a Python int (it chooses the compiled program), received {causal_offset!r} "
+            f"of type {type(causal_offset).__name__}"
+        )
+    if causal_offset and not is_causal:
+        raise ValueError(f"causal_offset={causal_offset} moves the causal diagonal and needs is_causal=True")
+    return int(causal_offset) if is_causal else None
+
+
+def _keep(mask: Array | None, causal: int | None, T: int, S: int) -> Array | None:
+    """The effective keep-mask ``[T, S]`` (or ``None``: keep everything); ``causal``: see :func:`_causal`."""
+    if causal is not None:
+        causal = causal_mask(T, S, offset=causal)  # [T, S]
         return causal if mask is None else jnp.logical_and(mask, causal)
     return mask
 
@@ -116,12 +130,13 @@ def _masked_softmax_jvp(primals, tangents):
     return p, p0 * (d_logits - mean)  # [T, S]
 
 
-def _kept_nonfinite(mask: Array | None, is_causal: bool, T: int, S: int, bad: Array) -> Array:
+def _kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: Array) -> Array:
     """``hit[t, c] = any_s keep[t, s] & bad[s, c]``, broadcastable to ``[T, C]``: a kept bad entry reaches it.
 
-    ``mask``: ``[t, s]`` (``t in {1, T}``, ``s in {1, S}``) or None, combined with causal as :func:`_keep`
-    does; ``bad [S, C]`` bool. O(S·C) when the keep-mask has a rank-one structure (no mask, causal, a
-    key-padding mask ``[S]``, a query mask ``[T, 1]``, each with or without causal). A general ``[T, S]``
+    ``mask``: ``[t, s]`` (``t in {1, T}``, ``s in {1, S}``) or None, combined with the causal diagonal
+    (``causal``, an offset or None) as :func:`_keep` does; ``bad [S, C]`` bool. O(S·C) when the keep-mask
+    has a rank-one structure (no mask, causal, a key-padding mask ``[S]``, a query mask ``[T, 1]``, each
+    with or without causal). A general ``[T, S]``
     mask adds a loop over the keys that hold a bad entry, 32 at a time (a ``[T, 32] @ [32, C]`` product
     each): nothing when every value is finite, and no ``[T, S]`` buffer.
     """
@@ -136,18 +151,18 @@ def _kept_nonfinite(mask: Array | None, is_causal: bool, T: int, S: int, bad: Ar
         def chunk(i, hit):
             idx = jax.lax.dynamic_slice_in_dim(ids, i * B, B)  # [B]
             cols = jnp.logical_and(mask[:, idx], (i * B + jnp.arange(B) < n_bad)[None, :])  # [T, B]
-            if is_causal:
-                cols = jnp.logical_and(cols, idx[None, :] <= jnp.arange(T)[:, None])  # [T, B]
+            if causal is not None:
+                cols = jnp.logical_and(cols, idx[None, :] <= jnp.arange(T)[:, None] + causal)  # [T, B]
             count = jnp.einsum("TB,BC->TC", cols.astype(jnp.float32), bad[idx].astype(jnp.float32))  # [T, C]
             return jnp.logical_or(hit, count > 0.0)
 
         return jax.lax.fori_loop(0, (n_bad + B - 1) // B, chunk, jnp.zeros((T, bad.shape[1]), bool))
     if mask is not None and s > 1:  # [1, S]: the same keys for every query
         bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
-    if is_causal:  # key j visible to query i iff j <= i: compare with each column's first bad key
-        none = T + S  # past every query: a column without a bad key is never hit
+    if causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
+        none = T + S + abs(causal)  # past every query: a column without a bad key is never hit
         first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]
-        hit = first[None, :] <= jnp.arange(T)[:, None]  # [T, C]
+        hit = first[None, :] <= jnp.arange(T)[:, None] + causal  # [T, C]
     else:
         hit = jnp.any(bad, axis=0, keepdims=True)  # [1, C]
     if mask is not None and s == 1:  # [t, 1]: whole query rows kept or masked
@@ -173,7 +188,7 @@ def _weighted_sum(weights: Array, v: Array, hit: Array) -> Array:
 
 
 def _attend(
-    q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any, is_causal: bool
+    q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None
 ) -> tuple[Array, Array]:
     """One head, one example: ``(out [T, V], weights [T, S])`` from one softmax.
 
@@ -183,9 +198,9 @@ def _attend(
     T, S = q.shape[0], k.shape[0]
     if mask is not None:
         mask = mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
-    keep = _keep(mask, is_causal, T, S)  # broadcastable to [T, S], or None
+    keep = _keep(mask, causal, T, S)  # broadcastable to [T, S], or None
     weights = _masked_softmax(_logits(q, k, bias, scale), keep)  # [T, S], f32+
-    hit = _kept_nonfinite(mask, is_causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
+    hit = _kept_nonfinite(mask, causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
     out = _weighted_sum(weights, v, hit)  # [T, V]
     out_dtype = jnp.result_type(q, k, v)
     return out.astype(out_dtype), weights.astype(jnp.result_type(q, k))
@@ -268,6 +283,7 @@ def attention_weights(
     bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
+    causal_offset: int = 0,
 ) -> Float[Array, "T S"]:
     """The attention map ``A = softmax(scale · q kᵀ + bias)`` of one head, restricted to ``mask``.
 
@@ -277,14 +293,17 @@ def attention_weights(
       mask: optional boolean keep-mask (True = attend) broadcastable to ``[T, S]``.
       bias: optional additive bias broadcastable to ``[T, S]``, added after scaling.
       scale: logit scale; ``None`` means ``1/sqrt(H)`` (see :func:`attention` for why).
-      is_causal: also apply :func:`causal_mask` ``(T, S)`` (key ``j`` visible to query ``i`` iff ``j <= i``).
+      is_causal: also apply :func:`causal_mask` ``(T, S, causal_offset)`` (key ``j`` visible to query ``i``
+        iff ``j <= i + causal_offset``).
+      causal_offset: with ``is_causal``, how many keys past the diagonal each query still sees: 0 for
+        self-attention, ``S - T`` for queries that continue ``S - T`` earlier keys (a cache, a row block).
 
     Returns:
       ``[T, S]`` in the dtype of ``q``/``k``; each row sums to 1, or is all zeros if fully masked.
     """
     q, k, _, mask, bias, scale = _validate_single(q, k, None, mask, bias, scale)
-    is_causal = check_flag(is_causal, "is_causal")
-    weights = _masked_softmax(_logits(q, k, bias, scale), _keep(mask, is_causal, q.shape[0], k.shape[0]))
+    causal = _causal(is_causal, causal_offset)
+    weights = _masked_softmax(_logits(q, k, bias, scale), _keep(mask, causal, q.shape[0], k.shape[0]))
     return weights.astype(jnp.result_type(q, k))
 
 
@@ -297,6 +316,7 @@ def attention(
     bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
+    causal_offset: int = 0,
 ) -> tuple[Float[Array, "T V"], Float[Array, "T S"]]:
     """Scaled dot-product attention of one head: ``softmax(scale · q kᵀ + bias) v``.
 
@@ -339,15 +359,16 @@ def attention(
       bias: optional additive logit bias broadcastable to ``[T, S]``.
       scale: positive finite logit scale, or ``None`` for ``1/sqrt(H)``. A traced scale is accepted
         (for sweeps under ``jit``/``vmap``) and is not checked.
-      is_causal: also apply :func:`causal_mask` ``(T, S)``.
+      is_causal: also apply :func:`causal_mask` ``(T, S, causal_offset)``.
+      causal_offset: with ``is_causal``, key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``
+        (0: self-attention; ``S - T``: queries that continue ``S - T`` earlier keys).
 
     Returns:
       ``(out, weights)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``weights [T, S]`` in that
       of q, k.
     """
     q, k, v, mask, bias, scale = _validate_single(q, k, v, mask, bias, scale, broadcast_mask=False)
-    is_causal = check_flag(is_causal, "is_causal")
-    return _attend(q, k, v, mask, bias, scale, is_causal)
+    return _attend(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -409,6 +430,7 @@ def multi_head_attention(
     bias: Float[ArrayLike, "#N #T #S"] | Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
+    causal_offset: int = 0,
 ) -> tuple[Float[Array, "T N V"], Float[Array, "N T S"]]:
     """Multi-head (and grouped-query) attention of one example: :func:`attention` vmapped over heads.
 
@@ -423,13 +445,14 @@ def multi_head_attention(
       mask: optional boolean keep-mask broadcastable to ``[N, T, S]`` (e.g. ``[T, S]`` or ``[S]``).
       bias: optional additive logit bias broadcastable to ``[N, T, S]``.
       scale: logit scale, ``None`` for ``1/sqrt(H)``; see :func:`attention` for why it exists.
-      is_causal: also apply :func:`causal_mask` ``(T, S)``.
+      is_causal: also apply :func:`causal_mask` ``(T, S, causal_offset)``.
+      causal_offset: with ``is_causal``, key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``.
 
     Returns:
       ``(out [T, N, V], weights [N, T, S])``.
     """
     q, k, v, mask, bias, scale = _validate_multi(q, k, v, mask, bias, scale)
-    is_causal = check_flag(is_causal, "is_causal")
+    causal = _causal(is_causal, causal_offset)
     T, N, H = q.shape
     S, K, V = v.shape
     G = N // K
@@ -442,7 +465,7 @@ def multi_head_attention(
     def one_head(q1, k1, v1, m1, b1):  # m1 [t, s] in its compact shape (see _attend)
         if b1 is not None:
             b1 = jnp.broadcast_to(b1, (T, S))
-        return _attend(q1, k1, v1, m1, b1, scale, is_causal)
+        return _attend(q1, k1, v1, m1, b1, scale, causal)
 
     over_group = jax.vmap(one_head, in_axes=(0, None, None, 0 if m_axis == 0 else None, 0 if b_axis == 0 else None))
     over_kv = jax.vmap(over_group, in_axes=(0, 0, 0, m_axis, b_axis))

@@ -281,7 +281,7 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
     qs = q.reshape(plan.nq, bq, q.shape[1])  # [nq, bq, H]
     _, (out, lse) = jax.lax.scan(scan_body, None, (jnp.arange(plan.nq), qs))  # [nq, bq, V], [nq, bq]
     out = out.reshape(plan.nq * bq, V)  # [Tp, V]
-    hit = _kept_nonfinite(mask, plan.causal, plan.nq * bq, plan.nk * bk, v_bad)  # [Tp or 1, V], no [T, S] buffer
+    hit = _kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * bq, plan.nk * bk, v_bad)  # [Tp or 1, V], no [T, S] buffer
     return jnp.where(hit, jnp.nan, out), lse.reshape(plan.nq * bq)
 
 

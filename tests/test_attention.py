@@ -69,6 +69,59 @@ def test_causal_first_row_returns_first_value():
     assert np.all(np.asarray(w)[np.triu_indices(5, 1)] == 0.0)
 
 
+def _offset_case():
+    rng = np.random.default_rng(3)
+    q, k = (rng.standard_normal((n, 4)).astype(np.float32) for n in (3, 7))
+    v = rng.standard_normal((7, 2)).astype(np.float32)
+    return q, k, v, (np.arange(7) != 1)[None, :]  # key 1 is padding
+
+
+@pytest.mark.parametrize("c", [4, pytest.param(-1, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow),
+                               pytest.param(2, marks=pytest.mark.slow)])
+def test_causal_offset_moves_the_diagonal_as_causal_mask_does(c):
+    """``is_causal=True, causal_offset=c`` is the keep-mask ``causal_mask(T, S, c)`` (here with a padding
+    mask on top), bit for bit; ``c = S - T = 4`` is queries continuing earlier keys."""
+    q, k, v, pad = _offset_case()
+    out, w = jaxattn.attention(q, k, v, mask=pad, is_causal=True, causal_offset=c)
+    ref_out, ref_w = jaxattn.attention(q, k, v, mask=jaxattn.causal_mask(3, 7, c) & pad)
+    np.testing.assert_array_equal(w, ref_w)
+    np.testing.assert_array_equal(out, ref_out)
+    np.testing.assert_array_equal(w, jaxattn.attention_weights(q, k, mask=pad, is_causal=True, causal_offset=c))
+
+
+@pytest.mark.slow
+def test_causal_offset_under_gqa_and_with_a_nan_value_past_the_diagonal():
+    """Grouped-query attention takes the offset too; a NaN value past the moved diagonal reaches no row
+    that cannot see it, and the gradients of the finite rows stay finite."""
+    q, k, v, pad = _offset_case()
+    rng = np.random.default_rng(4)
+    qm = rng.standard_normal((3, 4, 4)).astype(np.float32)  # N=4 query heads over K=2 key/value heads
+    km, vm = (rng.standard_normal((7, 2, 4)).astype(np.float32) for _ in range(2))
+    out, w = jaxattn.multi_head_attention(qm, km, vm, mask=pad, is_causal=True, causal_offset=4)
+    ref_out, ref_w = jaxattn.multi_head_attention(qm, km, vm, mask=jaxattn.causal_mask(3, 7, 4) & pad)
+    np.testing.assert_array_equal(w, ref_w)
+    np.testing.assert_array_equal(out, ref_out)
+    v_bad = v.copy()
+    v_bad[5] = np.nan  # visible from row 1 on at offset 4 (5 <= 1 + 4), to no row at offset 2
+    for c, finite_rows in ((4, [True, False, False]), (2, [True, True, True])):
+        out, _ = jaxattn.attention(q, k, v_bad, is_causal=True, causal_offset=c)
+        assert np.isfinite(np.asarray(out)).all(axis=1).tolist() == finite_rows
+    grads = jax.grad(lambda q, k, v: jaxattn.attention(q, k, v, is_causal=True, causal_offset=2)[0].sum(),
+                     argnums=(0, 1, 2))(q, k, v_bad)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(causal_offset=1), ValueError, r"causal_offset=1 moves the causal diagonal and needs is_causal=True"),
+    (dict(is_causal=True, causal_offset=1.5), TypeError, r"causal_offset must be a Python int .* received 1.5"),
+    (dict(is_causal=True, causal_offset=True), TypeError, r"causal_offset must be a Python int"),
+])
+def test_causal_offset_is_a_python_int_with_is_causal(kwargs, error, match):
+    q = np.ones((2, 4), np.float32)
+    with pytest.raises(error, match=match):
+        jaxattn.attention(q, q, q, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------- oracle
 
 
@@ -410,7 +463,7 @@ def test_masked_non_finite_bias_does_not_leak_and_a_kept_one_shows(value):
         np.testing.assert_allclose(out, jaxattn.attention(q, k, v, bias=bias, mask=row_mask)[0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow)])
 def test_multi_head_gqa_masked_non_finite_keys_and_values_do_not_leak(value):
     T, N, K, H, V = 7, 4, 2, 4, 3
     rng = np.random.default_rng(9)

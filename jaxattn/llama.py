@@ -514,10 +514,15 @@ def _linear(x: Array, p: dict) -> Array:
     return y + p["bias"][None, :] if "bias" in p else y
 
 
-def _rotation(pos: Array, config: LlamaConfig) -> tuple[Array, Array]:
-    """``cos, sin [T, 1, H/2]`` of the angles ``pos · θ^(-2j/H)`` (float32), once per forward."""
-    angle = pos.astype(jnp.float32)[:, None] * jnp.asarray(_inv_freq(config), jnp.float32)[None, :]  # [T, H/2]
-    return jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]  # 2 x [T, 1, H/2]
+def _rotation(pos: Array, config: LlamaConfig, size: int) -> tuple[Array, Array]:
+    """``cos, sin [n, 1, H/2]`` of the angles ``pos · θ^(-2j/H)`` at positions ``pos [n]`` in ``[0, size)``.
+
+    Rows of ``[size, H/2]`` tables made in numpy (float32 angles, as Hugging Face makes them) while
+    tracing: XLA gathers them where a cos/sin computed in the graph would be fused into, and recomputed
+    by, every layer's rotation.
+    """
+    angle = np.arange(size, dtype=np.float32)[:, None] * _inv_freq(config).astype(np.float32)[None, :]  # [size, H/2]
+    return tuple(jnp.asarray(table)[pos][:, None, :] for table in (np.cos(angle), np.sin(angle)))  # 2 x [n, 1, H/2]
 
 
 def _rope(x: Array, rot: tuple[Array, Array]) -> Array:
@@ -563,28 +568,60 @@ def _visible(rows: Array, cols: Array, config: LlamaConfig) -> Array:
     return rows[:, None] - cols[None, :] < config.sliding_window  # [t, s]
 
 
+ROW_BLOCKS, ROW_BLOCKS_FROM = 2, 256  # the forward's causal row blocks, used from this many tokens on
+
+
+def _causal_rows(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array, layer: int,
+                 blocks: int) -> tuple[Array, Array]:
+    """One layer's causal attention by row blocks, writing its maps into ``weights [L, N, T, T]``.
+
+    Block ``[lo, hi)`` of queries meets keys ``[0, hi)`` only, the keys a causal query can see: one
+    :func:`jaxattn.multi_head_attention` call per block, its weights ``[N, hi - lo, hi]`` written in place
+    (the buffer is zero above the diagonal blocks). The rows are those of one causal call over all ``T``
+    keys, up to the rounding of shorter row sums, for about ``(1 + 1/blocks) / 2`` of its products and
+    softmax work. ``q [T, N, H]``, ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
+    Returns ``(z [T, N, H], weights)``.
+    """
+    T = q.shape[0]
+    zs = []
+    for r in range(blocks):
+        lo, hi = r * T // blocks, (r + 1) * T // blocks
+        keep = mask[:hi] if mask.ndim == 1 else mask[lo:hi, :hi]  # [hi] or [hi - lo, hi]
+        z, w = multi_head_attention(q[lo:hi], k[:hi], v[:hi], mask=keep, scale=scale, is_causal=True,
+                                    causal_offset=lo)  # [hi - lo, N, H], [N, hi - lo, hi]
+        weights = jax.lax.dynamic_update_slice(weights, w[None], (layer, 0, lo, 0))  # [L, N, T, T]
+        zs.append(z)
+    return jnp.concatenate(zs), weights  # [T, N, H], [L, N, T, T]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
 def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> LlamaOutput:
     m = params["model"]
     T, L, N, K = input_ids.shape[0], config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
     want_logits = want_logits or "attn_logits" in capture
     sites = Sites(capture, patch)
-    # RoPE at positions 0..T-1 (real tokens only, with padding). The barrier keeps XLA from fusing the
-    # cos/sin into every layer's rotation, where they would be recomputed per element (2L times).
-    rot = jax.lax.optimization_barrier(_rotation(positions(keep), config))
+    rot = _rotation(positions(keep), config, T)  # RoPE at positions 0..T-1 (real tokens only, with padding)
     x = embed_ids(m["embed_tokens"]["embedding"], input_ids)  # [T, D]; NaN rows for ids outside [0, V)
     if config.sliding_window is None:  # padded keys never attended to (and causal, below)
         mask = keep  # [S], the compact key mask
     else:
         idx = jnp.arange(T)  # [T]
         mask = keep[None, :] & _visible(idx, idx, config)  # [T, S]
+    # Row blocks skip the keys above the diagonal, unless the weights are patched (then made whole).
+    blocks = ROW_BLOCKS if T >= ROW_BLOCKS_FROM and not sites.patches("attn_weights") else 1
     hidden, logits, qs, ks, vs = [x], [], [], [], []
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(L):
         p = m["layers"][str(i)]
         x = sites("resid_pre", i, x)  # [T, D]
         q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, rot, p, config)))  # [T, N, H], 2 x [T, K, H]
-        z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+        if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
+            weights = jax.lax.optimization_barrier(jnp.zeros((L, N, T, T), q.dtype))  # [L, N, T, T]
+        if blocks > 1:
+            z, weights = _causal_rows(q, k, v, mask, scale, weights, i, blocks)  # [T, N, H], [L, N, T, T]
+            w = weights[i]  # [N, T, T]
+        else:
+            z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
         if want_logits:  # per query head, against its key head
             k_rep = jnp.repeat(k, N // K, axis=1)  # [T, N, H]
             logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep))  # [N, T, T]
@@ -592,6 +629,8 @@ def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logit
         w = sites("attn_weights", i, w)  # [N, T, T]
         if sites.patches("attn_weights"):
             z = mix(w, v)  # [T, N, H] from the patched weights
+        if blocks == 1:
+            weights = weights.at[i].set(w)  # [L, N, T, T], written in place
         z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
         a = sites("attn_out", i, _linear(merge_heads(z), p["self_attn"]["o_proj"]))  # [T, D]
         x = sites("resid_mid", i, x + a)  # [T, D]
@@ -599,9 +638,6 @@ def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logit
         f = sites("mlp_out", i, _mlp(h, p["mlp"]))  # [T, D]
         x = sites("resid_post", i, x + f)  # [T, D]
         hidden.append(x)
-        if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
-            weights = jax.lax.optimization_barrier(jnp.zeros((L,) + w.shape, w.dtype))  # [L, N, T, T]
-        weights = weights.at[i].set(w)  # [L, N, T, T], written in place
         qs.append(q), ks.append(k), vs.append(v)
     x = _rms_norm(x, m["norm"]["weight"], config.rms_norm_eps)  # [T, D]
     hidden[-1] = x
@@ -744,7 +780,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, config, m
     def step(x, pos, cache_k, cache_v, at, width):
         """Run cache slots ``at .. at+width-1`` (x ``[width, D]`` at RoPE positions ``pos``) against the cache."""
         rows = at + jnp.arange(width)  # [width]
-        rot = _rotation(pos, config)  # 2 x [width, 1, H/2]
+        rot = _rotation(pos, config, total)  # 2 x [width, 1, H/2]
         visible = (cols[None, :] <= rows[:, None]) & key_keep[None, :] & _visible(rows, cols, config)  # [width, total]
         for i in range(L):
             p = m["layers"][str(i)]

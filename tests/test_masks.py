@@ -30,6 +30,7 @@ def test_combine_masks_is_logical_and_with_broadcasting_and_none():
     assert jaxattn.combine_masks(None, None) is None
 
 
+@pytest.mark.slow
 def test_padded_batch_gives_each_example_its_own_result():
     rng = np.random.default_rng(0)
     B, T, N, H = 3, 6, 2, 4

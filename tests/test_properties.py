@@ -1,6 +1,7 @@
 """Invariants of attention, checked by hypothesis over shapes, values, masks and scales."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,6 +47,7 @@ def test_adding_a_constant_to_a_row_of_logits_changes_nothing(p, c):
     np.testing.assert_allclose(out2, out, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(problems())
 def test_permuting_keys_and_values_together_leaves_the_output_unchanged(p):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn._attention import multi_head_attention
 from jaxattn._checks import as_key
 
 Array = jax.Array
@@ -31,6 +32,39 @@ def embed_ids(table: Array, ids: Array) -> Array:
     valid = (ids >= 0) & (ids < table.shape[0])  # [T]
     rows = table[jnp.clip(ids, 0, table.shape[0] - 1)]  # [T, D]
     return jnp.where(valid[:, None], rows, jnp.nan)
+
+
+ROW_BLOCKS, ROW_BLOCKS_FROM = 2, 256  # the causal forwards' row blocks, used from this many tokens on
+
+
+def row_blocks(T: int, patched: bool) -> int:
+    """How many row blocks a causal forward over ``T`` tokens runs each layer's attention in:
+    ``ROW_BLOCKS`` from ``ROW_BLOCKS_FROM`` tokens on, else 1; 1 when the weights are patched (a patched
+    map needs the whole ``[N, T, T]``)."""
+    return ROW_BLOCKS if T >= ROW_BLOCKS_FROM and not patched else 1
+
+
+def causal_rows(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array, layer: int,
+                blocks: int) -> tuple[Array, Array]:
+    """One layer's causal attention by row blocks, writing its maps into ``weights [L, N, T, T]``.
+
+    Block ``[lo, hi)`` of queries meets keys ``[0, hi)`` only, the keys a causal query can see: one
+    :func:`jaxattn.multi_head_attention` call per block (``causal_offset=lo``), its weights
+    ``[N, hi - lo, hi]`` written in place (the buffer is zero above the diagonal blocks). The rows are those
+    of one causal call over all ``T`` keys, up to the rounding of shorter row sums, for about
+    ``(1 + 1/blocks) / 2`` of its products and softmax work. ``q [T, N, H]``, ``k, v [T, K, H]``;
+    ``mask``: the keep-mask ``[S]`` or ``[T, S]``. Returns ``(z [T, N, H], weights)``.
+    """
+    T = q.shape[0]
+    zs = []
+    for r in range(blocks):
+        lo, hi = r * T // blocks, (r + 1) * T // blocks
+        keep = mask[:hi] if mask.ndim == 1 else mask[lo:hi, :hi]  # [hi] or [hi - lo, hi]
+        z, w = multi_head_attention(q[lo:hi], k[:hi], v[:hi], mask=keep, scale=scale, is_causal=True,
+                                    causal_offset=lo)  # [hi - lo, N, H], [N, hi - lo, hi]
+        weights = jax.lax.dynamic_update_slice(weights, w[None], (layer, 0, lo, 0))  # [L, N, T, T]
+        zs.append(z)
+    return jnp.concatenate(zs), weights  # [T, N, H], [L, N, T, T]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ from jaxattn._checks import check_int, check_scale
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
+from jaxattn._nn import ROW_BLOCKS, ROW_BLOCKS_FROM  # noqa: F401  (public here: the forward's causal row blocks)
+from jaxattn._nn import causal_rows, row_blocks
 from jaxattn._nn import check_span, embed_ids, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
@@ -568,32 +570,6 @@ def _visible(rows: Array, cols: Array, config: LlamaConfig) -> Array:
     return rows[:, None] - cols[None, :] < config.sliding_window  # [t, s]
 
 
-ROW_BLOCKS, ROW_BLOCKS_FROM = 2, 256  # the forward's causal row blocks, used from this many tokens on
-
-
-def _causal_rows(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array, layer: int,
-                 blocks: int) -> tuple[Array, Array]:
-    """One layer's causal attention by row blocks, writing its maps into ``weights [L, N, T, T]``.
-
-    Block ``[lo, hi)`` of queries meets keys ``[0, hi)`` only, the keys a causal query can see: one
-    :func:`jaxattn.multi_head_attention` call per block, its weights ``[N, hi - lo, hi]`` written in place
-    (the buffer is zero above the diagonal blocks). The rows are those of one causal call over all ``T``
-    keys, up to the rounding of shorter row sums, for about ``(1 + 1/blocks) / 2`` of its products and
-    softmax work. ``q [T, N, H]``, ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
-    Returns ``(z [T, N, H], weights)``.
-    """
-    T = q.shape[0]
-    zs = []
-    for r in range(blocks):
-        lo, hi = r * T // blocks, (r + 1) * T // blocks
-        keep = mask[:hi] if mask.ndim == 1 else mask[lo:hi, :hi]  # [hi] or [hi - lo, hi]
-        z, w = multi_head_attention(q[lo:hi], k[:hi], v[:hi], mask=keep, scale=scale, is_causal=True,
-                                    causal_offset=lo)  # [hi - lo, N, H], [N, hi - lo, hi]
-        weights = jax.lax.dynamic_update_slice(weights, w[None], (layer, 0, lo, 0))  # [L, N, T, T]
-        zs.append(z)
-    return jnp.concatenate(zs), weights  # [T, N, H], [L, N, T, T]
-
-
 @functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
 def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> LlamaOutput:
     m = params["model"]
@@ -607,8 +583,7 @@ def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logit
     else:
         idx = jnp.arange(T)  # [T]
         mask = keep[None, :] & _visible(idx, idx, config)  # [T, S]
-    # Row blocks skip the keys above the diagonal, unless the weights are patched (then made whole).
-    blocks = ROW_BLOCKS if T >= ROW_BLOCKS_FROM and not sites.patches("attn_weights") else 1
+    blocks = row_blocks(T, sites.patches("attn_weights"))  # causal row blocks skip the keys above the diagonal
     hidden, logits, qs, ks, vs = [x], [], [], [], []
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(L):
@@ -618,7 +593,7 @@ def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logit
         if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
             weights = jax.lax.optimization_barrier(jnp.zeros((L, N, T, T), q.dtype))  # [L, N, T, T]
         if blocks > 1:
-            z, weights = _causal_rows(q, k, v, mask, scale, weights, i, blocks)  # [T, N, H], [L, N, T, T]
+            z, weights = causal_rows(q, k, v, mask, scale, weights, i, blocks)  # [T, N, H], [L, N, T, T]
             w = weights[i]  # [N, T, T]
         else:
             z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]

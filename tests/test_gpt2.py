@@ -53,6 +53,23 @@ def test_parity_with_flax_gpt2(case):
         np.testing.assert_allclose(out.hidden_states, hidden, atol=TOL, rtol=0)
 
 
+def test_row_blocks_match_flax_gpt2(tmp_path):
+    """From ROW_BLOCKS_FROM tokens on, attention runs by causal row blocks, each against the keys its
+    queries can see: Flax's logits and every map (exact zeros above the diagonal)."""
+    T = gpt2.ROW_BLOCKS_FROM
+    assert gpt2.ROW_BLOCKS > 1
+    model = hf_model(seed=7, n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=T)
+    directory = save_checkpoint(tmp_path, model)
+    config = gpt2.read_gpt2_config(directory / "config.json")
+    params = gpt2.params_from_msgpack(directory / "flax_model.msgpack", config)
+    ids = np.random.default_rng(8).integers(0, config.vocab_size, T).astype(np.int32)
+    out = gpt2.forward(params, config, ids)
+    logits, attentions, _ = hf_run(model, ids)
+    np.testing.assert_allclose(out.logits, logits, atol=TOL, rtol=0)
+    np.testing.assert_allclose(out.attentions, np.stack(attentions), atol=TOL, rtol=0)
+    assert np.all(np.asarray(out.attentions)[:, :, np.triu(np.ones((T, T), bool), 1)] == 0)
+
+
 def test_params_are_interchangeable_with_hugging_face(case):
     model, _, config, params = case
     assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(model.params_)

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxattn._attention import multi_head_attention
 from jaxattn._checks import as_key
+from jaxattn._sites import Sites, mix
 
 Array = jax.Array
 
@@ -37,11 +38,29 @@ def embed_ids(table: Array, ids: Array) -> Array:
 ROW_BLOCKS, ROW_BLOCKS_FROM = 2, 256  # the causal forwards' row blocks, used from this many tokens on
 
 
-def row_blocks(T: int, patched: bool) -> int:
-    """How many row blocks a causal forward over ``T`` tokens runs each layer's attention in:
-    ``ROW_BLOCKS`` from ``ROW_BLOCKS_FROM`` tokens on, else 1; 1 when the weights are patched (a patched
-    map needs the whole ``[N, T, T]``)."""
-    return ROW_BLOCKS if T >= ROW_BLOCKS_FROM and not patched else 1
+def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array | None, layer: int,
+                 num_layers: int, sites: Sites) -> tuple[Array, Array]:
+    """One layer's causal attention in a model forward: ``(z [T, N, H], weights [L, N, T, T])``.
+
+    The layer's map is written in place into ``weights``, the zeroed ``[L, N, T, T]`` buffer (made at the
+    first layer, where ``weights`` is None), and passes the ``attn_weights`` site. From ``ROW_BLOCKS_FROM``
+    tokens on the attention runs in ``ROW_BLOCKS`` row blocks (:func:`causal_rows`); a patched map needs
+    the whole ``[N, T, T]``, so with an ``attn_weights`` patch it runs as one call and ``z`` is remade from
+    the patched weights. ``q [T, N, H]``, ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
+    """
+    T, N = q.shape[:2]
+    if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
+        weights = jax.lax.optimization_barrier(jnp.zeros((num_layers, N, T, T), q.dtype))  # [L, N, T, T]
+    patched = sites.patches("attn_weights")
+    if T >= ROW_BLOCKS_FROM and not patched:
+        z, weights = causal_rows(q, k, v, mask, scale, weights, layer, ROW_BLOCKS)  # [T, N, H], [L, N, T, T]
+        sites("attn_weights", layer, weights[layer])  # captured (never patched here)
+        return z, weights
+    z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+    w = sites("attn_weights", layer, w)  # [N, T, T]
+    if patched:
+        z = mix(w, v)  # [T, N, H] from the patched weights
+    return z, weights.at[layer].set(w)  # [L, N, T, T], written in place
 
 
 def causal_rows(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array, layer: int,

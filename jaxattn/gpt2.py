@@ -39,10 +39,10 @@ from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
 from jaxattn._nn import ROW_BLOCKS, ROW_BLOCKS_FROM  # noqa: F401  (public here: the forward's causal row blocks)
-from jaxattn._nn import causal_rows, check_span, embed_ids, layer_norm, positions, row_blocks, sampling
+from jaxattn._nn import causal_layer, check_span, embed_ids, layer_norm, positions, sampling
 from jaxattn._nn import span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
-from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
+from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
@@ -410,33 +410,20 @@ def _rest(x: Array, z: Array, p: dict, config: GPT2Config) -> Array:
 @functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
 def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> GPT2Output:
     tr = params["transformer"]
-    T = input_ids.shape[0]
     want_logits = want_logits or "attn_logits" in capture
     sites = Sites(capture, patch)
     pos = positions(keep)  # [T], 0..T-1 without padding
     x = embed_ids(tr["wte"]["embedding"], input_ids) + tr["wpe"]["embedding"][pos]  # [T, D]; NaN rows for ids outside [0, V)
-    blocks = row_blocks(T, sites.patches("attn_weights"))  # causal row blocks skip the keys above the diagonal
     hidden, logits, qs, ks, vs = [x], [], [], [], []
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(config.n_layer):
         p = tr["h"][str(i)]
         x = sites("resid_pre", i, x)  # [T, D]
         q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, p, config)))  # 3 x [T, N, H]
-        if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
-            weights = jax.lax.optimization_barrier(jnp.zeros((config.n_layer, q.shape[1], T, T), q.dtype))  # [L, N, T, T]
-        if blocks > 1:
-            z, weights = causal_rows(q, k, v, keep, scale, weights, i, blocks)  # [T, N, H], [L, N, T, T]
-            w = weights[i]  # [N, T, T]
-        else:  # padded keys (keep [S]) are never attended to
-            z, w = multi_head_attention(q, k, v, mask=keep, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+        z, weights = causal_layer(q, k, v, keep, scale, weights, i, config.n_layer, sites)  # [T, N, H], [L, N, T, T]
         if want_logits:  # the same private _logits the softmax above consumed, one head at a time
             logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))  # [N, T, T]
             sites("attn_logits", i, logits[-1])
-        w = sites("attn_weights", i, w)  # [N, T, T]
-        if sites.patches("attn_weights"):
-            z = mix(w, v)  # [T, N, H] from the patched weights
-        if blocks == 1:
-            weights = weights.at[i].set(w)  # [L, N, T, T], written in place
         z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
         a = sites("attn_out", i, _linear(merge_heads(z), p["attn"]["c_proj"]))  # [T, D]
         x = sites("resid_mid", i, x + a)  # [T, D]

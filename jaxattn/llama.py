@@ -51,10 +51,10 @@ from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
 from jaxattn._nn import ROW_BLOCKS, ROW_BLOCKS_FROM  # noqa: F401  (public here: the forward's causal row blocks)
-from jaxattn._nn import causal_rows, row_blocks
+from jaxattn._nn import causal_layer
 from jaxattn._nn import check_span, embed_ids, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
-from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
+from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
@@ -583,29 +583,17 @@ def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logit
     else:
         idx = jnp.arange(T)  # [T]
         mask = keep[None, :] & _visible(idx, idx, config)  # [T, S]
-    blocks = row_blocks(T, sites.patches("attn_weights"))  # causal row blocks skip the keys above the diagonal
     hidden, logits, qs, ks, vs = [x], [], [], [], []
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(L):
         p = m["layers"][str(i)]
         x = sites("resid_pre", i, x)  # [T, D]
         q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, rot, p, config)))  # [T, N, H], 2 x [T, K, H]
-        if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
-            weights = jax.lax.optimization_barrier(jnp.zeros((L, N, T, T), q.dtype))  # [L, N, T, T]
-        if blocks > 1:
-            z, weights = causal_rows(q, k, v, mask, scale, weights, i, blocks)  # [T, N, H], [L, N, T, T]
-            w = weights[i]  # [N, T, T]
-        else:
-            z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+        z, weights = causal_layer(q, k, v, mask, scale, weights, i, L, sites)  # [T, N, H], [L, N, T, T]
         if want_logits:  # per query head, against its key head
             k_rep = jnp.repeat(k, N // K, axis=1)  # [T, N, H]
             logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep))  # [N, T, T]
             sites("attn_logits", i, logits[-1])
-        w = sites("attn_weights", i, w)  # [N, T, T]
-        if sites.patches("attn_weights"):
-            z = mix(w, v)  # [T, N, H] from the patched weights
-        if blocks == 1:
-            weights = weights.at[i].set(w)  # [L, N, T, T], written in place
         z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
         a = sites("attn_out", i, _linear(merge_heads(z), p["self_attn"]["o_proj"]))  # [T, D]
         x = sites("resid_mid", i, x + a)  # [T, D]

@@ -37,7 +37,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 Array = jax.Array
 

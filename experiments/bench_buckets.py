@@ -1,6 +1,6 @@
 """Benchmark: compiled programs for many sentence lengths, exact lengths against length buckets.
 
-Each distinct input length compiles its own GPT-2 forward. jaxattn.gpt2.pad_to_bucket pads a sentence
+Each distinct input length compiles its own GPT-2 forward. jaxattn.models.pad_to_bucket pads a sentence
 under the attention mask to the next bucket length, so sentences of 20, 21 and 22 tokens share one
 program. This script runs GPT-2-small-shaped random weights on sentences of the given lengths, first
 at their exact lengths, then bucketed, in one run, and prints the number of XLA compilations (counted
@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxattn import gpt2
+from jaxattn import gpt2, models
 
 COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     params = gpt2.init_params(args.seed, config)
     rng = np.random.default_rng(args.seed)
     sentences = [rng.integers(0, config.vocab_size, n).astype(np.int32) for n in args.lengths]
-    print(f"GPT-2-{args.size} shapes, random weights; sentence lengths {args.lengths}; buckets {gpt2.BUCKETS}; "
+    print(f"GPT-2-{args.size} shapes, random weights; sentence lengths {args.lengths}; buckets {models.BUCKETS}; "
           f"jax {jax.__version__} on {jax.devices()[0].platform}")
 
     def run(label, call):
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     exact, n_exact, wall_exact = run("exact lengths", lambda ids: np.asarray(gpt2.forward(params, config, ids).logits))
 
     def bucketed_logits(ids):
-        padded, mask = gpt2.pad_to_bucket(ids)
+        padded, mask = models.pad_to_bucket(ids)
         return np.asarray(gpt2.forward(params, config, padded, attention_mask=mask).logits)[: len(ids)]
 
     bucketed, n_bucket, wall_bucket = run("bucketed", bucketed_logits)

@@ -126,6 +126,8 @@ def as_key(key: Any, name: str = "key") -> jax.Array:
     if isinstance(key, bool):
         raise TypeError(f"{name} must be a jax.random key or an int seed, received {key!r}")
     if isinstance(key, (int, np.integer)):
+        if not -2**63 <= int(key) < 2**63:
+            raise ValueError(f"{name} as an int seed must fit in 64 bits, received {key!r}")
         return jax.random.key(int(key))
     key = jnp.asarray(key)
     if not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):

@@ -176,45 +176,45 @@ def check_span(start: Any, end: Any, T: int) -> Any:
 
 
 def span_log_prob(logits: Array, ids: Array, keep: Array, start: Any, end: Any) -> Array:
-    """``Σ_{start <= t < end, keep[t]} log p(ids[t] | ids[:t])`` from next-token ``logits [T, V]`` (float32, nats).
+    """``Σ_{start <= t < end, keep[t]} log p(ids[t] | real tokens before t)`` from ``logits [T, V]`` (float32).
 
-    Token 0 has no prediction, so ``t = 0`` never counts; ``start``, ``end`` come from :func:`check_span`.
+    Token ``t`` is predicted by the logits of the last REAL position before it, so padding anywhere
+    (left, right, inside) gives the score of the sequence alone; a real token with no real token before
+    it (the first one) has no prediction and never counts. ``start``, ``end`` index the padded array
+    and come from :func:`check_span`.
     """
-    logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32), axis=-1)  # [T - 1, V], predicting ids[1:]
-    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
-    t = jnp.arange(1, ids.shape[0])  # [T - 1], the position each entry scores
-    counted = (t >= start) & (t < end) & keep[1:]  # [T - 1]
+    T = ids.shape[0]
+    t = jnp.arange(T)  # [T]
+    last = jax.lax.cummax(jnp.where(keep, t, -1))  # [T], the last real position <= t (-1: none)
+    prev = jnp.concatenate([jnp.full((1,), -1, last.dtype), last[:-1]])  # [T], the last real position < t
+    logp = jax.nn.log_softmax(logits[jnp.maximum(prev, 0)].astype(jnp.float32), axis=-1)  # [T, V]
+    picked = jnp.take_along_axis(logp, ids[:, None], axis=-1)[:, 0]  # [T]
+    counted = (t >= start) & (t < end) & keep & (prev >= 0)  # [T]
     return jnp.sum(jnp.where(counted, picked, 0.0))
 
 
+def _real_scalar(x: Any) -> bool:
+    """A concrete real number: a Python int or float (not bool), a NumPy scalar or a 0-d array."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, jax.core.Tracer):
+        return False
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None:
+        return np.ndim(x) == 0 and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    return isinstance(x, (int, float))
+
+
 def sampling(temperature: Any, key: Any) -> tuple[bool, Array]:
-    """``(greedy, key)`` for ``generate``: temperature 0 is greedy; ``> 0`` samples and needs a key."""
-    greedy = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature == 0
-    if not greedy:
-        if not isinstance(temperature, jax.core.Tracer) and not (np.ndim(temperature) == 0 and float(temperature) > 0):
-            raise ValueError(f"temperature must be 0 (greedy) or > 0, received {temperature!r}")
-        if key is None:
-            raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
-    return greedy, as_key(0 if key is None else key)
+    """``(greedy, key)`` for ``generate``: temperature 0 is greedy; a finite ``> 0`` samples and needs a key.
 
-
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # sequence lengths :func:`pad_to_bucket` pads to
-
-
-def pad_to_bucket(input_ids: Any, *, buckets: Any = BUCKETS, pad_id: int = 0) -> tuple[Array, Array]:
-    """Right-pad ``input_ids [T]`` to the smallest bucket length ``B >= T``: ``(ids [B], attention_mask [B])``.
-
-    Each distinct input length compiles its own forward; padded to a handful of bucket lengths, an
-    experiment over many sentences compiles a handful of programs. With the returned mask, a causal
-    model's forward gives at positions ``< T`` the logits and maps of the sequence alone (the pads come
-    after them, and are masked as keys), so slice ``[:T]`` (``[..., :T, :T]`` for maps). A ``T`` above
-    the largest bucket is returned as it is.
+    Python and NumPy numbers (and 0-d arrays) are accepted alike; a traced temperature samples.
     """
-    ids = np.asarray(input_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be integer token ids [T], received dtype {ids.dtype} shape {ids.shape}")
-    T = ids.shape[0]
-    B = next((int(b) for b in sorted(buckets) if b >= T), T)
-    padded = np.full((B,), pad_id, np.int32)
-    padded[:T] = ids
-    return jnp.asarray(padded), jnp.asarray(np.arange(B) < T)
+    if not isinstance(temperature, jax.core.Tracer):
+        if not _real_scalar(temperature) or not np.isfinite(float(temperature)) or float(temperature) < 0:
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number > 0, received {temperature!r}")
+        if float(temperature) == 0:
+            return True, as_key(0 if key is None else key)
+    elif jnp.ndim(temperature) != 0:
+        raise ValueError(f"temperature must be a scalar, received shape {tuple(jnp.shape(temperature))}")
+    if key is None:
+        raise ValueError("sampling (temperature > 0) needs a key: pass key=jax.random.key(seed) or an int seed")
+    return False, as_key(key)

@@ -129,3 +129,32 @@ def mix(weights: Array, v: Array) -> Array:
     w = weights.reshape(K, N // K, *weights.shape[1:])  # [K, G, T, S]
     z = jnp.einsum("kgts,skh->tkgh", w.astype(jnp.float32), v.astype(jnp.float32))  # [T, K, G, H]
     return z.reshape(z.shape[0], N, v.shape[-1]).astype(v.dtype)  # [T, N, H]
+
+
+def with_sugar(out: Any, asked: tuple[str, ...], *, want_logits: bool, want_qkv: bool,
+               want_hidden: bool) -> Any:
+    """Fill the sugar fields of ``out`` from its captured tensors, keeping in ``captured`` only ``asked``."""
+    c = out.captured
+    hidden = None
+    if want_hidden:
+        hidden = jnp.concatenate([c["resid_pre"], out.last_hidden_state[None]])  # [L + 1, T, D]
+    return out._replace(
+        captured={name: c[name] for name in asked},
+        attention_logits=c["attn_logits"] if want_logits else None,
+        q=c["q"] if want_qkv else None,
+        k=c["k"] if want_qkv else None,
+        v=c["v"] if want_qkv else None,
+        hidden_states=hidden,
+    )
+
+
+def sugar_names(capture: tuple[str, ...], *, want_logits: bool, want_qkv: bool, want_hidden: bool) -> tuple[str, ...]:
+    """The names a forward must capture for ``capture`` plus the sugar flags (sorted, a static argument)."""
+    names = set(capture)
+    if want_logits:
+        names.add("attn_logits")
+    if want_qkv:
+        names.update(("q", "k", "v"))
+    if want_hidden:
+        names.add("resid_pre")
+    return tuple(sorted(names))

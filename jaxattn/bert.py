@@ -35,7 +35,7 @@ import importlib.util
 import math
 from pathlib import Path
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,7 @@ from jaxattn.checkpoint import (
     resolve,
     unflatten,
 )
+from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 require("models", "jaxattn.bert", "safetensors", "tokenizers", "huggingface_hub")
 
@@ -338,15 +339,6 @@ def load(path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[d
 # ====================================================================================================
 
 
-class BertOutput(NamedTuple):
-    """What :func:`forward` returns for one sequence."""
-
-    last_hidden_state: Array  # [T, D]
-    attentions: Array  # [L, N, T, T], softmax weights of every layer and head (rows: queries)
-    pooler_output: Array | None  # [D], tanh(dense(h[CLS])); None when the checkpoint has no pooler
-    captured: dict[str, Array] = {}  # the names asked for in `capture`, each [L, ...]
-
-
 def _dense(x: Array, p: dict) -> Array:
     return x @ p["kernel"] + p["bias"][None, :]  # [T, out]
 
@@ -399,7 +391,8 @@ def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids:
     pooled = None
     if "pooler" in params:
         pooled = jnp.tanh(_dense(x[:1], params["pooler"]["dense"]))[0]  # [D]
-    return BertOutput(x, jnp.stack(attentions), pooled, sites.captured())  # [T, D], [L, N, T, T], [D]
+    return ModelOutput(logits=None, last_hidden_state=x, attentions=jnp.stack(attentions),  # [T, D], [L, N, T, T]
+                       captured=sites.captured(), pooler_output=pooled)  # [D]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -418,7 +411,7 @@ def forward(
     scale: Real[ArrayLike, ""] | None = None,
     capture: Sequence[str] = (),
     patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-) -> BertOutput:
+) -> ModelOutput:
     """The encoder on one sequence: embeddings, then L post-LayerNorm blocks, every attention map kept.
 
     ``x = LN(E_word[ids] + E_pos[0..T-1] + E_type[types])``; each block is
@@ -451,8 +444,9 @@ def forward(
         instead of the tensor it made, at the place it is made (see :func:`jaxattn.gpt2.forward`).
 
     Returns:
-      :class:`BertOutput` with ``last_hidden_state [T, D]``, ``attentions [L, N, T, T]``,
-      ``pooler_output [D]`` (or ``None``) and ``captured``.
+      a :class:`jaxattn.models.ModelOutput` with ``logits=None`` (no language-model head),
+      ``last_hidden_state [T, D]`` (``resid_post[-1]``: post-LayerNorm, no final norm),
+      ``attentions [L, N, T, T]``, ``captured`` and ``pooler_output [D]`` (or ``None``).
     """
     if not isinstance(config, BertConfig):
         raise TypeError(f"config must be the BertConfig returned by load(), received {type(config).__name__}")
@@ -472,6 +466,59 @@ def forward(
     shapes = site_shapes(T=T, S=T, N=N, K=N, H=config.head_dim, D=config.hidden_size)
     patch = check_patch(patch, shapes, config.num_hidden_layers)
     return _forward(params, config, ids, types, keep, heads, scale, patch, capture=check_capture(capture))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model protocol (jaxattn.models): what interventions and the lab ask a model.
+# ----------------------------------------------------------------------------------------------------
+
+CAUSAL = False  # bidirectional: every query sees every real key
+
+
+def sizes(config: BertConfig) -> Sizes:
+    """The protocol's :class:`~jaxattn.models.Sizes` of a config (K = N; ``vocab`` is the input vocabulary)."""
+    N = config.num_attention_heads
+    return Sizes(layers=config.num_hidden_layers, heads=N, kv_heads=N, head_dim=config.head_dim,
+                 width=config.hidden_size, vocab=config.vocab_size, max_length=config.max_position_embeddings)
+
+
+def final_norm(params: dict, config: BertConfig, x: Array) -> Array:
+    """The identity: a post-LayerNorm encoder ends each block with its norm and has no final one."""
+    return x
+
+
+def unembed(params: dict, config: BertConfig, x: Array) -> Array:
+    """Not defined: the bundled encoders have no language-model head (``ValueError``)."""
+    raise ValueError("a BERT encoder here has no language-model head: there is no unembedding "
+                     "(use last_hidden_state, e.g. with interventions.similarity_metric)")
+
+
+def attention_input(params: dict, config: BertConfig, layer: int, x: Array) -> Array:
+    """The residual stream ``x [T, D]`` itself: post-LayerNorm blocks project q, k, v from it directly."""
+    return x
+
+
+def _layers(params: dict, config: BertConfig) -> Any:
+    return jax.tree.map(lambda *a: jnp.stack(a), *[params["encoder"]["layer"][str(i)]
+                                                   for i in range(config.num_hidden_layers)])
+
+
+def head_projections(params: dict, config: BertConfig) -> Array:
+    """``[L, N, H, D]``: each head's rows of the attention output dense (before its LayerNorm)."""
+    L, N, H, D = config.num_hidden_layers, config.num_attention_heads, config.head_dim, config.hidden_size
+    return _layers(params, config)["attention"]["output"]["dense"]["kernel"].reshape(L, N, H, D)
+
+
+def qk_weights(params: dict, config: BertConfig) -> QKWeights:
+    """Every head's ``W_Q [L, N, D, H]``, ``b_q``, ``W_K``, ``b_k`` on its input (the residual stream)."""
+    L, N, H, D = config.num_hidden_layers, config.num_attention_heads, config.head_dim, config.hidden_size
+    a = _layers(params, config)["attention"]["self"]
+
+    def heads(w):  # [L, D, N·H] -> [L, N, D, H]
+        return jnp.transpose(w.reshape(L, D, N, H), (0, 2, 1, 3))
+
+    return QKWeights(heads(a["query"]["kernel"]), a["query"]["bias"].reshape(L, N, H), heads(a["key"]["kernel"]),
+                     False, float(H) ** -0.5, a["key"]["bias"].reshape(L, N, H))
 
 
 # ----------------------------------------------------------------------------------------------------

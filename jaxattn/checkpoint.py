@@ -105,6 +105,8 @@ def read_config(path: str | os.PathLike, schema: ConfigSchema) -> dict[str, Any]
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a config: its JSON nests too deeply to read") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
 

@@ -33,16 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import check_int, check_scale
+from jaxattn import _decoder
+from jaxattn._attention import merge_heads, split_heads
+from jaxattn._checks import check_int
+from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
-from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
-from jaxattn._nn import ROW_BLOCKS, ROW_BLOCKS_FROM  # noqa: F401  (public here: the forward's causal row blocks)
-from jaxattn._nn import causal_layer, check_span, embed_ids, layer_norm, positions, sampling
-from jaxattn._nn import span_log_prob, token_ids
-from jaxattn._nn import head_mask as head_mask_
-from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
+from jaxattn._nn import embed_ids, layer_norm
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
@@ -59,6 +55,7 @@ from jaxattn.checkpoint import (
     unflatten,
 )
 from jaxattn.io import atomic_write
+from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 require("models", "jaxattn.gpt2", "safetensors", "tokenizers", "huggingface_hub", "flax")
 
@@ -358,92 +355,81 @@ def load(name_or_path: str | Path, *, dtype: Any = jnp.float32) -> tuple[dict, G
 
 
 # ----------------------------------------------------------------------------------------------------
-# The forward pass (picoGPT style: one small function per idea)
+# The forward pass: GPT-2's pieces of the shared decoder (picoGPT style: one small function per idea)
 # ----------------------------------------------------------------------------------------------------
-
-
-class GPT2Output(NamedTuple):
-    """What :func:`forward` returns, under stable names (``None`` unless requested).
-
-    Attributes:
-      logits: ``[T, V]`` next-token logits.
-      attentions: ``[L, N, T, T]`` every layer's attention weights (rows sum to 1; causal; padded keys
-        get weight 0).
-      attention_logits: ``[L, N, T, T]`` the softmax's input ``scale · q kᵀ`` before the masks
-        (positions above the diagonal hold their raw value; the masks are applied inside the softmax).
-      q, k, v: ``[L, T, N, H]`` each layer's per-head queries, keys and values.
-      hidden_states: ``[L + 1, T, D]`` as Hugging Face reports them: the embeddings, the residual stream
-        after each of the first ``L - 1`` blocks, and the final ``ln_f`` output.
-    """
-
-    logits: Array
-    attentions: Array
-    attention_logits: Array | None = None
-    q: Array | None = None
-    k: Array | None = None
-    v: Array | None = None
-    hidden_states: Array | None = None
-    captured: dict[str, Array] = {}
 
 
 def _linear(x: Array, p: dict) -> Array:
     return x @ p["kernel"].T + p["bias"][None]  # [T, out]; the kernel is stored (out, in)
 
 
-def _mlp(x: Array, p: dict, act: Any) -> Array:
-    return _linear(act(_linear(x, p["c_fc"])), p["c_proj"])  # [T, I] -> [T, D]
+def _embed(params: dict, config: GPT2Config, ids: Array, pos: Array) -> Array:
+    tr = params["transformer"]
+    return embed_ids(tr["wte"]["embedding"], ids) + tr["wpe"]["embedding"][pos]  # [T, D]; NaN rows for bad ids
 
 
-def _qkv(x: Array, p: dict, config: GPT2Config) -> tuple[Array, Array, Array]:
+def _qkv(p: dict, config: GPT2Config, x: Array, rot: None) -> tuple[Array, Array, Array]:
     h = layer_norm(x, **p["ln_1"], eps=config.layer_norm_epsilon)  # [T, D]
     q, k, v = jnp.split(_linear(h, p["attn"]["c_attn"]), 3, axis=-1)  # 3 x [T, D]
     return tuple(split_heads(a, config.n_head) for a in (q, k, v))  # 3 x [T, N, H]
 
 
-def _rest(x: Array, z: Array, p: dict, config: GPT2Config) -> Array:
-    """The block after attention: ``z [T, N, H]`` (each head's output, head_mask applied) -> ``[T, D]``."""
-    x = x + _linear(merge_heads(z), p["attn"]["c_proj"])  # [T, D]
+def _attn_out(p: dict, config: GPT2Config, z: Array) -> Array:
+    return _linear(merge_heads(z), p["attn"]["c_proj"])  # [T, N, H] -> [T, D]
+
+
+def _mlp(p: dict, config: GPT2Config, x: Array) -> Array:
     h = layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon)  # [T, D]
-    return x + _mlp(h, p["mlp"], _ACTIVATIONS[config.activation_function])  # [T, D]
+    act = _ACTIVATIONS[config.activation_function]
+    return _linear(act(_linear(h, p["mlp"]["c_fc"])), p["mlp"]["c_proj"])  # [T, I] -> [T, D]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
-def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> GPT2Output:
-    tr = params["transformer"]
-    want_logits = want_logits or "attn_logits" in capture
-    sites = Sites(capture, patch)
-    pos = positions(keep)  # [T], 0..T-1 without padding
-    x = embed_ids(tr["wte"]["embedding"], input_ids) + tr["wpe"]["embedding"][pos]  # [T, D]; NaN rows for ids outside [0, V)
-    hidden, logits, qs, ks, vs = [x], [], [], [], []
-    weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
-    for i in range(config.n_layer):
-        p = tr["h"][str(i)]
-        x = sites("resid_pre", i, x)  # [T, D]
-        q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, p, config)))  # 3 x [T, N, H]
-        z, weights = causal_layer(q, k, v, keep, scale, weights, i, config.n_layer, sites)  # [T, N, H], [L, N, T, T]
-        if want_logits:  # the same private _logits the softmax above consumed, one head at a time
-            logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))  # [N, T, T]
-            sites("attn_logits", i, logits[-1])
-        z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
-        a = sites("attn_out", i, _linear(merge_heads(z), p["attn"]["c_proj"]))  # [T, D]
-        x = sites("resid_mid", i, x + a)  # [T, D]
-        h = layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon)  # [T, D]
-        m = sites("mlp_out", i, _mlp(h, p["mlp"], _ACTIVATIONS[config.activation_function]))  # [T, D]
-        x = sites("resid_post", i, x + m)  # [T, D]
-        hidden.append(x)
-        qs.append(q), ks.append(k), vs.append(v)
-    x = layer_norm(x, **tr["ln_f"], eps=config.layer_norm_epsilon)  # [T, D]
-    hidden[-1] = x
-    return GPT2Output(
-        logits=x @ tr["wte"]["embedding"].T,  # [T, V], the head tied to wte
-        attentions=weights,  # [L, N, T, T]
-        attention_logits=jnp.stack(logits) if want_logits else None,  # [L, N, T, T]
-        q=jnp.stack(qs) if want_qkv else None,  # [L, T, N, H]
-        k=jnp.stack(ks) if want_qkv else None,  # [L, T, N, H]
-        v=jnp.stack(vs) if want_qkv else None,  # [L, T, N, H]
-        hidden_states=jnp.stack(hidden) if want_hidden else None,  # [L + 1, T, D]
-        captured=sites.captured(),
-    )
+def final_norm(params: dict, config: GPT2Config, x: Array) -> Array:
+    """``ln_f(x)``, ``x [..., D]``: the final LayerNorm, between the last block and :func:`unembed`."""
+    return layer_norm(x, **params["transformer"]["ln_f"], eps=config.layer_norm_epsilon)
+
+
+def unembed(params: dict, config: GPT2Config, x: Array) -> Array:
+    """``x wteᵀ``, ``[..., D] -> [..., V]``: the language-model head, tied to the token embedding."""
+    return x @ params["transformer"]["wte"]["embedding"].T
+
+
+def sizes(config: GPT2Config) -> Sizes:
+    """The protocol's :class:`~jaxattn.models.Sizes` of a GPT-2 config (K = N: no grouping)."""
+    return Sizes(layers=config.n_layer, heads=config.n_head, kv_heads=config.n_head, head_dim=config.head_dim,
+                 width=config.n_embd, vocab=config.vocab_size, max_length=config.n_positions)
+
+
+CAUSAL = True  # query t sees keys s <= t
+
+_FAMILY = Family(
+    name="jaxattn.gpt2", config_type=GPT2Config, sizes=sizes, check_params=lambda p, c: check_params(p, c),
+    layer=lambda params, i: params["transformer"]["h"][str(i)], embed=_embed, rotation=lambda c, pos, n: None,
+    qkv=_qkv, attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed, window=lambda c: None,
+    max_name="n_positions",
+)
+
+
+def attention_input(params: dict, config: GPT2Config, layer: int, x: Array) -> Array:
+    """``ln_1`` of block ``layer`` on the residual stream ``x [T, D]``: what its q, k, v are projected from."""
+    return layer_norm(x, **params["transformer"]["h"][str(layer)]["ln_1"], eps=config.layer_norm_epsilon)
+
+
+def head_projections(params: dict, config: GPT2Config) -> Array:
+    """``[L, N, H, D]``: each head's rows of ``c_proj`` (``attn_out = Σ_n z[:, n] @ W[n] + c_proj.bias``)."""
+    L, N, H, D = config.n_layer, config.n_head, config.head_dim, config.n_embd
+    w = stack_layers(_FAMILY, params, config)["attn"]["c_proj"]["kernel"]  # [L, D, N·H] (out, in)
+    return jnp.transpose(w, (0, 2, 1)).reshape(L, N, H, D)
+
+
+def qk_weights(params: dict, config: GPT2Config) -> QKWeights:
+    """Every head's ``W_Q [L, N, D, H]``, ``b_q``, ``W_K``, ``b_k`` on its input (:func:`attention_input`)."""
+    L, N, H, D = config.n_layer, config.n_head, config.head_dim, config.n_embd
+    c_attn = stack_layers(_FAMILY, params, config)["attn"]["c_attn"]
+    w = jnp.transpose(c_attn["kernel"], (0, 2, 1)).reshape(L, D, 3, N, H)  # [L, D, 3, N, H] (in, out)
+    b = c_attn["bias"].reshape(L, 3, N, H)
+    w_q, w_k = (jnp.transpose(w[:, :, j], (0, 2, 1, 3)) for j in (0, 1))  # 2 x [L, N, D, H]
+    return QKWeights(w_q, b[:, 0], w_k, False, float(config.head_dim) ** -0.5, b[:, 1])
 
 
 def check_params(params: Any, config: GPT2Config) -> None:
@@ -454,11 +440,6 @@ def check_params(params: Any, config: GPT2Config) -> None:
     if not isinstance(params, dict) or "transformer" not in params:
         raise ValueError("params must be a dict with a 'transformer' entry (Hugging Face Flax GPT-2 layout)")
     check_shapes(flatten(params), param_shapes(config), "params", kernel_layout="(out, in)")
-
-
-def _check_config(config: Any) -> None:
-    if not isinstance(config, GPT2Config):
-        raise TypeError(f"config must be a GPT2Config, received {type(config).__name__}")
 
 
 def forward(
@@ -474,7 +455,7 @@ def forward(
     return_hidden_states: bool = False,
     capture: Sequence[str] = (),
     patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-) -> GPT2Output:
+) -> ModelOutput:
     """GPT-2's forward pass on one sequence, with every layer's attention map (jit-compiled).
 
     ``h₀ = wte[ids] + wpe[positions]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with
@@ -501,9 +482,8 @@ def forward(
         the output projection (0 ablates the head, 1 keeps it; any float, differentiable). ``None``: ones.
       scale: the attention logit scale; ``None`` is GPT-2's ``1/sqrt(H)``. ``scale=1.0`` runs the real
         weights without the ``√d_k`` (the collapse experiment); a traced scale is accepted.
-      return_attention_logits: also return the pre-softmax logits ``[L, N, T, T]``.
-      return_qkv: also return ``q, k, v`` ``[L, T, N, H]``.
-      return_hidden_states: also return ``hidden_states`` ``[L + 1, T, D]``.
+      return_attention_logits, return_qkv, return_hidden_states: sugar over ``capture`` filling
+        ``attention_logits [L, N, T, T]``, ``q, k, v [L, T, N, H]``, ``hidden_states [L + 1, T, D]``.
       capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
         ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
         (shapes and meanings in ``docs/models.md``; ``z [L, T, N, H]`` is each head's output before
@@ -515,25 +495,16 @@ def forward(
         only (patch ``attn_weights``).
 
     Returns:
-      A :class:`GPT2Output` with ``logits [T, V]``, ``attentions [L, N, T, T]`` and ``captured``.
+      A :class:`jaxattn.models.ModelOutput`: ``logits [T, V]``, ``last_hidden_state [T, D]`` (``ln_f``'s
+      output), ``attentions [L, N, T, T]``, ``captured`` and the sugar fields asked for.
     """
-    _check_config(config)
-    check_params(params, config)
-    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
-    keep = attention_mask_(attention_mask, ids.shape[0])
-    heads = head_mask_(head_mask, config.n_layer, config.n_head)
-    scale = check_scale(scale, config.head_dim)
-    T, N, H = ids.shape[0], config.n_head, config.head_dim
-    shapes = site_shapes(T=T, S=T, N=N, K=N, H=H, D=config.n_embd)
-    return _forward(
-        params, ids, keep, heads, jnp.asarray(scale, jnp.float32), check_patch(patch, shapes, config.n_layer),
-        config=config, want_logits=return_attention_logits, want_qkv=return_qkv,
-        want_hidden=return_hidden_states, capture=check_capture(capture),
-    )
+    return _decoder.forward(_FAMILY, params, config, input_ids, attention_mask=attention_mask, head_mask=head_mask,
+                            scale=scale, return_attention_logits=return_attention_logits, return_qkv=return_qkv,
+                            return_hidden_states=return_hidden_states, capture=capture, patch=patch)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Scores, generation, length buckets
+# Scores and generation
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -549,8 +520,10 @@ def log_prob(
 ) -> Float[Array, ""]:
     """``Σ_{start <= t < end} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
 
-    Token 0 has no prediction, so ``t = 0`` never counts; padded positions (``attention_mask`` 0) do
-    not count either. ``start`` and ``end`` may be traced (``jit``/``vmap`` over spans and batches);
+    Token ``t`` is scored from the logits of the last real token before it, so a padded sequence scores as
+    the sequence alone: the first real token has no prediction and never counts, nor do padded positions.
+    ``start`` and ``end`` index the PADDED array (under left padding by ``p`` tokens, position ``t`` of the
+    sequence alone is ``t + p``). ``start`` and ``end`` may be traced (``jit``/``vmap`` over spans and batches);
     concrete values must satisfy ``0 <= start <= end <= T``.
 
     Args:
@@ -562,59 +535,8 @@ def log_prob(
     Returns:
       a scalar (nats), float32.
     """
-    _check_config(config)
-    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
-    end = check_span(start, end, ids.shape[0])
-    keep = attention_mask_(attention_mask, ids.shape[0])
-    return span_log_prob(forward(params, config, ids, attention_mask=keep, scale=scale).logits, ids, keep, start, end)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "greedy"))
-def _generate(params, prompt, keep, heads, scale, temperature, key, *, config, max_new_tokens, greedy):
-    tr = params["transformer"]
-    T = prompt.shape[0]
-    total = T + max_new_tokens
-    L, N, H = config.n_layer, config.n_head, config.head_dim
-    # The cache, preallocated: keys and values of every layer at every position [L, total, N, H].
-    cache_k = jnp.zeros((L, total, N, H), tr["wte"]["embedding"].dtype)
-    cache_v = jnp.zeros_like(cache_k)
-    key_keep = jnp.concatenate([keep, jnp.ones((max_new_tokens,), bool)])  # [total]: new tokens are real
-
-    def step(x, cache_k, cache_v, at, width):
-        """Run positions ``at .. at+width-1`` (x ``[width, D]``) against the cache; returns logits and the cache."""
-        rows = at + jnp.arange(width)  # [width]
-        visible = (jnp.arange(total)[None, :] <= rows[:, None]) & key_keep[None, :]  # [width, total]
-        for i in range(L):
-            p = tr["h"][str(i)]
-            q, k, v = _qkv(x, p, config)  # 3 x [width, N, H]
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k[None], (i, at, 0, 0))  # [L, total, N, H]
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v[None], (i, at, 0, 0))
-            z, _ = multi_head_attention(q, cache_k[i], cache_v[i], mask=visible, scale=scale)  # [width, N, H]
-            x = _rest(x, z * heads[i][None, :, None], p, config)  # [width, D]
-        x = layer_norm(x, **tr["ln_f"], eps=config.layer_norm_epsilon)
-        return x @ tr["wte"]["embedding"].T, cache_k, cache_v  # [width, V]
-
-    def pick(logits, key):
-        if greedy:
-            return jnp.argmax(logits).astype(jnp.int32)
-        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
-
-    pos = positions(keep)  # [T]
-    x = embed_ids(tr["wte"]["embedding"], prompt) + tr["wpe"]["embedding"][pos]  # [T, D]
-    logits, cache_k, cache_v = step(x, cache_k, cache_v, 0, T)  # the prompt, at once
-    keys = jax.random.split(key, max_new_tokens)
-    first = pick(logits[-1], keys[0])
-    next_pos = jnp.sum(keep).astype(jnp.int32)  # the first new token's position id
-
-    def body(carry, i):  # one compiled step serves every new token
-        token, cache_k, cache_v = carry
-        x = embed_ids(tr["wte"]["embedding"], token[None]) + tr["wpe"]["embedding"][next_pos + i][None]  # [1, D]
-        logits, cache_k, cache_v = step(x, cache_k, cache_v, T + i, 1)
-        return (pick(logits[0], keys[i + 1]), cache_k, cache_v), (token, logits[0])
-
-    (last, _, _), (tokens, step_logits) = jax.lax.scan(body, (first, cache_k, cache_v), jnp.arange(max_new_tokens - 1))
-    ids = jnp.concatenate([prompt, tokens, last[None]])  # [T + max_new_tokens]
-    return ids, jnp.concatenate([logits[-1:], step_logits])  # [T + new], [new, V]: the logits each token was picked from
+    return _decoder.log_prob(_FAMILY, params, config, input_ids, attention_mask=attention_mask, start=start, end=end,
+                             scale=scale)
 
 
 def generate(
@@ -634,7 +556,10 @@ def generate(
 
     The cache (``[L, T + max_new_tokens, N, H]`` keys and values) is preallocated; the prompt runs in
     one pass, then ONE compiled step (a ``lax.scan``) produces every new token, attending to the cache
-    through :func:`jaxattn.multi_head_attention`. Greedy (``temperature=0``) output is the argmax of the
+    through :func:`jaxattn.multi_head_attention`; both run the layers as a ``lax.scan``, so generation
+    compiles one block, not the whole depth. The first new token is predicted from the last REAL prompt
+    token, so a left- or right-padded prompt continues as the prompt alone (the new tokens come after
+    the whole padded array); an ``attention_mask`` of zeros is refused. Greedy (``temperature=0``) output is the argmax of the
     full :func:`forward` at every step. A batch of prompts of different lengths is ``jax.vmap`` of this
     over LEFT-padded prompts with their ``attention_mask`` (position ids count real tokens only).
 
@@ -643,28 +568,17 @@ def generate(
       max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= n_positions``.
       attention_mask: ``[T]`` for a padded prompt, as in :func:`forward`.
       head_mask, scale: as in :func:`forward`.
-      temperature: 0 for greedy decoding; ``> 0`` samples from ``softmax(logits / temperature)``.
+      temperature: 0 for greedy decoding; a finite ``> 0`` samples from ``softmax(logits / temperature)``
+        (a tiny one picks the argmax, never an overflow). Python or NumPy numbers.
       key: a ``jax.random`` key or int seed, needed when ``temperature > 0``.
       return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
 
     Returns:
       ``[T + max_new_tokens]`` int32: the prompt followed by the new tokens (and the logits, on request).
     """
-    _check_config(config)
-    check_params(params, config)
-    new = check_int(max_new_tokens, "max_new_tokens")
-    ids = token_ids(prompt_ids, "prompt_ids", low=0, high=config.vocab_size, max_length=config.n_positions)
-    if ids.shape[0] + new > config.n_positions:
-        raise ValueError(
-            f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds n_positions={config.n_positions}"
-        )
-    keep = attention_mask_(attention_mask, ids.shape[0])
-    heads = head_mask_(head_mask, config.n_layer, config.n_head)
-    scale = check_scale(scale, config.head_dim)
-    greedy, key = sampling(temperature, key)
-    out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
-                            jnp.asarray(temperature, jnp.float32), key, config=config, max_new_tokens=new, greedy=greedy)
-    return (out, logits) if return_logits else out
+    return _decoder.generate(_FAMILY, params, config, prompt_ids, max_new_tokens=max_new_tokens,
+                             attention_mask=attention_mask, head_mask=head_mask, temperature=temperature, key=key,
+                             scale=scale, return_logits=return_logits)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -689,7 +603,7 @@ def save(
     """
     if format not in ("safetensors", "msgpack"):
         raise ValueError(f"format must be 'safetensors' or 'msgpack', received {format!r}")
-    _check_config(config)
+    _decoder.check_config(_FAMILY, config)
     check_params(params, config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

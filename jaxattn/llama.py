@@ -45,16 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import check_int, check_scale
+from jaxattn import _decoder
+from jaxattn._attention import merge_heads, split_heads
+from jaxattn._checks import check_int
+from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
-from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import BUCKETS, pad_to_bucket  # noqa: F401  (public here: length buckets for the causal models)
-from jaxattn._nn import ROW_BLOCKS, ROW_BLOCKS_FROM  # noqa: F401  (public here: the forward's causal row blocks)
-from jaxattn._nn import causal_layer
-from jaxattn._nn import check_span, embed_ids, positions, sampling, span_log_prob, token_ids
-from jaxattn._nn import head_mask as head_mask_
-from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
+from jaxattn._nn import embed_ids
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (
     CheckpointError,
@@ -70,6 +66,7 @@ from jaxattn.checkpoint import (
     unflatten,
 )
 from jaxattn.io import atomic_write
+from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
 
@@ -92,7 +89,15 @@ PRE_TOKENIZERS = _gguf.PRE_TOKENIZERS
 # Config
 # ----------------------------------------------------------------------------------------------------
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+
+# The MLP's gate activations this family's checkpoints use (the tanh forms are one formula).
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+}
 
 _COMMON_REQUIRED = {"vocab_size": int, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
                     "num_attention_heads": int, "max_position_embeddings": int}
@@ -138,6 +143,20 @@ SCHEMAS = {
         # sliding_window and max_window_layers act only with use_sliding_window, which must be false
         ignored=_COMMON_IGNORED | {"sliding_window", "max_window_layers"},
     ),
+    "qwen3": ConfigSchema(  # Qwen3: per-head RMSNorm of q and k, no biases
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "layer_types": ((list, type(None)), None)},
+        fixed={**_COMMON_FIXED, "model_type": ("qwen3",), "use_sliding_window": (False,), "attention_bias": (False,)},
+        ignored=_COMMON_IGNORED | {"sliding_window", "max_window_layers"},
+    ),
+    "gemma": ConfigSchema(  # Gemma: RMSNorm by (1 + w), GeGLU, embeddings times sqrt(D), tied head
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None),
+                  "tie_word_embeddings": (bool, True)},
+        fixed={**{k: v for k, v in _COMMON_FIXED.items() if k != "hidden_act"}, "model_type": ("gemma",),
+               "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS))},
+        ignored=_COMMON_IGNORED,
+    ),
 }
 
 
@@ -159,14 +178,34 @@ class LlamaConfig(NamedTuple):
     o_bias: bool = False  # the output projection has a bias (Llama's attention_bias)
     sliding_window: int | None = None  # Mistral: query t sees keys s with t - s < sliding_window
     model_type: str = "llama"
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+
+    @property
+    def norm_plus_one(self) -> bool:
+        """RMSNorm scales by ``1 + w`` (Gemma)."""
+        return self.model_type == "gemma"
+
+    @property
+    def embed_scale(self) -> bool:
+        """The embeddings are multiplied by ``sqrt(D)`` (Gemma)."""
+        return self.model_type == "gemma"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Each head's q and k pass an RMSNorm over ``H`` before RoPE (Qwen3)."""
+        return self.model_type == "qwen3"
 
     @classmethod
     def make(cls, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
              num_attention_heads: int, num_key_value_heads: int | None = None, head_dim: int | None = None,
              max_position_embeddings: int, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
              tie_word_embeddings: bool = False, qkv_bias: bool = False, o_bias: bool = False,
-             sliding_window: int | None = None, model_type: str = "llama") -> "LlamaConfig":
-        """A checked config; ``num_key_value_heads=None`` is N (no grouping), ``head_dim=None`` is D / N."""
+             sliding_window: int | None = None, model_type: str = "llama", hidden_act: str | None = None) -> "LlamaConfig":
+        """A checked config; ``num_key_value_heads=None`` is N (no grouping), ``head_dim=None`` is D / N.
+
+        ``model_type`` sets what the family does differently: ``gemma`` (RMSNorm by ``1 + w``, GeGLU,
+        embeddings times ``sqrt(D)``), ``qwen3`` (q/k RMSNorm); ``hidden_act=None`` is the family's own.
+        """
         for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size), ("num_hidden_layers", num_hidden_layers),
                             ("num_attention_heads", num_attention_heads),
@@ -185,8 +224,10 @@ class LlamaConfig(NamedTuple):
         if head_dim % 2 != 0:
             raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates pairs of features")
         for name, value in (("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, received {value!r}")
+            # finite and > 0 in float32, the dtype they are computed in (1e300 would be inf, 1e-50 zero)
+            if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer))
+                    or not np.isfinite(np.float32(value)) or np.float32(value) <= 0):
+                raise ValueError(f"{name} must be a finite number > 0 in float32, received {value!r}")
         for name, value in (("tie_word_embeddings", tie_word_embeddings), ("qkv_bias", qkv_bias), ("o_bias", o_bias)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, received {value!r}")
@@ -201,14 +242,23 @@ class LlamaConfig(NamedTuple):
             raise ValueError("a mistral config has no attention biases")
         if model_type == "qwen2" and (not qkv_bias or o_bias or sliding_window is not None):
             raise ValueError("a qwen2 config has q, k, v biases, no o bias and no sliding_window")
+        if model_type in ("qwen3", "gemma") and (qkv_bias or o_bias or sliding_window is not None):
+            raise ValueError(f"a {model_type} config has no attention biases and no sliding_window")
+        if model_type == "gemma" and not tie_word_embeddings:
+            raise ValueError("a gemma config ties the head to the embeddings (tie_word_embeddings=True)")
+        hidden_act = ("gelu_pytorch_tanh" if model_type == "gemma" else "silu") if hidden_act is None else hidden_act
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {', '.join(_ACTIVATIONS)}, received {hidden_act!r}")
+        if model_type != "gemma" and hidden_act != "silu":
+            raise ValueError(f"a {model_type} config's hidden_act is silu, received {hidden_act!r}")
         return cls(int(vocab_size), int(hidden_size), int(intermediate_size), int(num_hidden_layers), int(N), int(K),
                    int(head_dim), int(max_position_embeddings), float(rope_theta), float(rms_norm_eps),
                    bool(tie_word_embeddings), bool(qkv_bias), bool(o_bias),
-                   None if sliding_window is None else int(sliding_window), model_type)
+                   None if sliding_window is None else int(sliding_window), model_type, hidden_act)
 
 
 def read_llama_config(path: str | Path) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral or qwen2.
+    """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral, qwen2, qwen3 or gemma.
 
     Raises:
       CheckpointError: another model_type, an unknown field, a field whose value this model does not
@@ -226,7 +276,7 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
         )
     raw = read_config(path, SCHEMAS[model_type])
     L = raw["num_hidden_layers"]
-    if model_type == "qwen2" and raw["layer_types"] is not None and raw["layer_types"] != ["full_attention"] * L:
+    if model_type in ("qwen2", "qwen3") and raw["layer_types"] not in (None, ["full_attention"] * L):
         raise CheckpointError(f"{path}: field 'layer_types' must be 'full_attention' for each of the {L} layers")
     bias = raw.get("attention_bias", False)
     try:
@@ -238,6 +288,7 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
             rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
             qkv_bias=bias or model_type == "qwen2", o_bias=bias,
             sliding_window=raw.get("sliding_window") if model_type == "mistral" else None, model_type=model_type,
+            hidden_act=(raw.get("hidden_activation") or raw.get("hidden_act")) if model_type == "gemma" else None,
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -247,21 +298,25 @@ def config_dict(config: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` fields of ``config`` (Hugging Face's names for its model_type)."""
     cfg = {
         "model_type": config.model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM"}[config.model_type]],
+        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}[config.model_type]],
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
         "head_dim": config.head_dim, "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope_theta, "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": "silu", "rope_scaling": None,
+        "tie_word_embeddings": config.tie_word_embeddings, "hidden_act": config.hidden_act, "rope_scaling": None,
     }
     if config.model_type == "llama":
         cfg.update(attention_bias=config.qkv_bias, mlp_bias=False)
     elif config.model_type == "mistral":
         cfg.update(sliding_window=config.sliding_window)
+    elif config.model_type == "gemma":
+        cfg.update(attention_bias=False, hidden_activation=config.hidden_act)
     else:
         cfg.update(use_sliding_window=False)
+        if config.model_type == "qwen3":
+            cfg.update(attention_bias=False)
     return cfg
 
 
@@ -288,6 +343,8 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
                            f"{b}/self_attn/v_proj/bias": (K * H,)})
         if config.o_bias:
             shapes[f"{b}/self_attn/o_proj/bias"] = (D,)
+        if config.qk_norm:
+            shapes.update({f"{b}/self_attn/q_norm/weight": (H,), f"{b}/self_attn/k_norm/weight": (H,)})
     shapes["model/norm/weight"] = (D,)
     if not config.tie_word_embeddings:
         shapes["lm_head/kernel"] = (D, V)
@@ -476,39 +533,17 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
 
 
 # ----------------------------------------------------------------------------------------------------
-# The forward pass (picoGPT style: one small function per idea)
+# The forward pass: the Llama family's pieces of the shared decoder (picoGPT style: one small function per idea)
 # ----------------------------------------------------------------------------------------------------
 
 
-class LlamaOutput(NamedTuple):
-    """What :func:`forward` returns, under stable names (``None`` unless requested).
-
-    Attributes:
-      logits: ``[T, V]`` next-token logits.
-      attentions: ``[L, N, T, T]`` every layer's attention weights, one map per QUERY head (rows sum to
-        1; causal; padded keys get weight 0).
-      attention_logits: ``[L, N, T, T]`` the softmax's input ``scale · q kᵀ`` before the masks.
-      q: ``[L, T, N, H]``; k, v: ``[L, T, K, H]`` (q and k after RoPE).
-      hidden_states: ``[L + 1, T, D]`` as Hugging Face reports them: the embeddings, the residual stream
-        after each of the first ``L - 1`` blocks, and the final norm's output.
-      captured: the tensors named in ``capture``, each ``[L, ...]``.
-    """
-
-    logits: Array
-    attentions: Array
-    attention_logits: Array | None = None
-    q: Array | None = None
-    k: Array | None = None
-    v: Array | None = None
-    hidden_states: Array | None = None
-    captured: dict[str, Array] = {}
-
-
-def _rms_norm(x: Array, weight: Array, eps: float) -> Array:
-    """``weight · x / sqrt(mean(x²) + eps)`` over the last axis of ``x [T, D]``, the statistic in float32."""
+def _rms_norm(x: Array, weight: Array, config: LlamaConfig) -> Array:
+    """``w · x / sqrt(mean(x²) + eps)`` over the last axis of ``x [..., D]``, the statistic in float32;
+    Gemma scales by ``1 + w`` instead of ``w``."""
     x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [T, 1]
-    return weight[None, :] * (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)  # [T, D]
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
+    w = (1 + weight if config.norm_plus_one else weight).reshape((1,) * (x.ndim - 1) + weight.shape)  # [..., D]
+    return w * (x32 * jax.lax.rsqrt(var + config.rms_norm_eps)).astype(x.dtype)  # [..., D]
 
 
 def _linear(x: Array, p: dict) -> Array:
@@ -516,7 +551,7 @@ def _linear(x: Array, p: dict) -> Array:
     return y + p["bias"][None, :] if "bias" in p else y
 
 
-def _rotation(pos: Array, config: LlamaConfig, size: int) -> tuple[Array, Array]:
+def _rotation(config: LlamaConfig, pos: Array, size: int) -> tuple[Array, Array]:
     """``cos, sin [n, 1, H/2]`` of the angles ``pos · θ^(-2j/H)`` at positions ``pos [n]`` in ``[0, size)``.
 
     Rows of ``[size, H/2]`` tables made in numpy (float32 angles, as Hugging Face makes them) while
@@ -534,86 +569,89 @@ def _rope(x: Array, rot: tuple[Array, Array]) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)  # [T, heads, H]
 
 
-def _qkv(x: Array, rot: tuple[Array, Array], p: dict, config: LlamaConfig) -> tuple[Array, Array, Array]:
+def _embed(params: dict, config: LlamaConfig, ids: Array, pos: Array) -> Array:
+    x = embed_ids(params["model"]["embed_tokens"]["embedding"], ids)  # [T, D]; NaN rows for ids outside [0, V)
+    if config.embed_scale:  # Gemma: sqrt(D), rounded to the params' dtype as Hugging Face does
+        x = x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
+    return x
+
+
+def _qkv(p: dict, config: LlamaConfig, x: Array, rot: tuple[Array, Array]) -> tuple[Array, Array, Array]:
     """Queries ``[T, N, H]``, keys and values ``[T, K, H]`` of one block (q, k rotated by ``rot``)."""
-    h = _rms_norm(x, p["input_layernorm"]["weight"], config.rms_norm_eps)  # [T, D]
+    h = _rms_norm(x, p["input_layernorm"]["weight"], config)  # [T, D]
     a = p["self_attn"]
-    q = _rope(split_heads(_linear(h, a["q_proj"]), config.num_attention_heads), rot)  # [T, N, H]
-    k = _rope(split_heads(_linear(h, a["k_proj"]), config.num_key_value_heads), rot)  # [T, K, H]
+    q = split_heads(_linear(h, a["q_proj"]), config.num_attention_heads)  # [T, N, H]
+    k = split_heads(_linear(h, a["k_proj"]), config.num_key_value_heads)  # [T, K, H]
     v = split_heads(_linear(h, a["v_proj"]), config.num_key_value_heads)  # [T, K, H]
-    return q, k, v
+    if config.qk_norm:  # Qwen3: RMSNorm over each head's features, before the rotation
+        q, k = _rms_norm(q, a["q_norm"]["weight"], config), _rms_norm(k, a["k_norm"]["weight"], config)
+    return _rope(q, rot), _rope(k, rot), v
 
 
-def _mlp(x: Array, p: dict) -> Array:
-    """SwiGLU: ``down(silu(gate(x)) · up(x))``, ``[T, D] -> [T, D]``."""
-    return _linear(jax.nn.silu(_linear(x, p["gate_proj"])) * _linear(x, p["up_proj"]), p["down_proj"])
+def _attn_out(p: dict, config: LlamaConfig, z: Array) -> Array:
+    return _linear(merge_heads(z), p["self_attn"]["o_proj"])  # [T, N, H] -> [T, D]
 
 
-def _rest(x: Array, z: Array, p: dict, config: LlamaConfig) -> Array:
-    """The block after attention: ``z [T, N, H]`` (each head's output, head_mask applied) -> ``[T, D]``."""
-    x = x + _linear(merge_heads(z), p["self_attn"]["o_proj"])  # [T, D]
-    h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)  # [T, D]
-    return x + _mlp(h, p["mlp"])  # [T, D]
+def _mlp(p: dict, config: LlamaConfig, x: Array) -> Array:
+    """The gated MLP on ``rms(x)``: ``down(act(gate(h)) · up(h))`` (SwiGLU; GeGLU for Gemma), ``[T, D] -> [T, D]``."""
+    h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config)  # [T, D]
+    m = p["mlp"]
+    return _linear(_ACTIVATIONS[config.hidden_act](_linear(h, m["gate_proj"])) * _linear(h, m["up_proj"]), m["down_proj"])
 
 
-def _head(x: Array, params: dict, config: LlamaConfig) -> Array:
-    """Logits ``[T, V]`` from the final norm's output ``x [T, D]``."""
+def final_norm(params: dict, config: LlamaConfig, x: Array) -> Array:
+    """The final RMSNorm (``model/norm``), ``x [..., D]``: between the last block and :func:`unembed`."""
+    return _rms_norm(x, params["model"]["norm"]["weight"], config)
+
+
+def unembed(params: dict, config: LlamaConfig, x: Array) -> Array:
+    """``[..., D] -> [..., V]``: the embedding transposed (tied) or ``lm_head``."""
     if config.tie_word_embeddings:
-        return x @ params["model"]["embed_tokens"]["embedding"].T  # [T, V]
-    return x @ params["lm_head"]["kernel"]  # [T, V]
+        return x @ params["model"]["embed_tokens"]["embedding"].T
+    return x @ params["lm_head"]["kernel"]
 
 
-def _visible(rows: Array, cols: Array, config: LlamaConfig) -> Array:
-    """``[t, s]``: the sliding window's keep-mask, ``t - s < sliding_window`` (all True without one)."""
-    if config.sliding_window is None:
-        return jnp.ones((rows.shape[0], cols.shape[0]), bool)
-    return rows[:, None] - cols[None, :] < config.sliding_window  # [t, s]
+def sizes(config: LlamaConfig) -> Sizes:
+    """The protocol's :class:`~jaxattn.models.Sizes` of a config."""
+    return Sizes(layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                 kv_heads=config.num_key_value_heads, head_dim=config.head_dim, width=config.hidden_size,
+                 vocab=config.vocab_size, max_length=config.max_position_embeddings)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "want_logits", "want_qkv", "want_hidden", "capture"))
-def _forward(params, input_ids, keep, heads, scale, patch, *, config, want_logits, want_qkv, want_hidden, capture) -> LlamaOutput:
-    m = params["model"]
-    T, L, N, K = input_ids.shape[0], config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
-    want_logits = want_logits or "attn_logits" in capture
-    sites = Sites(capture, patch)
-    rot = _rotation(positions(keep), config, T)  # RoPE at positions 0..T-1 (real tokens only, with padding)
-    x = embed_ids(m["embed_tokens"]["embedding"], input_ids)  # [T, D]; NaN rows for ids outside [0, V)
-    if config.sliding_window is None:  # padded keys never attended to (and causal, below)
-        mask = keep  # [S], the compact key mask
-    else:
-        idx = jnp.arange(T)  # [T]
-        mask = keep[None, :] & _visible(idx, idx, config)  # [T, S]
-    hidden, logits, qs, ks, vs = [x], [], [], [], []
-    weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
-    for i in range(L):
-        p = m["layers"][str(i)]
-        x = sites("resid_pre", i, x)  # [T, D]
-        q, k, v = (sites(name, i, a) for name, a in zip("qkv", _qkv(x, rot, p, config)))  # [T, N, H], 2 x [T, K, H]
-        z, weights = causal_layer(q, k, v, mask, scale, weights, i, L, sites)  # [T, N, H], [L, N, T, T]
-        if want_logits:  # per query head, against its key head
-            k_rep = jnp.repeat(k, N // K, axis=1)  # [T, N, H]
-            logits.append(jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep))  # [N, T, T]
-            sites("attn_logits", i, logits[-1])
-        z = sites("z", i, z) * heads[i][None, :, None]  # [T, N, H], each head's output times its gate
-        a = sites("attn_out", i, _linear(merge_heads(z), p["self_attn"]["o_proj"]))  # [T, D]
-        x = sites("resid_mid", i, x + a)  # [T, D]
-        h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config.rms_norm_eps)  # [T, D]
-        f = sites("mlp_out", i, _mlp(h, p["mlp"]))  # [T, D]
-        x = sites("resid_post", i, x + f)  # [T, D]
-        hidden.append(x)
-        qs.append(q), ks.append(k), vs.append(v)
-    x = _rms_norm(x, m["norm"]["weight"], config.rms_norm_eps)  # [T, D]
-    hidden[-1] = x
-    return LlamaOutput(
-        logits=_head(x, params, config),  # [T, V]
-        attentions=weights,  # [L, N, T, T]
-        attention_logits=jnp.stack(logits) if want_logits else None,  # [L, N, T, T]
-        q=jnp.stack(qs) if want_qkv else None,  # [L, T, N, H]
-        k=jnp.stack(ks) if want_qkv else None,  # [L, T, K, H]
-        v=jnp.stack(vs) if want_qkv else None,  # [L, T, K, H]
-        hidden_states=jnp.stack(hidden) if want_hidden else None,  # [L + 1, T, D]
-        captured=sites.captured(),
-    )
+CAUSAL = True  # query t sees keys s <= t (and, under Mistral's sliding window, s > t - window)
+
+_FAMILY = Family(
+    name="jaxattn.llama", config_type=LlamaConfig, sizes=sizes, check_params=lambda p, c: check_params(p, c),
+    layer=lambda params, i: params["model"]["layers"][str(i)], embed=_embed, rotation=_rotation, qkv=_qkv,
+    attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed, window=lambda c: c.sliding_window,
+    max_name="max_position_embeddings",
+)
+
+
+def attention_input(params: dict, config: LlamaConfig, layer: int, x: Array) -> Array:
+    """Block ``layer``'s ``input_layernorm`` of the residual stream ``x [T, D]``: what q, k, v come from."""
+    return _rms_norm(x, params["model"]["layers"][str(layer)]["input_layernorm"]["weight"], config)
+
+
+def head_projections(params: dict, config: LlamaConfig) -> Array:
+    """``[L, N, H, D]``: each query head's rows of ``o_proj`` (``attn_out = Σ_n z[:, n] @ W[n]`` (+ bias))."""
+    L, N, H, D = config.num_hidden_layers, config.num_attention_heads, config.head_dim, config.hidden_size
+    return stack_layers(_FAMILY, params, config)["self_attn"]["o_proj"]["kernel"].reshape(L, N, H, D)
+
+
+def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
+    """Every head's ``W_Q [L, N, D, H]``, ``b_q``, ``W_K [L, K, D, H]``, ``b_k`` on its input (before RoPE)."""
+    L, N, K, H, D = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+                     config.head_dim, config.hidden_size)
+    a = stack_layers(_FAMILY, params, config)["self_attn"]
+
+    def heads(w, n):  # [L, D, n·H] -> [L, n, D, H]
+        return jnp.transpose(w.reshape(L, D, n, H), (0, 2, 1, 3))
+
+    b_q = a["q_proj"]["bias"].reshape(L, N, H) if config.qkv_bias else None
+    b_k = a["k_proj"]["bias"].reshape(L, K, H) if config.qkv_bias else None
+    return QKWeights(heads(a["q_proj"]["kernel"], N), b_q, heads(a["k_proj"]["kernel"], K), True,
+                     float(H) ** -0.5, b_k, qk_norm=config.qk_norm)
 
 
 def check_params(params: Any, config: LlamaConfig) -> None:
@@ -621,15 +659,10 @@ def check_params(params: Any, config: LlamaConfig) -> None:
 
     Only shapes and dtypes are read, so it also runs on traced params (under ``jit``, ``grad``, ``vmap``).
     """
-    _check_config(config)
+    _decoder.check_config(_FAMILY, config)
     if not isinstance(params, dict) or "model" not in params:
         raise ValueError("params must be a dict with a 'model' entry (Hugging Face Flax Llama layout)")
     check_shapes(flatten(params), param_shapes(config), "params", kernel_layout="(in, out)")
-
-
-def _check_config(config: Any) -> None:
-    if not isinstance(config, LlamaConfig):
-        raise TypeError(f"config must be a LlamaConfig, received {type(config).__name__}")
 
 
 def forward(
@@ -645,10 +678,11 @@ def forward(
     return_hidden_states: bool = False,
     capture: Sequence[str] = (),
     patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-) -> LlamaOutput:
+) -> ModelOutput:
     """The forward pass on one sequence, with every layer's attention map (jit-compiled).
 
-    ``h₀ = embed[ids]``; each block ``h += o_proj(attn(rms(h)))``, ``h += swiglu(rms(h))``, attention
+    ``h₀ = embed[ids]`` (times ``sqrt(D)`` for Gemma); each block ``h += o_proj(attn(rms(h)))``,
+    ``h += glu(rms(h))`` (SwiGLU, or GeGLU for Gemma), attention
     ``softmax(scale · RoPE(q) RoPE(k)ᵀ) v`` from :func:`jaxattn.multi_head_attention` with K key/value
     heads shared by N/K query heads each (causal; Mistral's sliding window when the config has one);
     ``logits = rms(h) Wᵀ``. The maps returned are the weights that produced the output.
@@ -668,9 +702,8 @@ def forward(
         entry before ``o_proj`` (0 ablates it; any float, differentiable). ``None``: ones.
       scale: the attention logit scale; ``None`` is ``1/sqrt(H)``. ``scale=1.0`` runs the trained weights
         without the ``√d_k``; a traced scale is accepted.
-      return_attention_logits: also return the pre-softmax logits ``[L, N, T, T]``.
-      return_qkv: also return ``q [L, T, N, H]``, ``k, v [L, T, K, H]``.
-      return_hidden_states: also return ``hidden_states`` ``[L + 1, T, D]``.
+      return_attention_logits, return_qkv, return_hidden_states: sugar over ``capture`` filling
+        ``attention_logits [L, N, T, T]``, ``q [L, T, N, H]``, ``k, v [L, T, K, H]``, ``hidden_states [L + 1, T, D]``.
       capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
         ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
         (``k``, ``v`` have K heads; shapes in ``docs/models.md``).
@@ -678,24 +711,12 @@ def forward(
         forward uses ``value`` instead of the tensor it made, at the place it is made.
 
     Returns:
-      A :class:`LlamaOutput` with ``logits [T, V]``, ``attentions [L, N, T, T]`` and ``captured``.
+      A :class:`jaxattn.models.ModelOutput`: ``logits [T, V]``, ``last_hidden_state [T, D]`` (the final
+      norm's output), ``attentions [L, N, T, T]``, ``captured`` and the sugar fields asked for.
     """
-    _check_config(config)
-    check_params(params, config)
-    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.max_position_embeddings,
-                    max_name="max_position_embeddings")
-    keep = attention_mask_(attention_mask, ids.shape[0])
-    heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)
-    scale = check_scale(scale, config.head_dim)
-    T = ids.shape[0]
-    shapes = site_shapes(T=T, S=T, N=config.num_attention_heads, K=config.num_key_value_heads, H=config.head_dim,
-                         D=config.hidden_size)
-    return _forward(
-        params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
-        check_patch(patch, shapes, config.num_hidden_layers),
-        config=config, want_logits=return_attention_logits, want_qkv=return_qkv,
-        want_hidden=return_hidden_states, capture=check_capture(capture),
-    )
+    return _decoder.forward(_FAMILY, params, config, input_ids, attention_mask=attention_mask, head_mask=head_mask,
+                            scale=scale, return_attention_logits=return_attention_logits, return_qkv=return_qkv,
+                            return_hidden_states=return_hidden_states, capture=capture, patch=patch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -715,66 +736,14 @@ def log_prob(
 ) -> Float[Array, ""]:
     """``Σ_{start <= t < end} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
 
-    Token 0 has no prediction, so ``t = 0`` never counts; padded positions (``attention_mask`` 0) do
-    not count either. ``start`` and ``end`` may be traced; concrete values must satisfy
+    Token ``t`` is scored from the logits of the last real token before it, so a padded sequence scores as
+    the sequence alone: the first real token has no prediction and never counts, nor do padded positions.
+    ``start`` and ``end`` index the PADDED array (under left padding by ``p`` tokens, position ``t`` of the
+    sequence alone is ``t + p``). ``start`` and ``end`` may be traced; concrete values must satisfy
     ``0 <= start <= end <= T``. ``scale`` as in :func:`forward`. Returns a float32 scalar (nats).
     """
-    _check_config(config)
-    ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size, max_length=config.max_position_embeddings,
-                    max_name="max_position_embeddings")
-    end = check_span(start, end, ids.shape[0])
-    keep = attention_mask_(attention_mask, ids.shape[0])
-    return span_log_prob(forward(params, config, ids, attention_mask=keep, scale=scale).logits, ids, keep, start, end)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "greedy"))
-def _generate(params, prompt, keep, heads, scale, temperature, key, *, config, max_new_tokens, greedy):
-    m = params["model"]
-    T = prompt.shape[0]
-    total = T + max_new_tokens
-    L, K, H = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    embed = m["embed_tokens"]["embedding"]
-    # The cache, preallocated: keys (after RoPE) and values of every layer at every position [L, total, K, H].
-    cache_k = jnp.zeros((L, total, K, H), embed.dtype)
-    cache_v = jnp.zeros_like(cache_k)
-    key_keep = jnp.concatenate([keep, jnp.ones((max_new_tokens,), bool)])  # [total]: new tokens are real
-    cols = jnp.arange(total)  # [total]
-
-    def step(x, pos, cache_k, cache_v, at, width):
-        """Run cache slots ``at .. at+width-1`` (x ``[width, D]`` at RoPE positions ``pos``) against the cache."""
-        rows = at + jnp.arange(width)  # [width]
-        rot = _rotation(pos, config, total)  # 2 x [width, 1, H/2]
-        visible = (cols[None, :] <= rows[:, None]) & key_keep[None, :] & _visible(rows, cols, config)  # [width, total]
-        for i in range(L):
-            p = m["layers"][str(i)]
-            q, k, v = _qkv(x, rot, p, config)  # [width, N, H], 2 x [width, K, H]
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k[None], (i, at, 0, 0))  # [L, total, K, H]
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v[None], (i, at, 0, 0))
-            z, _ = multi_head_attention(q, cache_k[i], cache_v[i], mask=visible, scale=scale)  # [width, N, H]
-            x = _rest(x, z * heads[i][None, :, None], p, config)  # [width, D]
-        x = _rms_norm(x, m["norm"]["weight"], config.rms_norm_eps)
-        return _head(x, params, config), cache_k, cache_v  # [width, V]
-
-    def pick(logits, key):
-        if greedy:
-            return jnp.argmax(logits).astype(jnp.int32)
-        return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
-
-    x = embed_ids(embed, prompt)  # [T, D]
-    logits, cache_k, cache_v = step(x, positions(keep), cache_k, cache_v, 0, T)  # the prompt, at once
-    keys = jax.random.split(key, max_new_tokens)
-    first = pick(logits[-1], keys[0])
-    next_pos = jnp.sum(keep).astype(jnp.int32)  # the first new token's position id
-
-    def body(carry, i):  # one compiled step serves every new token
-        token, cache_k, cache_v = carry
-        x = embed_ids(embed, token[None])  # [1, D]
-        logits, cache_k, cache_v = step(x, (next_pos + i)[None], cache_k, cache_v, T + i, 1)
-        return (pick(logits[0], keys[i + 1]), cache_k, cache_v), (token, logits[0])
-
-    (last, _, _), (tokens, step_logits) = jax.lax.scan(body, (first, cache_k, cache_v), jnp.arange(max_new_tokens - 1))
-    ids = jnp.concatenate([prompt, tokens, last[None]])  # [T + max_new_tokens]
-    return ids, jnp.concatenate([logits[-1:], step_logits])  # [T + new], [new, V]
+    return _decoder.log_prob(_FAMILY, params, config, input_ids, attention_mask=attention_mask, start=start, end=end,
+                             scale=scale)
 
 
 def generate(
@@ -794,7 +763,10 @@ def generate(
 
     The cache holds the K key/value heads (``[L, T + max_new_tokens, K, H]``, keys after RoPE) and is
     preallocated; the prompt runs in one pass, then ONE compiled step (a ``lax.scan``) produces every
-    new token. Greedy (``temperature=0``) output is the argmax of the full :func:`forward` at every
+    new token; both run the layers as a ``lax.scan``, so generation compiles one block, not the whole
+    depth. The first new token is predicted from the last REAL prompt token, so a left- or right-padded
+    prompt continues as the prompt alone (the new tokens come after the whole padded array); an
+    ``attention_mask`` of zeros is refused. Greedy (``temperature=0``) output is the argmax of the full :func:`forward` at every
     step. A batch of prompts is ``jax.vmap`` of this over LEFT-padded prompts with their
     ``attention_mask``.
 
@@ -803,25 +775,14 @@ def generate(
       max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= max_position_embeddings``.
       attention_mask: ``[T]`` for a padded prompt, as in :func:`forward`.
       head_mask, scale: as in :func:`forward`.
-      temperature: 0 for greedy decoding; ``> 0`` samples from ``softmax(logits / temperature)``.
+      temperature: 0 for greedy decoding; a finite ``> 0`` samples from ``softmax(logits / temperature)``
+        (a tiny one picks the argmax, never an overflow). Python or NumPy numbers.
       key: a ``jax.random`` key or int seed, needed when ``temperature > 0``.
       return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
     """
-    _check_config(config)
-    check_params(params, config)
-    new = check_int(max_new_tokens, "max_new_tokens")
-    P = config.max_position_embeddings
-    ids = token_ids(prompt_ids, "prompt_ids", low=0, high=config.vocab_size, max_length=P,
-                    max_name="max_position_embeddings")
-    if ids.shape[0] + new > P:
-        raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds max_position_embeddings={P}")
-    keep = attention_mask_(attention_mask, ids.shape[0])
-    heads = head_mask_(head_mask, config.num_hidden_layers, config.num_attention_heads)
-    scale = check_scale(scale, config.head_dim)
-    greedy, key = sampling(temperature, key)
-    out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
-                            jnp.asarray(temperature, jnp.float32), key, config=config, max_new_tokens=new, greedy=greedy)
-    return (out, logits) if return_logits else out
+    return _decoder.generate(_FAMILY, params, config, prompt_ids, max_new_tokens=max_new_tokens,
+                             attention_mask=attention_mask, head_mask=head_mask, temperature=temperature, key=key,
+                             scale=scale, return_logits=return_logits)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -845,7 +806,6 @@ def save(
     """
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors', received {format!r}")
-    _check_config(config)
     check_params(params, config)
     from safetensors.numpy import save as save_safetensors
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2_checkpoints import train_tokenizer
-from jaxattn import llama
+from jaxattn import _nn, llama
 from jaxattn.checkpoint import CheckpointError, flatten
 from llama_checkpoints import (
     edit_config,
@@ -392,7 +392,7 @@ def test_patching_with_own_values_changes_nothing(small):
 def _blocked_and_whole(params, config, **kwargs):
     """The forward at ``ROW_BLOCKS_FROM`` tokens (causal row blocks) and the same run made whole by a patch
     of the weights that changes nothing (a patched map needs the whole ``[N, T, T]``), left-padded."""
-    T = llama.ROW_BLOCKS_FROM
+    T = _nn.ROW_BLOCKS_FROM
     config = config._replace(max_position_embeddings=T)
     ids, mask = ids_of(config, T=T, seed=9), np.r_[np.zeros(5), np.ones(T - 5)].astype(np.int32)
     L, N = config.num_hidden_layers, config.num_attention_heads
@@ -404,12 +404,12 @@ def _blocked_and_whole(params, config, **kwargs):
 def test_row_blocks_give_the_maps_and_logits_of_one_causal_call(small):
     """From ROW_BLOCKS_FROM tokens on, attention runs by causal row blocks, each against the keys its queries
     can see: the logits and maps of one call over all keys, and exact zeros above the diagonal."""
-    assert llama.ROW_BLOCKS > 1
+    assert _nn.ROW_BLOCKS > 1
     config, params = small
     blocked, whole = _blocked_and_whole(params, config)
     np.testing.assert_allclose(blocked.attentions, whole.attentions, atol=1e-6, rtol=0)
     np.testing.assert_allclose(blocked.logits, whole.logits, atol=1e-5, rtol=0)
-    T = llama.ROW_BLOCKS_FROM
+    T = _nn.ROW_BLOCKS_FROM
     assert np.all(np.asarray(blocked.attentions)[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
 
 
@@ -640,8 +640,8 @@ BROKEN_HF = [
     ("unknown field", "llama", lambda d: edit_config(d, rotary_dim=4), r"config\.json: unsupported config field 'rotary_dim'"),
     ("rope scaling", "llama", lambda d: edit_config(d, rope_scaling={"rope_type": "linear", "factor": 2.0}),
      r"config\.json: field 'rope_scaling' = .* is not supported"),
-    ("other model_type", "llama", lambda d: edit_config(d, model_type="gemma"),
-     r"config\.json: model_type 'gemma' is not supported \(supported: 'llama', 'mistral', 'qwen2'\)"),
+    ("other model_type", "llama", lambda d: edit_config(d, model_type="gpt_neox"),
+     r"config\.json: model_type 'gpt_neox' is not supported \(supported: 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma'\)"),
     ("gelu", "llama", lambda d: edit_config(d, hidden_act="gelu"), r"config\.json: field 'hidden_act' = 'gelu' is not supported"),
     ("mlp bias", "llama", lambda d: edit_config(d, mlp_bias=True), r"config\.json: field 'mlp_bias' = True is not supported"),
     ("qwen2 sliding window", "qwen2", lambda d: edit_config(d, use_sliding_window=True),

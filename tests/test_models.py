@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import bert, gpt2
+from jaxattn import _decoder, bert, gpt2, models
 
 TINY = gpt2.GPT2Config.make(vocab_size=23, n_positions=16, n_embd=8, n_layer=2, n_head=2)
 IDS = np.array([3, 17, 5, 9, 22, 1, 4], np.int32)
@@ -82,11 +82,11 @@ def test_a_padded_sequence_equals_the_sequence_alone(params, side):
 
 
 def test_buckets_pad_under_the_mask_and_compile_once_per_bucket(params):
-    ids, mask = gpt2.pad_to_bucket(IDS, buckets=(4, 16))
+    ids, mask = models.pad_to_bucket(IDS, buckets=(4, 16))
     assert ids.shape == (16,) and mask.tolist() == [True] * 7 + [False] * 9
     out = gpt2.forward(params, TINY, ids, attention_mask=mask)
     np.testing.assert_allclose(out.logits[:7], gpt2.forward(params, TINY, IDS).logits, atol=1e-5)
-    assert gpt2.pad_to_bucket(np.arange(20), buckets=(4, 16))[0].shape == (20,)  # past the largest: as is
+    assert models.pad_to_bucket(np.arange(20), buckets=(4, 16))[0].shape == (20,)  # past the largest: as is
 
 
 # --- head_mask ---
@@ -144,9 +144,9 @@ def test_greedy_generation_equals_an_argmax_loop_over_full_forwards(params):
 
 def test_one_compiled_step_serves_every_new_token(params):
     gpt2.generate(params, TINY, IDS[:3], max_new_tokens=5)
-    before = gpt2._generate._cache_size()
+    before = _decoder._generate._cache_size()
     gpt2.generate(params, TINY, IDS[2:5], max_new_tokens=5)  # same shapes, other tokens: no new program
-    assert gpt2._generate._cache_size() == before
+    assert _decoder._generate._cache_size() == before
 
 
 def test_batched_prompts_of_different_lengths_through_left_padding(params):

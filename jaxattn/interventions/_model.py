@@ -23,11 +23,6 @@ from jaxattn._sites import CAPTURE_NAMES
 
 Array = jax.Array
 
-# Config fields that hold the number of layers and of (query) heads, in the bundled models' configs.
-_LAYER_FIELDS = ("n_layer", "num_hidden_layers", "n_layers", "num_layers")
-_HEAD_FIELDS = ("n_head", "num_attention_heads", "n_heads", "num_heads")
-
-
 def _site_rank(name: str) -> int:
     """The rank of a patch value for ``name`` without a batch axis: ``[L, ...]``."""
     return 1 + len(CAPTURE_NAMES[name][0].split())
@@ -74,14 +69,6 @@ def _int_ids(x: Any, name: str) -> np.ndarray:
     return a.astype(np.int32)
 
 
-def _config_size(config: Any, fields: tuple[str, ...]) -> int | None:
-    for field in fields:
-        value = getattr(config, field, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
 @functools.lru_cache(maxsize=64)
 def _apply_fn(forward: Callable[..., Any], config: Any, batched: bool) -> Callable[..., Any]:
     """The ``apply`` of :func:`bind`, one per (model, config, batched): every bound input of one model
@@ -119,8 +106,9 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     """``module.forward(params, config, input_ids, ...)`` as a :class:`Bound`, for any bundled model.
 
     Args:
-      module: a model module with the shared API (``jaxattn.gpt2``, ``jaxattn.bert``, ``jaxattn.llama``):
-        ``forward(params, config, ids, *, attention_mask, head_mask, patch, capture, **kwargs)``.
+      module: a model module with the model protocol (:mod:`jaxattn.models`; ``jaxattn.gpt2``,
+        ``jaxattn.bert``, ``jaxattn.llama``): ``forward(params, config, ids, *, attention_mask, head_mask,
+        patch, capture, **kwargs)`` and ``sizes(config)``.
       params, config: as returned by ``module.load``.
       input_ids: ``[T]`` (one sequence) or ``[B, T]`` (B sequences of one padded length, run with
         ``jax.vmap`` under one head mask).
@@ -145,10 +133,8 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         mask = mask != 0
     batch = ids.shape[0] if ids.ndim == 2 else None
     apply = _apply_fn(module.forward, config, batch is not None)
-    L = _config_size(config, _LAYER_FIELDS)
-    N = _config_size(config, _HEAD_FIELDS)
+    if not callable(getattr(module, "sizes", None)):
+        raise TypeError(f"module must implement the model protocol (jaxattn.models): {module!r} has no sizes(config)")
+    sizes = module.sizes(config)
     args = {"params": params, "ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "kwargs": dict(forward_kwargs)}
-    if L is None or N is None:  # an unknown config: read L and N off the attention maps' shape (no compile)
-        out = jax.eval_shape(lambda a: apply(a), args)
-        L, N = out.attentions.shape[-4:-2]
-    return Bound(apply, args, int(L), int(N), batch)
+    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch)

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxattn import viz
 from jaxattn.probes import head_entropy
+from jaxattn.models import pad_to_bucket
 
 SENTENCES = {
     "big": "The trophy didn't fit in the suitcase because it was too big.",
@@ -564,9 +565,10 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
     ``module.forward(params, config, ids, scale=...)`` gives the maps. A module with ``log_prob``
     (a causal language model) is causal and scores continuations; one without it (an encoder) is
     bidirectional and has no scorer: it assigns no probability to a continuation, and the lab reports
-    none rather than a number from a head the model was never trained with. A module with
-    ``pad_to_bucket`` runs every sentence padded to a bucket length under its attention mask (the same
-    numbers at the real positions, a handful of compiled programs for many sentence lengths).
+    none rather than a number from a head the model was never trained with. A causal model (the
+    protocol's ``CAUSAL``) runs every sentence right-padded to a bucket length under its attention mask
+    (:func:`jaxattn.models.pad_to_bucket`: the same numbers at the real positions, a handful of compiled
+    programs for many sentence lengths).
 
     Args:
       module: the model's module.
@@ -574,7 +576,7 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
       name: shown in reports.
     """
     log_prob = getattr(module, "log_prob", None)
-    pad = getattr(module, "pad_to_bucket", None)
+    pad = pad_to_bucket if getattr(module, "CAUSAL", False) else None
 
     def tokenize(text: str) -> tuple[np.ndarray, list[str]]:
         ids = tokenizer.encode(text)

@@ -1,0 +1,147 @@
+"""What every bundled model shares: its output type and the protocol the rest of jaxattn asks it through.
+
+Each model module (``jaxattn.gpt2``, ``jaxattn.llama``, ``jaxattn.bert``) defines, besides
+``load``/``forward``/``save`` (and ``generate``/``log_prob`` for the causal ones), the functions of the
+model protocol; interventions, the lab and the viewer use these and never a module's parameter paths or
+its name:
+
+- ``CAUSAL``: whether query ``t`` sees only keys ``s <= t``;
+- ``sizes(config) -> Sizes``: layers, heads, key/value heads, head dim, width, vocabulary, longest input;
+- ``final_norm(params, config, x [..., D])`` and ``unembed(params, config, x [..., D]) -> [..., V]``, so
+  that ``unembed(final_norm(out.captured["resid_post"][-1])) == out.logits`` (a logit lens is one line);
+- ``attention_input(params, config, layer, x [T, D])``: what layer ``layer``'s q, k, v are projected from
+  (its pre-norm of the residual stream; the stream itself for a post-norm encoder);
+- ``head_projections(params, config) -> [L, N, H, D]``: each head's slice of the output projection, so
+  that ``attn_out[l] = Σ_n z[l, :, n] @ W[l, n] (+ bias)``;
+- ``qk_weights(params, config) -> QKWeights``: the query-key weights the entropy bound needs.
+
+Axis alphabet: L layers, T tokens, S keys, N query heads, K key/value heads, H head dim, D width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+__all__ = ["BUCKETS", "ModelOutput", "QKWeights", "Sizes", "left_pad", "pad_to_bucket"]
+
+
+class Sizes(NamedTuple):
+    """A model's sizes, read from its config by the module's ``sizes(config)``."""
+
+    layers: int  # L
+    heads: int  # N, query heads
+    kv_heads: int  # K, key/value heads (K = N without grouped-query attention)
+    head_dim: int  # H, the paper's d_k
+    width: int  # D
+    vocab: int  # V
+    max_length: int  # the longest input the model takes
+
+
+class ModelOutput(NamedTuple):
+    """What every model's ``forward`` returns (a pytree: ``jit``, ``vmap`` and ``grad`` pass it through).
+
+    The residual stream: ``captured["resid_pre"][l]`` enters block ``l``, ``captured["resid_post"][l]``
+    leaves it, BEFORE the final norm; ``last_hidden_state`` is the final norm's output (Hugging Face's
+    ``last_hidden_state`` of the base model), and the logits are ``unembed`` of it. For a post-norm encoder
+    (BERT) each block ends with its own norm and there is no final norm: ``last_hidden_state`` is
+    ``resid_post[-1]``.
+
+    Attributes:
+      logits: ``[T, V]`` next-token logits (causal models); ``None`` for an encoder.
+      last_hidden_state: ``[T, D]`` the final norm's output (what ``logits`` are unembedded from).
+      attentions: ``[L, N, T, S]`` every layer's attention weights, one map per query head.
+      captured: the tensors named in ``capture``, each stacked over layers ``[L, ...]``.
+      attention_logits, q, k, v, hidden_states: sugar over ``capture``, ``None`` unless asked for with
+        ``return_attention_logits`` (``captured["attn_logits"]``), ``return_qkv`` (``q [L, T, N, H]``,
+        ``k, v [L, T, K, H]``) or ``return_hidden_states`` (``[L + 1, T, D]``, as Hugging Face reports
+        them: ``resid_pre`` of every block, then ``last_hidden_state``).
+    """
+
+    logits: Array | None
+    last_hidden_state: Array
+    attentions: Array
+    captured: dict[str, Array] = {}
+    attention_logits: Array | None = None
+    q: Array | None = None
+    k: Array | None = None
+    v: Array | None = None
+    hidden_states: Array | None = None
+    pooler_output: Array | None = None  # [D], an encoder's pooled [CLS] (BERT with a pooler), else None
+
+
+@dataclasses.dataclass(frozen=True)
+class QKWeights:
+    """One model's query-key weights, as ``q = x W_Q + b_q``, ``k = x W_K + b_k`` on its attention input.
+
+    ``w_q [L, N, D, H]``, ``b_q [L, N, H]`` or None, ``w_k [L, K, D, H]``, ``b_k [L, K, H]`` or None;
+    ``rotary``: q and k are rotated by position afterwards (RoPE); ``scale``: the logit scale ``1/sqrt(H)``;
+    ``qk_norm``: q and k are RMS-normalised per head before the rotation (the bound does not hold then).
+    """
+
+    w_q: Array
+    b_q: Array | None
+    w_k: Array
+    rotary: bool
+    scale: float
+    b_k: Array | None = None
+    qk_norm: bool = False
+
+
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # sequence lengths :func:`pad_to_bucket` pads to
+
+
+def pad_to_bucket(input_ids: Any, *, buckets: Any = BUCKETS, pad_id: int = 0) -> tuple[Array, Array]:
+    """Right-pad ``input_ids [T]`` to the smallest bucket length ``B >= T``: ``(ids [B], attention_mask [B])``.
+
+    Each distinct input length compiles its own forward; padded to a handful of bucket lengths, an
+    experiment over many sentences compiles a handful of programs. With the returned mask, a causal
+    model's forward gives at positions ``< T`` the logits and maps of the sequence alone (the pads come
+    after them, and are masked as keys), so slice ``[:T]`` (``[..., :T, :T]`` for maps). A ``T`` above
+    the largest bucket is returned as it is.
+    """
+    ids = np.asarray(input_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be integer token ids [T], received dtype {ids.dtype} shape {ids.shape}")
+    T = ids.shape[0]
+    B = next((int(b) for b in sorted(buckets) if b >= T), T)
+    padded = np.full((B,), pad_id, np.int32)
+    padded[:T] = ids
+    return jnp.asarray(padded), jnp.asarray(np.arange(B) < T)
+
+
+def left_pad(sequences: Any, *, pad_id: int = 0, length: int | None = None) -> tuple[Array, Array]:
+    """LEFT-pad token-id lists of different lengths into ``(ids [B, T], attention_mask [B, T])``.
+
+    ``T`` is the longest sequence (or ``length``, if given and not shorter). Left padding puts every
+    sequence's last token in the last column, where a causal model's ``generate`` continues it; every
+    model's ``forward`` and ``log_prob`` give at the real positions what the sequence alone gives. Run
+    a batch with ``jax.vmap`` over both arrays. ``log_prob``'s ``start``/``end`` index the padded
+    columns: position ``t`` of sequence ``b`` is column ``t + T - len(b)``.
+    """
+    rows = []
+    for b, seq in enumerate(sequences):
+        a = np.asarray(seq)
+        if a.ndim != 1 or a.shape[0] == 0 or not (np.issubdtype(a.dtype, np.integer)):
+            raise ValueError(f"sequences[{b}] must be a non-empty list of integer token ids, received dtype "
+                             f"{a.dtype} shape {a.shape}")
+        rows.append(a)
+    if not rows:
+        raise ValueError("sequences must hold at least one sequence")
+    T = max(len(r) for r in rows)
+    if length is not None:
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < T:
+            raise ValueError(f"length must be an int >= the longest sequence ({T}), received {length!r}")
+        T = int(length)
+    ids = np.full((len(rows), T), pad_id, np.int32)
+    mask = np.zeros((len(rows), T), bool)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = r
+        mask[b, T - len(r):] = True
+    return jnp.asarray(ids), jnp.asarray(mask)

@@ -53,6 +53,9 @@ def check_capture(capture: Any) -> tuple[str, ...]:
     except TypeError:
         raise TypeError(f"capture must be a sequence of names, received {type(capture).__name__}") from None
     for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"capture must be a sequence of names (str), received an entry {name!r} of type "
+                            f"{type(name).__name__}")
         if name not in CAPTURE_NAMES:
             raise ValueError(f"capture: unknown name {name!r}; the names are {', '.join(CAPTURE_NAMES)}")
     return tuple(sorted(set(names)))

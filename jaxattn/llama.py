@@ -225,8 +225,9 @@ class LlamaConfig(NamedTuple):
             raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates pairs of features")
         for name, value in (("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps)):
             # finite and > 0 in float32, the dtype they are computed in (1e300 would be inf, 1e-50 zero)
+            f32 = np.finfo(np.float32)
             if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer))
-                    or not np.isfinite(np.float32(value)) or np.float32(value) <= 0):
+                    or not np.isfinite(value) or not float(f32.smallest_subnormal) <= value <= float(f32.max)):
                 raise ValueError(f"{name} must be a finite number > 0 in float32, received {value!r}")
         for name, value in (("tie_word_embeddings", tie_word_embeddings), ("qkv_bias", qkv_bias), ("o_bias", o_bias)):
             if not isinstance(value, (bool, np.bool_)):
@@ -543,7 +544,7 @@ def _rms_norm(x: Array, weight: Array, config: LlamaConfig) -> Array:
     x32 = x.astype(jnp.float32)
     var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
     w = (1 + weight if config.norm_plus_one else weight).reshape((1,) * (x.ndim - 1) + weight.shape)  # [..., D]
-    return w * (x32 * jax.lax.rsqrt(var + config.rms_norm_eps)).astype(x.dtype)  # [..., D]
+    return w * (x32 / jnp.sqrt(var + config.rms_norm_eps)).astype(x.dtype)  # [..., D], as Hugging Face divides
 
 
 def _linear(x: Array, p: dict) -> Array:

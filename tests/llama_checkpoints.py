@@ -1,6 +1,6 @@
 """Tiny Llama-architecture checkpoints built locally for the tests (no download).
 
-* Hugging Face directories: ``config.json`` from transformers' own config classes (Llama, Mistral, Qwen2),
+* Hugging Face directories: ``config.json`` from transformers' own config classes (Llama, Mistral, Qwen2, Qwen3, Gemma),
   ``model.safetensors`` in PyTorch names and orientation written here with NumPy, a ``tokenizer.json``;
 * GGUF files written with ``gguf.GGUFWriter`` the way llama.cpp's ``convert_hf_to_gguf.py`` writes a
   llama model: its names, its ``ne`` order, q and k rows permuted for llama.cpp's RoPE (``permute`` below,
@@ -28,7 +28,7 @@ def random_params(seed: int, config: llama.LlamaConfig) -> dict:
     rng = np.random.default_rng(seed)
     flat = {}
     for name, shape in llama.param_shapes(config).items():
-        base = 1.0 if name.endswith("layernorm/weight") or name == "model/norm/weight" else 0.0
+        base = 1.0 if name.endswith("norm/weight") else 0.0  # every RMSNorm: the blocks', the final, q/k (Qwen3)
         flat[name] = (base + 0.2 * rng.standard_normal(shape)).astype(np.float32)
     return unflatten(flat)
 
@@ -69,6 +69,11 @@ def hf_config(config: llama.LlamaConfig):
         return transformers.LlamaConfig(attention_bias=config.qkv_bias, head_dim=config.head_dim, **common)
     if config.model_type == "mistral":
         return transformers.MistralConfig(sliding_window=config.sliding_window, head_dim=config.head_dim, **common)
+    if config.model_type == "qwen3":
+        return transformers.Qwen3Config(head_dim=config.head_dim, attention_bias=False, **common)
+    if config.model_type == "gemma":
+        return transformers.GemmaConfig(head_dim=config.head_dim, hidden_act=config.hidden_act,
+                                        hidden_activation=config.hidden_act, **common)
     return transformers.Qwen2Config(**common)
 
 

@@ -1,0 +1,239 @@
+"""The shared decoder and the model protocol: padded and unpadded inputs agree on every score and every
+continuation, bad generation arguments are refused by name, bfloat16 generates, every model's logits are
+``unembed(final_norm(resid_post[-1]))``, and a model module written outside jaxattn runs through
+interventions with no model-specific code."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import bert, gpt2, interventions, llama, models
+from jaxattn.checkpoint import CheckpointError
+
+GPT2 = gpt2.GPT2Config.make(vocab_size=23, n_positions=24, n_embd=8, n_layer=2, n_head=2)
+LLAMA = llama.LlamaConfig.make(vocab_size=23, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24)
+IDS = np.array([3, 17, 5, 9, 22, 1, 4, 8], np.int32)
+
+
+def _spread(params, scale):
+    """Random params with their matrices scaled up, so that logits spread and greedy tokens vary."""
+    return jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, params)
+
+
+MODELS = {
+    "gpt2": (gpt2, GPT2, _spread(gpt2.init_params(0, GPT2), 20.0)),
+    "llama": (llama, LLAMA, _spread(llama.init_params(0, LLAMA), 8.0)),
+}
+
+
+@pytest.fixture(params=sorted(MODELS))
+def model(request):
+    return MODELS[request.param]
+
+
+def _left(ids, pad):
+    return np.concatenate([np.zeros(pad, np.int32), ids]), np.array([0] * pad + [1] * len(ids))
+
+
+def _right(ids, pad):
+    return np.concatenate([ids, np.zeros(pad, np.int32)]), np.array([1] * len(ids) + [0] * pad)
+
+
+# --- silent wrong answers: padding, masks, temperatures ---
+
+
+@pytest.mark.parametrize("start, end", [(0, None), (1, None), (3, 6), (5, 5)])
+def test_log_prob_of_a_padded_sequence_is_the_sequence_alones(model, start, end):
+    module, config, params = model
+    alone = float(module.log_prob(params, config, IDS, start=start, end=end))
+    ids, mask = _left(IDS, 3)
+    stop = None if end is None else end + 3
+    np.testing.assert_allclose(float(module.log_prob(params, config, ids, attention_mask=mask, start=start + 3,
+                                                     end=stop)), alone, rtol=1e-5, atol=1e-4)
+    if start == 0:  # the whole padded array: the first real token is not scored from a pad
+        np.testing.assert_allclose(float(module.log_prob(params, config, ids, attention_mask=mask)), alone,
+                                   rtol=1e-5, atol=1e-4)
+    ids, mask = _right(IDS, 3)
+    np.testing.assert_allclose(float(module.log_prob(params, config, ids, attention_mask=mask, start=start, end=end)),
+                               alone, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_generate_from_a_padded_prompt_continues_the_prompt_alone(model, side):
+    module, config, params = model
+    prompt = IDS[:5]
+    alone, alone_logits = module.generate(params, config, prompt, max_new_tokens=4, return_logits=True)
+    ids, mask = (_left if side == "left" else _right)(prompt, 3)
+    out, logits = module.generate(params, config, ids, attention_mask=mask, max_new_tokens=4, return_logits=True)
+    assert len(set(np.asarray(alone[5:]).tolist())) > 1  # the check can fail: the continuation varies
+    np.testing.assert_array_equal(np.asarray(out[8:]), np.asarray(alone[5:]))
+    np.testing.assert_array_equal(np.asarray(out[:8]), ids)
+    np.testing.assert_allclose(logits, alone_logits, atol=1e-4, rtol=1e-5)
+
+
+def test_an_attention_mask_with_no_real_token_is_refused(model):
+    module, config, params = model
+    zeros = np.zeros(len(IDS), np.int32)
+    for call in (lambda: module.generate(params, config, IDS, attention_mask=zeros, max_new_tokens=2),
+                 lambda: module.log_prob(params, config, IDS, attention_mask=zeros),
+                 lambda: module.forward(params, config, IDS, attention_mask=zeros)):
+        with pytest.raises(ValueError, match=r"attention_mask marks no real token"):
+            call()
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, np.float32(1e-20)])
+def test_a_tiny_temperature_picks_the_argmax(model, temperature):
+    module, config, params = model
+    greedy = module.generate(params, config, IDS[:4], max_new_tokens=4)
+    sampled = module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=temperature, key=0)
+    np.testing.assert_array_equal(sampled, greedy)
+
+
+def test_numpy_numbers_are_temperatures_and_bad_ones_are_refused(model):
+    module, config, params = model
+    greedy = module.generate(params, config, IDS[:4], max_new_tokens=3)
+    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=3,
+                                                  temperature=np.float32(0)), greedy)
+    a = module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=np.float64(0.7), key=1)
+    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=0.7, key=1), a)
+    for bad in (-1.0, float("inf"), float("nan"), "hot", np.ones(2), True):
+        with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number > 0"):
+            module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=bad, key=0)
+
+
+def test_a_key_seed_too_large_names_key(model):
+    module, config, params = model
+    with pytest.raises(ValueError, match=r"key as an int seed must fit in 64 bits, received 1180591620717411303424"):
+        module.generate(params, config, IDS[:4], max_new_tokens=2, temperature=1.0, key=2**70)
+
+
+def test_capture_of_a_non_name_names_capture(model):
+    module, config, params = model
+    with pytest.raises(TypeError, match=r"capture must be a sequence of names \(str\), received an entry \['z'\]"):
+        module.forward(params, config, IDS, capture=[["z"]])
+
+
+def test_bfloat16_generation_matches_float32(model):
+    module, config, params = model
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    out = module.generate(half, config, IDS[:4], max_new_tokens=4)
+    assert out.dtype == jnp.int32 and out.shape == (8,)
+    # bfloat16 rounds the weights: compare with float32 on the same rounded weights
+    rounded = jax.tree.map(lambda x: x.astype(jnp.float32), half)
+    np.testing.assert_array_equal(out, module.generate(rounded, config, IDS[:4], max_new_tokens=4))
+
+
+def test_a_config_value_infinite_in_float32_is_refused(tmp_path):
+    from llama_checkpoints import edit_config, save_hf
+    from gpt2_checkpoints import train_tokenizer
+
+    tok = train_tokenizer()
+    config = llama.LlamaConfig.make(vocab_size=tok.get_vocab_size() + 4, hidden_size=16, intermediate_size=24,
+                                    num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=8)
+    directory = save_hf(tmp_path / "c", llama.init_params(0, config), config, tok)
+    edit_config(directory, rms_norm_eps=1e300)
+    with pytest.raises(CheckpointError, match=r"rms_norm_eps must be a finite number > 0 in float32, received 1e\+300"):
+        llama.load(directory)
+
+
+# --- the model protocol ---
+
+
+def test_logits_are_unembed_of_final_norm_of_the_last_residual(model):
+    module, config, params = model
+    out = module.forward(params, config, IDS, capture=("resid_post",), return_hidden_states=True)
+    h = module.final_norm(params, config, out.captured["resid_post"][-1])
+    np.testing.assert_allclose(h, out.last_hidden_state, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(module.unembed(params, config, h), out.logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out.hidden_states[-1], out.last_hidden_state)
+    assert set(out.captured) == {"resid_post"}  # the sugar's own captures are not returned
+
+
+def test_head_projections_rebuild_attn_out(model):
+    module, config, params = model
+    out = module.forward(params, config, IDS, capture=("z", "attn_out"))
+    w = module.head_projections(params, config)  # [L, N, H, D]
+    s = module.sizes(config)
+    assert w.shape == (s.layers, s.heads, s.head_dim, s.width)
+    by_head = jnp.einsum("ltnh,lnhd->ltd", out.captured["z"], w)
+    bias = out.captured["attn_out"] - by_head  # what is left is the output projection's bias, the same at every t
+    np.testing.assert_allclose(bias, jnp.broadcast_to(bias[:, :1], bias.shape), atol=1e-4)
+
+
+def test_bert_has_the_same_output_type_and_protocol():
+    params, config, tok = bert.load()  # the bundled all-MiniLM-L6-v2
+    ids = tok.encode("The trophy didn't fit.")
+    out = bert.forward(params, config, ids, capture=("resid_post", "z", "attn_out"))
+    assert isinstance(out, models.ModelOutput) and out.logits is None
+    np.testing.assert_array_equal(bert.final_norm(params, config, out.captured["resid_post"][-1]),
+                                  out.last_hidden_state)
+    with pytest.raises(ValueError, match="no language-model head"):
+        bert.unembed(params, config, out.last_hidden_state)
+    by_head = jnp.einsum("ltnh,lnhd->ltd", out.captured["z"], bert.head_projections(params, config))
+    bias = out.captured["attn_out"] - by_head
+    np.testing.assert_allclose(bias, jnp.broadcast_to(bias[:, :1], bias.shape), atol=1e-4)
+    assert bert.CAUSAL is False and gpt2.CAUSAL and llama.CAUSAL
+
+
+# --- a model module written outside jaxattn: one layer, two heads ---
+
+
+def _toy_module():
+    """The protocol and the shared forward arguments, nothing else: what a user's own model supplies."""
+    from jaxattn import multi_head_attention
+
+    L, N, H, D, V = 1, 2, 4, 8, 11
+    sizes = models.Sizes(layers=L, heads=N, kv_heads=N, head_dim=H, width=D, vocab=V, max_length=16)
+
+    def forward(params, config, ids, *, attention_mask=None, head_mask=None, patch=None, capture=()):
+        x = params["embed"][ids]  # [T, D]
+        keep = jnp.ones(ids.shape, bool) if attention_mask is None else jnp.asarray(attention_mask, bool)
+        q = jnp.einsum("td,ndh->tnh", x, params["wq"])
+        k = jnp.einsum("td,ndh->tnh", x, params["wk"])
+        v = jnp.einsum("td,ndh->tnh", x, params["wv"])
+        z, w = multi_head_attention(q, k, v, mask=keep, is_causal=True)  # [T, N, H], [N, T, T]
+        z = z * (jnp.ones((L, N)) if head_mask is None else head_mask)[0][None, :, None]
+        if patch and "z" in patch:
+            value, where = patch["z"]
+            z = jnp.where(where[0], value[0], z)
+        h = x + jnp.einsum("tnh,nhd->td", z, params["wo"])
+        logits = h @ params["embed"].T
+        logit_qk = jnp.einsum("tnh,snh->nts", q, k) * H ** -0.5
+        captured = {"resid_pre": x[None], "attn_logits": logit_qk[None], "z": z[None]}
+        return models.ModelOutput(logits=logits, last_hidden_state=h, attentions=w[None],
+                                  captured={c: captured[c] for c in capture})
+
+    def qk_weights(params, config):
+        return models.QKWeights(params["wq"][None], None, params["wk"][None], False, H ** -0.5)
+
+    module = types.SimpleNamespace(
+        __name__="my_lab.toy", CAUSAL=True, forward=forward, sizes=lambda c: sizes, qk_weights=qk_weights,
+        attention_input=lambda params, config, layer, x: x, final_norm=lambda p, c, x: x,
+        unembed=lambda p, c, x: x @ p["embed"].T)
+    rng = np.random.default_rng(0)
+    params = {name: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+              for name, shape in [("embed", (V, D)), ("wq", (N, D, H)), ("wk", (N, D, H)), ("wv", (N, D, H)),
+                                  ("wo", (N, H, D))]}
+    return module, params
+
+
+def test_a_model_module_of_ones_own_runs_through_interventions():
+    module, params = _toy_module()
+    ids = np.array([1, 5, 2, 7, 3], np.int32)
+    bound = interventions.bind(module, params, "toy-config", ids)
+    assert (bound.n_layers, bound.n_heads) == (1, 2)
+    metric = lambda out: out.logits[-1, 4] - out.logits[-1, 6]
+    table = interventions.ablation_effects(bound, metric)
+    clean = metric(module.forward(params, None, ids))
+    for n in range(2):  # against a hand-written loop of forwards
+        mask = np.ones((1, 2), np.float32)
+        mask[0, n] = 0
+        np.testing.assert_allclose(table[0, n], metric(module.forward(params, None, ids, head_mask=mask)) - clean,
+                                   atol=1e-5)
+    bounds = interventions.entropy_bounds(module, params, "toy-config", ids)
+    assert bounds["bound"].shape == (1, 2, 5)
+    assert bool(jnp.all(bounds["entropy"] >= bounds["bound"] - 1e-5))

@@ -61,6 +61,7 @@ from jaxattn.checkpoint import (
     check_shapes,
     flatten,
     read_config,
+    read_msgpack,
     read_safetensors,
     resolve,
     unflatten,
@@ -424,12 +425,57 @@ def params_from_torch(arrays: Mapping[str, np.ndarray], config: LlamaConfig, sou
         return unflatten(dict(pool.map(convert, table)))
 
 
+# The weight layouts a checkpoint directory may hold, each told apart by its token embedding's name.
+LAYOUTS = {
+    "model.embed_tokens.weight": "PyTorch names, [out, in] weights (LlamaForCausalLM.save_pretrained)",
+    "model.embed_tokens.embedding": "Flax names, [in, out] kernels (FlaxLlamaForCausalLM.save_pretrained)",
+}
+
+
+# The weight files of a checkpoint directory, in the order they are looked for.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "flax_model.msgpack",
+                "flax_model.msgpack.index.json")
+
+
+def params_from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str | Path) -> dict:
+    """Params from Flax-named arrays (``{"model/layers/0/self_attn/q_proj/kernel": [in, out], ...}``).
+
+    Transformers' Flax Llama stores an ``lm_head/kernel`` even for a tied model: it must then equal the
+    embedding transposed, and is dropped.
+    """
+    flat = dict(flat)
+    if config.tie_word_embeddings and "lm_head/kernel" in flat:
+        head, embed = flat.pop("lm_head/kernel"), flat.get("model/embed_tokens/embedding")
+        if embed is None or np.shape(head) != np.shape(embed)[::-1] or not np.array_equal(np.asarray(head).T, embed):
+            raise CheckpointError(f"{source}: weight 'lm_head/kernel' differs from 'model/embed_tokens/embedding' "
+                                  "transposed but tie_word_embeddings is true")
+    check_shapes(flat, param_shapes(config), source, kernel_layout="(in, out) (Hugging Face Flax)")
+    flat = {k: np.asarray(v, np.float32) for k, v in flat.items()}
+    check_finite(flat, source)
+    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+
+
+def params_from_arrays(arrays: Mapping[str, np.ndarray], config: LlamaConfig, source: str | Path) -> dict:
+    """Params from a safetensors file's arrays in either layout of :data:`LAYOUTS` (PyTorch or Flax names)."""
+    if "model.embed_tokens.embedding" in arrays:
+        return params_from_flax({k.replace(".", "/"): v for k, v in arrays.items()}, config, source)
+    if "model.embed_tokens.weight" not in arrays:
+        known = "; ".join(f"{layout} with '{key}'" for key, layout in LAYOUTS.items())
+        raise CheckpointError(f"{source}: not a weight layout this loader knows (it knows {known})")
+    return params_from_torch(arrays, config, source)
+
+
 def read_weights(files: Mapping[str, Path], name_or_path: Any = None) -> dict[str, np.ndarray]:
-    """``{name: array}`` from ``model.safetensors``, or from the shards a ``model.safetensors.index.json`` lists
-    (each tensor must be in the shard its index names, and no tensor may appear twice)."""
+    """``{name: array}`` from ``model.safetensors``, ``flax_model.msgpack`` (keys ``a/b/c``), or from the shards
+    a ``model.safetensors.index.json`` or ``flax_model.msgpack.index.json`` lists (each tensor must be in the
+    shard its index names, and no tensor may appear twice)."""
     if "model.safetensors" in files:
         return read_safetensors(files["model.safetensors"])
-    index_path = files["model.safetensors.index.json"]
+    if "flax_model.msgpack" in files:
+        return flatten(read_msgpack(files["flax_model.msgpack"]))
+    name = "model.safetensors.index.json" if "model.safetensors.index.json" in files else "flax_model.msgpack.index.json"
+    read = read_safetensors if name.startswith("model.") else (lambda path: flatten(read_msgpack(path)))
+    index_path = files[name]
     try:
         weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -440,7 +486,7 @@ def read_weights(files: Mapping[str, Path], name_or_path: Any = None) -> dict[st
     where = resolve(name_or_path if name_or_path is not None else Path(index_path).parent, required=shards).files
     arrays: dict[str, np.ndarray] = {}
     for shard in shards:
-        for key, value in read_safetensors(where[shard]).items():
+        for key, value in read(where[shard]).items():
             if key in arrays:
                 raise CheckpointError(f"{where[shard]}: tensor '{key}' appears in two shards")
             if weight_map.get(key) != shard:
@@ -503,8 +549,11 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
         * a ``.gguf`` file of the ``llama`` architecture, read with ``gguf`` (llama.cpp's reader):
           weights dequantized (:data:`TENSOR_TYPES`), q/k rows un-permuted from llama.cpp's RoPE layout,
           the tokenizer rebuilt from the metadata (:data:`PRE_TOKENIZERS`);
-        * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral or qwen2),
-          ``model.safetensors`` or ``model.safetensors.index.json`` with its shards, and ``tokenizer.json``.
+        * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3
+          or gemma), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
+          shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its
+          ``flax_model.msgpack.index.json`` and shards (what ``FlaxLlamaForCausalLM.save_pretrained``
+          writes), and ``tokenizer.json``.
       dtype: the params' dtype, float32 by default whatever the file holds
         (:func:`jaxattn.checkpoint.cast_params`).
 
@@ -524,11 +573,15 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
         files = resolve(
             name_or_path,
             required=["config.json"],
-            any_of=[["model.safetensors", "model.safetensors.index.json"], ["tokenizer.json"]],
+            any_of=[list(WEIGHT_FILES), ["tokenizer.json"]],
         ).files
         config = read_llama_config(files["config.json"])
-        source = files.get("model.safetensors", files.get("model.safetensors.index.json"))
-        params = params_from_torch(read_weights(files, name_or_path), config, source)
+        source = next(files[f] for f in WEIGHT_FILES if f in files)
+        arrays = read_weights(files, name_or_path)
+        if source.name.startswith("flax_model"):
+            params = params_from_flax(arrays, config, source)
+        else:
+            params = params_from_arrays(arrays, config, source)
         tokenizer = load_tokenizer(files["tokenizer.json"], config)
     return cast_params(params, dtype), config, tokenizer
 

@@ -169,3 +169,45 @@ def test_save_load_round_trip(case, tmp_path):
     assert config2 == config
     for key, value in flatten(params).items():
         np.testing.assert_array_equal(np.asarray(flatten(params2)[key]), np.asarray(value))
+
+
+# --- what transformers' Flax class writes ---
+
+
+@pytest.mark.parametrize("how", ["msgpack", "safetensors", "sharded msgpack"])
+def test_directories_written_by_flax_llama_save_pretrained_load(tok, tmp_path, how):
+    import transformers
+
+    config = llama.LlamaConfig.make(vocab_size=tok.get_vocab_size() + 4, max_position_embeddings=16, hidden_size=16,
+                                    intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2)
+    weights = random_params(3, config)
+    hf = transformers.LlamaConfig(vocab_size=config.vocab_size, hidden_size=16, intermediate_size=24,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=16, rms_norm_eps=config.rms_norm_eps)
+    with jax.numpy_rank_promotion("allow"):
+        model = transformers.FlaxLlamaForCausalLM(hf, _do_init=False)
+        kwargs = {"safe_serialization": how != "msgpack"}
+        if how == "sharded msgpack":
+            kwargs["max_shard_size"] = "20KB"
+        model.save_pretrained(tmp_path, params=weights, **kwargs)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    names = {p.name for p in tmp_path.iterdir()}
+    expected = {"msgpack": "flax_model.msgpack", "safetensors": "model.safetensors",
+                "sharded msgpack": "flax_model.msgpack.index.json"}[how]
+    assert expected in names, names
+    params, loaded, _ = llama.load(tmp_path)
+    assert loaded == config
+    for key, value in flatten(weights).items():
+        np.testing.assert_array_equal(np.asarray(flatten(params)[key]), value)
+
+
+def test_an_unknown_weight_layout_lists_the_known_ones(tok, tmp_path):
+    from safetensors.numpy import save_file
+
+    config = llama.LlamaConfig.make(vocab_size=tok.get_vocab_size() + 4, max_position_embeddings=16, hidden_size=16,
+                                    intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
+    directory = save_hf(tmp_path / "c", random_params(0, config), config, tok)
+    save_file({"transformer.wte.weight": np.zeros((4, 4), np.float32)}, str(directory / "model.safetensors"))
+    with pytest.raises(Exception, match=r"not a weight layout this loader knows \(it knows PyTorch names.*Flax names"):
+        llama.load(directory)

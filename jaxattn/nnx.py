@@ -37,21 +37,35 @@ Array = jax.Array
 __all__ = ["MultiHeadAttention", "dot_product_attention"]
 
 
-def _matmul_precision(precision: Any) -> Any:
-    """A context applying Flax's ``precision`` (None, a ``lax.Precision``, its name, or a pair of one) to the
-    matmuls of jaxattn's core, which take no ``precision`` argument of their own."""
+_PRECISION_HELP = ("precision must be None, a jax.lax.Precision, its name ('default', 'high', 'highest', "
+                   "'bfloat16', 'tensorfloat32', 'float32') or a pair of two equal ones")
+
+
+def _precision_name(precision: Any) -> str | None:
+    """Flax's ``precision`` (None, a ``lax.Precision``, its name, or a pair of one) as the name
+    ``jax.default_matmul_precision`` takes; anything else raises, naming ``precision``."""
     if precision is None:
-        return contextlib.nullcontext()
-    if isinstance(precision, (tuple, list)) and len(precision) == 2 and precision[0] == precision[1]:
-        precision = precision[0]
-    if isinstance(precision, jax.lax.Precision):
-        return jax.default_matmul_precision(precision.name.lower())
-    if isinstance(precision, str):
-        return jax.default_matmul_precision(precision)
-    raise TypeError(
-        f"precision must be None, a jax.lax.Precision, its name ('highest') or a pair of two equal ones, "
-        f"received {precision!r}"
-    )
+        return None
+    one = precision
+    if isinstance(precision, (tuple, list)):
+        if len(precision) != 2 or precision[0] != precision[1]:
+            raise ValueError(f"{_PRECISION_HELP}, received {precision!r}")
+        one = precision[0]
+    if isinstance(one, str):
+        try:
+            one = jax.lax.Precision(one)
+        except ValueError:
+            raise ValueError(f"{_PRECISION_HELP}, received {precision!r}") from None
+    if isinstance(one, jax.lax.Precision):
+        return one.name.lower()
+    raise TypeError(f"{_PRECISION_HELP}, received {precision!r}")
+
+
+def _matmul_precision(precision: Any) -> Any:
+    """A context applying Flax's ``precision`` to the matmuls of jaxattn's core, which take no
+    ``precision`` argument of their own."""
+    name = _precision_name(precision)
+    return contextlib.nullcontext() if name is None else jax.default_matmul_precision(name)
 
 
 def _check_qkv(query: Array, key: Array, value: Array) -> None:
@@ -198,11 +212,35 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     ``sow_weights=True`` the maps ``[batch..., N, T, S]`` are sown as ``attention_weights`` in
     ``nnx.Intermediate``, as Flax sows them. A state moves between this module and Flax's with
     ``nnx.update(other, nnx.state(module))`` or ``nnx.merge(nnx.graphdef(other), nnx.state(module))``.
+
+    Unlike Flax's module, the arguments are checked before anything is computed: ``num_heads`` and
+    ``num_kv_heads`` must be ints >= 1 and the feature sizes ints >= 1 (``TypeError``/``ValueError``
+    naming them), ``precision`` as in :func:`dot_product_attention`; at call time ``inputs_k`` and
+    ``inputs_v`` must end in ``in_kv_features`` (``inputs_k=None`` reads ``inputs_q``, so then
+    ``in_kv_features`` must equal ``in_features``) and share ``inputs_q``'s batch dims, and ``inputs_v``
+    must have ``inputs_k``'s length (``ValueError`` naming them). When decoding, a step past the cache
+    (``cache_index >= max_length`` of ``init_cache``) raises a ``ValueError`` naming the cache length and
+    the step index while the index is concrete (eager use); under ``jax.jit``/``nnx.jit`` the index is
+    traced, so that step's output is NaN instead (the cache's last slot is overwritten, as in Flax,
+    and every later step is NaN too).
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs.setdefault("attention_fn", dot_product_attention)  # keyword-only in Flax's signature
+        _check_init(inspect.signature(nnx.MultiHeadAttention.__init__).bind(self, *args, **kwargs).arguments)
         super().__init__(*args, **kwargs)
+
+    def __call__(self, inputs_q: Any, inputs_k: Any = None, inputs_v: Any = None, **kwargs: Any) -> Array:
+        """Flax's call, with its inputs checked first (see the class docstring)."""
+        _check_inputs(self, inputs_q, inputs_k, inputs_v)
+        decode = kwargs.get("decode")
+        decode = self.decode if decode is None else decode
+        step = _decode_step(self) if decode else None
+        out = super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+        if step is not None:  # a traced step: a step past the cache gives NaN
+            index, length = step
+            out = jnp.where(index < length, out, jnp.asarray(jnp.nan, out.dtype))
+        return out
 
     def params(self) -> dict[str, Array]:
         """The weights as the plain dict :func:`jaxattn.attention_layer` takes (``W_Q [D, N·H]``, ...).
@@ -232,6 +270,68 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         return params
 
 
+def _check_count(value: Any, name: str, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1{' or None' if optional else ''}, received {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1{' or None' if optional else ''}, received {value}")
+
+
+def _check_init(arguments: dict[str, Any]) -> None:
+    """The constructor's arguments that Flax uses without checking (a zero head count divides by zero)."""
+    _check_count(arguments.get("num_heads"), "num_heads")
+    _check_count(arguments.get("in_features"), "in_features")
+    for name in ("qkv_features", "out_features", "num_kv_heads", "in_kv_features"):
+        _check_count(arguments.get(name), name, optional=True)
+    _precision_name(arguments.get("precision"))
+
+
+def _check_inputs(m: MultiHeadAttention, inputs_q: Any, inputs_k: Any, inputs_v: Any) -> None:
+    q = jnp.shape(inputs_q)
+    if len(q) < 2:
+        raise ValueError(f"inputs_q must have shape [batch..., T, in_features={m.in_features}], received {q}")
+    if inputs_k is None:
+        if inputs_v is None and m.in_kv_features != m.in_features:
+            raise ValueError(
+                f"inputs_k is required: without it the keys are read from inputs_q, whose features "
+                f"({m.in_features}, in_features) are not in_kv_features ({m.in_kv_features})"
+            )
+        return  # Flax refuses inputs_v without inputs_k
+    k = jnp.shape(inputs_k)
+    if len(k) != len(q) or k[:-2] != q[:-2] or k[-1] != m.in_kv_features:
+        raise ValueError(
+            f"inputs_k must have shape [batch..., S, in_kv_features] = [{', '.join(map(str, q[:-2] + ('S',)))}, "
+            f"{m.in_kv_features}] (the batch dims of inputs_q {q}), received {k}"
+        )
+    if inputs_v is not None:
+        v = jnp.shape(inputs_v)
+        if v[:-1] != k[:-1] or v[-1] != m.in_kv_features:
+            raise ValueError(
+                f"inputs_v must have shape {k[:-1] + (m.in_kv_features,)} (inputs_k's batch dims and length, "
+                f"in_kv_features), received {v}"
+            )
+
+
+def _decode_step(m: MultiHeadAttention) -> tuple[Array, int] | None:
+    """Refuse a decoding step past the cache when its index is concrete; ``(index, max_length)`` when traced
+    (the caller then marks the output), None when there is no cache (Flax's own error follows)."""
+    cached_key, cache_index = getattr(m, "cached_key", None), getattr(m, "cache_index", None)
+    if cached_key is None or cache_index is None:
+        return None
+    length = int(cached_key.shape[-3])  # [batch..., max_length, K, H]
+    index = cache_index[...]
+    if isinstance(index, jax.core.Tracer):
+        return index, length
+    if int(index) >= length:
+        raise ValueError(
+            f"decode: step index {int(index)} is past the cache's length {length} (init_cache gave room for "
+            f"{length} steps, 0 to {length - 1}); call init_cache with a longer input_shape"
+        )
+    return None
+
+
 def _with_default(init: Any, **defaults: Any) -> inspect.Signature:
     signature = inspect.signature(init)
     return signature.replace(
@@ -243,3 +343,4 @@ def _with_default(init: Any, **defaults: Any) -> inspect.Signature:
 MultiHeadAttention.__init__.__signature__ = _with_default(
     nnx.MultiHeadAttention.__init__, attention_fn=dot_product_attention
 )
+MultiHeadAttention.__call__.__signature__ = inspect.signature(nnx.MultiHeadAttention.__call__)

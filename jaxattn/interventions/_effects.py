@@ -1,7 +1,10 @@
 """Every head's effect on a metric, each table one compiled program: ablation, patching, gradients.
 
 A metric is a function of the model's output (``metric(output) -> scalar``): a log-probability
-difference read off the logits, or any function of an encoder's hidden states. Each table is ``[L, N]``:
+difference read off the logits, or any function of an encoder's hidden states. It must return one real
+number (a Python int or float, or a 0-d integer or float array); any other result (complex, boolean, not
+a scalar, not a number) raises ``TypeError`` or ``ValueError`` naming ``metric`` when the table is traced.
+Each table is ``[L, N]``:
 
 - :func:`ablation_effects`: ``metric(head (l, n) zeroed) - metric(clean)``, through ``head_mask``;
 - :func:`patching_effects`: ``metric(head (l, n)'s tensor replaced by value) - metric(clean)``, through
@@ -60,9 +63,24 @@ def _check_chunk(chunk: Any, total: int) -> int:
 
 
 def _scalar(metric: Metric, out: Any) -> Array:
-    value = jnp.asarray(metric(out))
-    if value.shape != ():
-        raise ValueError(f"metric must return a scalar, received shape {value.shape}")
+    """``metric(out)`` as a float scalar; a result that is not one real number (int or float) is refused.
+
+    The checks read only the result's type, dtype and shape, which are static under ``jax.jit``.
+    """
+    value = metric(out)
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        dtype = value.dtype
+    elif isinstance(value, (int, float, complex)):  # bool is an int: refused below by its dtype
+        dtype = np.asarray(value).dtype
+    else:
+        raise TypeError(f"metric must return a real scalar (an int or float, or a 0-d array of one), received "
+                        f"{type(value).__name__}")
+    if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"metric must return a real scalar (an int or float, or a 0-d array of one), received "
+                        f"dtype {np.dtype(dtype).name}")
+    if jnp.shape(value) != ():
+        raise ValueError(f"metric must return a scalar, received shape {tuple(jnp.shape(value))}")
+    value = jnp.asarray(value)
     return value.astype(jnp.promote_types(value.dtype, jnp.float32))
 
 
@@ -177,18 +195,42 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
       metric: ``output -> scalar``.
       chunk: how many ablations run at once (``jax.vmap``) inside the one program: at most ``chunk``
         copies of the activations are alive; ``None`` runs all L·N at once.
-      value: the gate of the ablated head (0: removed; 1: no change).
+      value: the gate of the ablated head, a finite real number (0: removed; 1: no change).
       loop: run a Python loop of one jitted forward per head instead (the same numbers; a baseline).
+
+    Raises:
+      TypeError, ValueError: naming ``bound``, ``metric`` (also for a result that is not a real scalar),
+        ``chunk`` or ``value``.
     """
     _check_bound(bound), _check_metric(metric)
+    value = _check_gate(value)
     L, N = bound.n_layers, bound.n_heads
-    masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=float(value))])
+    masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
     return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, loop).reshape(L, N)
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _check_gate(value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"value must be a real number (the ablated head's gate), received {type(value).__name__}")
+    if not np.isfinite(value):
+        raise ValueError(f"value must be finite (the ablated head's gate), received {value!r}")
+    return float(value)
 
 
 def _value_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
     rank = 1 + len(CAPTURE_NAMES[name][0].split())
     if value.ndim == rank + 1 and bound.batch is not None:
+        if value.shape[0] != bound.batch:
+            raise ValueError(f"value must have the bound's batch of B = {bound.batch} inputs on its first axis "
+                             f"([B, L, ...]; or no batch axis, [L, ...], shared by all), received shape "
+                             f"{tuple(value.shape)}")
         return tuple(value.shape[1:])
     if value.ndim != rank:
         raise ValueError(f"value must have shape [L, ...] ({rank} axes) or, for a batch, [B, L, ...], "
@@ -224,7 +266,8 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
       value: the replacement, the shape of the captured tensor ``[L, ...]`` (or ``[B, L, ...]`` for a
         batched bound): usually ``source(capture=(name,)).captured[name]`` from the same model on another
         input of the same length (e.g. "... too small"), or :func:`reference_mean` (mean-ablation; size-1
-        axes broadcast).
+        axes broadcast). A leading B axis must equal the bound's batch (``ValueError`` naming ``value``
+        otherwise).
       name: ``z`` (each head's output, default), ``attn_weights`` (its attention pattern, applied to the
         clean values), ``q``; or ``k``/``v`` (under grouped-query attention a key/value head is shared by
         N/K query heads, so patching one replaces it for all of them: the table is then ``[L, K]``).
@@ -308,8 +351,13 @@ def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str 
     patching"), with the total derivative of :func:`layer_gradients`: exact where the metric is linear in
     the patched tensor.
     """
+    _check_bound(bound)
     value = _check_value(name, value)
+    _value_shape(bound, name, value)
     clean, grad = layer_gradients(bound, metric, name, chunk=chunk)
+    if not _broadcasts(value.shape, clean.shape):
+        raise ValueError(f"value must have the shape of the captured {name}, {tuple(clean.shape)} (or 1 along an "
+                         f"axis), received {tuple(value.shape)}")
     return _reduce_heads((jnp.broadcast_to(value, clean.shape) - clean) * grad, name, bound.batch is not None)
 
 

@@ -69,18 +69,56 @@ def _unit(x: Array) -> Array:
     return x / jnp.maximum(jnp.linalg.norm(x), 1e-12)
 
 
+def _position(x: Any, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int (a token position), received {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{name} must be >= 0 (a token position; no negative indexing), received {x}")
+    return int(x)
+
+
+def _span(span: Any, name: str) -> tuple[int, int]:
+    if isinstance(span, (str, bytes)) or not isinstance(span, (tuple, list)) or len(span) != 2:
+        raise ValueError(f"{name} must be (start, stop) with 0 <= start < stop, received {span!r}")
+    start, stop = (_position(x, name) for x in span)
+    if not start < stop:
+        raise ValueError(f"{name} must be (start, stop) with 0 <= start < stop, received {span!r}")
+    return start, stop
+
+
 def similarity_metric(token: int, span_a: tuple[int, int], span_b: tuple[int, int]) -> Callable[[Any], Array]:
     """``output -> cos(h[token], h̄_a) - cos(h[token], h̄_b)`` on an encoder's ``last_hidden_state [T, D]``.
 
     ``h̄`` is the mean of a span's hidden states. Needs no language-model head: for the trophy sentence,
     positive when the pronoun's final state is closer to "trophy" than to "suitcase".
+
+    Args:
+      token: the position ``0 <= token < T`` of the token compared (no negative indexing).
+      span_a, span_b: ``(start, stop)`` token positions, ``0 <= start < stop <= T``.
+
+    Raises:
+      TypeError, ValueError: at construction, for a position that is not an int >= 0 or a span that is
+        not ``(start, stop)``; when the metric is called, for an output whose ``last_hidden_state`` is not
+        ``[T, D]`` (a batched output: bind one input) or that has fewer tokens than ``token`` or a span
+        needs (shapes are static, so this holds under ``jax.jit`` too).
     """
-    for name, span in (("span_a", span_a), ("span_b", span_b)):
-        if len(span) != 2 or not 0 <= span[0] < span[1]:
-            raise ValueError(f"{name} must be (start, stop) with 0 <= start < stop, received {span!r}")
+    token = _position(token, "token")
+    span_a, span_b = _span(span_a, "span_a"), _span(span_b, "span_b")
 
     def metric(output: Any) -> Array:
-        h = output.last_hidden_state
+        h = getattr(output, "last_hidden_state", None)
+        if h is None:
+            raise TypeError(f"similarity_metric: the output must have a last_hidden_state [T, D], received "
+                            f"{type(output).__name__} without one")
+        if jnp.ndim(h) != 2:
+            raise ValueError(f"similarity_metric: the output's last_hidden_state must be [T, D] (bind one input, "
+                             f"not a batch), received shape {tuple(jnp.shape(h))}")
+        T = h.shape[0]
+        if token >= T:
+            raise ValueError(f"token must be a position < T = {T} (the output's tokens), received {token}")
+        for name, span in (("span_a", span_a), ("span_b", span_b)):
+            if span[1] > T:
+                raise ValueError(f"{name} must end at or before T = {T} (the output's tokens), received {span!r}")
         h = h.astype(jnp.promote_types(h.dtype, jnp.float32))  # [T, D], at least float32
         p = _unit(h[token])  # [D]
         a = _unit(jnp.mean(h[span_a[0]:span_a[1]], axis=0))  # [D]

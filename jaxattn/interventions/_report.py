@@ -146,7 +146,9 @@ def render_top(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *, tit
 
 
 def heatmaps_png(tables: Mapping[str, Any], *, title: str = "", dpi: int = 100) -> bytes:
-    """One ``[L, N]`` heatmap per table (layers down, heads across), each on its own symmetric color scale."""
+    """One ``[L, N]`` heatmap per table (layers down, heads across), each on its own symmetric color scale.
+
+    The tables' names and ``title`` are drawn literally (no mathtext or TeX: a ``$`` is a dollar sign)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -161,13 +163,13 @@ def heatmaps_png(tables: Mapping[str, Any], *, title: str = "", dpi: int = 100) 
         t = np.asarray(tables[name], np.float64)
         lim = float(np.max(np.abs(t))) or 1.0
         im = ax.imshow(t, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
-        ax.set_title(name, fontsize=9)
+        ax.set_title(str(name), fontsize=9, parse_math=False, usetex=False)
         ax.set_xlabel("head", fontsize=8)
         ax.set_ylabel("layer", fontsize=8)
         ax.tick_params(labelsize=7)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=7)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=10, parse_math=False, usetex=False)
     fig.tight_layout(rect=(0, 0, 1, 0.97) if title else (0, 0, 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)

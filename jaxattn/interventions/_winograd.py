@@ -64,26 +64,51 @@ class Schema:
         return self.text[span[0]:span[1]]
 
 
-def _schema(pair: int, raw: str, mentions: Sequence[Any], subs: Sequence[str], answer: int, where: str) -> Schema:
+def _phrase(value: Any, where: str, field: str) -> str:
+    """A non-empty string field (a candidate's phrase, a substitute)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: {field} must be a string, received {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise ValueError(f"{where}: {field} must be a non-empty phrase, received {value!r}")
+    return value
+
+
+def _mention(m: Any, where: str, field: str) -> tuple[str, int]:
+    """``(phrase, k)`` from a candidate: a phrase, or ``[phrase, k]`` for its k-th whole-word occurrence."""
+    if isinstance(m, str):
+        return _phrase(m, where, field), 0
+    if not isinstance(m, (list, tuple)) or len(m) != 2:
+        raise ValueError(f"{where}: {field} must be a phrase or [phrase, occurrence], received {m!r}")
+    phrase, k = _phrase(m[0], where, f"{field}[0]"), m[1]
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{where}: {field}[1] (the occurrence) must be an int >= 0, received {k!r}")
+    return phrase, k
+
+
+def _schema(pair: int, raw: str, mentions: Sequence[tuple[str, int]], subs: Sequence[str], answer: int,
+            where: str, field: str) -> Schema:
     if raw.count("[") != 1 or raw.count("]") != 1 or raw.index("[") > raw.index("]"):
-        raise ValueError(f"{where}: the text must mark the pronoun with one [bracket] pair, received {raw!r}")
+        raise ValueError(f"{where}: the text must mark the pronoun with one [bracket] pair, received {field} = {raw!r}")
     start = raw.index("[")
     end = raw.index("]") - 1
     text = raw.replace("[", "", 1).replace("]", "", 1)
+    if not text[start:end].strip():
+        raise ValueError(f"{where}: the text must have a pronoun inside its [brackets], received {field} = {raw!r}")
     spans = []
-    for m in mentions:
-        phrase, k = (m, 0) if isinstance(m, str) else (m[0], int(m[1]))
-        spans.append(find_span(text, phrase, occurrence=k, before=start))
+    for j, (phrase, k) in enumerate(mentions):
+        try:
+            spans.append(find_span(text, phrase, occurrence=k, before=start))
+        except ValueError:
+            raise ValueError(f"{where}: 'candidates'[{j}] {phrase!r} (occurrence {k}) must occur as a whole word "
+                             f"before the pronoun of {field}, received the text {text!r}") from None
     if spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
-        raise ValueError(f"{where}: the candidates' mentions overlap: {mentions!r}")
+        raise ValueError(f"{where}: the candidates' mentions overlap in {field}: {[m for m, _ in mentions]!r}")
     substitutions, ends = [], []
     for s in subs:
         if text[start].isupper():
             s = s[:1].upper() + s[1:]
         substitutions.append(text[:start] + s + text[end:])
         ends.append(start + len(s))
-    if answer not in (0, 1):
-        raise ValueError(f"{where}: answer must be 0 or 1, received {answer!r}")
     return Schema(pair, text, (start, end), (spans[0], spans[1]), (substitutions[0], substitutions[1]),
                   (ends[0], ends[1]), answer)
 
@@ -91,22 +116,38 @@ def _schema(pair: int, raw: str, mentions: Sequence[Any], subs: Sequence[str], a
 def parse_pairs(data: Any) -> list[tuple[Schema, Schema]]:
     """The pairs of a data dict (the bundled file's layout: ``{"pairs": [{texts, candidates, substitutes, answers}]}``).
 
+    Each pair is a dict of four lists of two entries: ``texts`` (strings, the pronoun marked once with
+    non-empty ``[brackets]``), ``candidates`` (non-empty phrases, or ``[phrase, k]`` with an int ``k >= 0``
+    for the k-th whole-word occurrence, each found before the pronoun in both texts), ``substitutes``
+    (non-empty strings) and ``answers`` (the ints 0 and 1, one each).
+
     Raises:
-      ValueError: naming the pair and the field that is malformed (a pronoun not marked once, a mention
-        not found before the pronoun, answers that are not one of each).
+      ValueError: naming the pair (its index) and the field that is malformed, e.g.
+        ``pair 3: 'candidates'[1] ...``.
     """
     if not isinstance(data, dict) or not isinstance(data.get("pairs"), list):
         raise ValueError("data must be a dict with a list under 'pairs'")
     out = []
     for i, p in enumerate(data["pairs"]):
         where = f"pair {i}"
+        if not isinstance(p, dict):
+            raise ValueError(f"{where} must be a dict with 'texts', 'candidates', 'substitutes' and 'answers', "
+                             f"received {type(p).__name__}")
         for key in ("texts", "candidates", "substitutes", "answers"):
             if not isinstance(p.get(key), list) or len(p[key]) != 2:
                 raise ValueError(f"{where}: '{key}' must be a list of two entries, received {p.get(key)!r}")
-        if sorted(p["answers"]) != [0, 1]:
-            raise ValueError(f"{where}: the two sentences must have different answers (0 and 1), received {p['answers']}")
-        out.append(tuple(_schema(i, t, p["candidates"], p["substitutes"], a, where)
-                         for t, a in zip(p["texts"], p["answers"])))
+        for j, t in enumerate(p["texts"]):
+            if not isinstance(t, str):
+                raise ValueError(f"{where}: 'texts'[{j}] must be a string, received {type(t).__name__} {t!r}")
+        mentions = [_mention(m, where, f"'candidates'[{j}]") for j, m in enumerate(p["candidates"])]
+        subs = [_phrase(x, where, f"'substitutes'[{j}]") for j, x in enumerate(p["substitutes"])]
+        answers = p["answers"]
+        if any(isinstance(a, bool) or not isinstance(a, int) for a in answers):
+            raise ValueError(f"{where}: 'answers' must be ints (0 or 1), received {answers!r}")
+        if sorted(answers) != [0, 1]:
+            raise ValueError(f"{where}: the two sentences must have different answers (0 and 1), received {answers}")
+        out.append(tuple(_schema(i, t, mentions, subs, a, where, f"'texts'[{j}]")
+                         for j, (t, a) in enumerate(zip(p["texts"], answers))))
     return out
 
 
@@ -148,15 +189,35 @@ def substitution_scores(schemas: Sequence[Schema], score: Scorer) -> dict[str, n
     in place of the pronoun (a model without a start token cannot score the first token, which the two
     candidates share). ``partial`` is ``score(up to and with the candidate, the rest)``: the
     log-probability of the words after the candidate, given it (Trinh & Le's partial scoring).
+
+    Raises:
+      TypeError: ``score`` returned something that is not one real number.
+      ValueError: ``score`` returned NaN; both name the sentence (its index and pair) and the candidate.
+        Infinities are kept (``-inf``: probability 0); the larger score wins, ties go to candidate 0.
     """
     full = np.zeros((len(schemas), 2))
     partial = np.zeros((len(schemas), 2))
     for i, s in enumerate(schemas):
         for c in range(2):
             text, cut = s.substitutions[c], s.substitute_ends[c]
-            full[i, c] = score("", text)
-            partial[i, c] = score(text[:cut], text[cut:])
+            where = f"sentence {i} (pair {s.pair}), candidate {c}"
+            full[i, c] = _score_value(score("", text), f"{where}, full substitution {text!r}")
+            partial[i, c] = _score_value(score(text[:cut], text[cut:]), f"{where}, partial substitution {text!r}")
     return {"full": full, "partial": partial}
+
+
+def _score_value(value: Any, where: str) -> float:
+    """A scorer's result as a float: one real number, not NaN."""
+    arr = None if isinstance(value, (str, bytes)) else np.asarray(value)
+    if arr is None or arr.shape != () or arr.dtype == np.bool_ or not (
+        jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)
+    ):
+        raise TypeError(f"score must return one real number (log p in nats), received {type(value).__name__} "
+                        f"{value!r} for {where}")
+    x = float(arr)
+    if np.isnan(x):
+        raise ValueError(f"score must return a number, received NaN for {where}")
+    return x
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,7 +291,12 @@ def best_head(attention: Any, answers: Any, pair_ids: Any, *, seed: int = 0) -> 
     if pred.shape[0] != answers.shape[0] or answers.shape != pair_ids.shape:
         raise ValueError(f"attention [S, ...], answers [S] and pair_ids [S] must agree, received "
                          f"{pred.shape[0]}, {answers.shape}, {pair_ids.shape}")
+    if pair_ids.size == 0 or not np.issubdtype(pair_ids.dtype, np.integer) or pair_ids.min() < 0:
+        raise ValueError(f"pair_ids must be ints >= 0, one per sentence, received {pair_ids!r}")
     half = split_pairs(int(pair_ids.max()) + 1, seed=seed)[pair_ids]  # [S]
+    if half.all() or not half.any():
+        raise ValueError(f"pair_ids must name at least 2 pairs with sentences on both halves of the split (one "
+                         f"to select the head on, one to score it), received pairs {sorted(set(pair_ids.tolist()))}")
     right = pred == answers[:, None, None]  # [S, L, N]
     folds = []
     for select in (half, ~half):
@@ -335,7 +401,25 @@ def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = N
       each an :func:`accuracy` dict (``best_head`` pools its two folds, each scored on pairs it was not
       selected on, and keeps the folds under ``"folds"``); ``"sentences"`` and ``"pairs"``; and
       ``"special_after_pronoun"``, the pairs whose sentences first differ after the pronoun.
+
+    Raises:
+      ValueError: ``pairs`` is empty (or holds a single pair when ``maps`` is given: the best head needs
+        one pair to select it on and another to score it), or ``score`` returns NaN (naming the sentence,
+        its pair and the candidate; see :func:`substitution_scores`).
+      TypeError: an entry of ``pairs`` is not two :class:`Schema`, or ``score`` returns something that is
+        not a real number.
     """
+    if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
+        raise TypeError(f"pairs must be a sequence of (Schema, Schema) from load_pairs, received "
+                        f"{type(pairs).__name__}")
+    if len(pairs) == 0:
+        raise ValueError("pairs must hold at least one pair (from load_pairs or parse_pairs), received none")
+    for i, p in enumerate(pairs):
+        if not isinstance(p, (tuple, list)) or len(p) != 2 or not all(isinstance(x, Schema) for x in p):
+            raise TypeError(f"pairs[{i}] must be two Schema (a pair from load_pairs), received {p!r}")
+    if maps is not None and len(pairs) < 2:
+        raise ValueError(f"pairs must hold at least 2 pairs when maps is given (the best head is selected on "
+                         f"one half of the pairs and scored on the other), received {len(pairs)}")
     schemas = flatten_pairs(pairs)
     answers = np.array([s.answer for s in schemas])
     out: dict[str, Any] = {"sentences": len(schemas), "pairs": len(pairs),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import html as html_escape
 import json
+import re
 from importlib import resources
 from typing import Any, Sequence
 
@@ -25,6 +26,15 @@ import numpy as np
 LEVELS = 65534
 # A weight may exceed [0, 1] by float rounding this much; it is clipped, anything further is an error.
 WEIGHT_SLACK = 1e-5
+# A surrogate code point (U+D800-U+DFFF) in a str is not a character and cannot be encoded as UTF-8; a
+# byte-level tokenizer's decoder emits them for a token that ends inside a multi-byte character.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_label(text: str) -> str:
+    """``text`` with every surrogate code point replaced by U+FFFD (the replacement character), so it
+    encodes as UTF-8; other text is unchanged."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def _labels(tokens: Any, n: int, what: str, name: str) -> list[str]:
@@ -35,7 +45,7 @@ def _labels(tokens: Any, n: int, what: str, name: str) -> list[str]:
         raise TypeError(f"{name}: expected strings ({what}), received an item of type {bad[0]}")
     if len(tokens) != n:
         raise ValueError(f"{name}: expected {n} labels ({what}), received {len(tokens)}")
-    return list(tokens)
+    return [text_label(t) for t in tokens]
 
 
 def _split_tokens(tokens: Any, T: int, S: int, name: str) -> tuple[list[str], list[str]]:
@@ -165,6 +175,10 @@ def html(
       names: the two maps' names, shown in the selectors and the tooltip.
       title: the page's title.
 
+    Labels, names and title are shown as given, except that a surrogate code point (a lone surrogate,
+    as a byte-level tokenizer's decoder emits for a token that ends inside a multi-byte character)
+    becomes U+FFFD, so the page always encodes as UTF-8.
+
     Returns:
       The page. About 2.7 bytes per weight plus 25 KB: 30 layers x 9 heads x 15 x 15 tokens, two
       sentences, is about 0.35 MB.
@@ -177,6 +191,7 @@ def html(
     names = tuple(names) if isinstance(names, (list, tuple)) else names
     if not (isinstance(names, tuple) and len(names) == 2 and all(isinstance(n, str) and n for n in names)):
         raise ValueError(f"names: expected two non-empty strings, received {names!r}")
+    title, names = text_label(title), tuple(text_label(n) for n in names)
     a = check_maps(maps, "maps")
     qa, ka = _split_tokens(tokens, a.shape[2], a.shape[3], "tokens")
     runs = [_run(a, qa, ka, names[0])]

@@ -3,6 +3,7 @@
 Built on a ``matplotlib.figure.Figure`` with its own Agg canvas: matplotlib's global backend and state
 are never touched, and nothing is shown. Token labels on both axes, a colorbar on every picture;
 weights on a fixed 0-1 scale (viridis), differences on a blue-white-red scale symmetric about 0.
+Tokens, titles and names are drawn literally: no mathtext, no TeX (a ``$`` is a dollar sign).
 Functions return PNG bytes; the caller writes the file.
 
 Axis alphabet: L layers, N heads, T queries, S keys.
@@ -16,11 +17,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxattn._extras import require
-from jaxattn.viz._html import WEIGHT_SLACK, _split_tokens
+from jaxattn.viz._html import WEIGHT_SLACK, _split_tokens, text_label
 
 MASKED = "#d9d9d9"  # cells of weight exactly 0 (hidden by the mask), as in the HTML page
 # At most this many tokens on an axis are labelled by name; longer axes get an index every few tokens.
 MAX_NAMED_TOKENS = 48
+# Text properties of every label drawn from the caller's strings: literal text, never mathtext or TeX.
+LITERAL = {"parse_math": False, "usetex": False}
 
 
 def _figure(width: float, height: float):
@@ -61,6 +64,12 @@ def _check(maps: Any, name: str, ndim: int, *, difference: bool) -> np.ndarray:
         what = "differences of weights in [-1, 1]" if difference else "attention weights in [0, 1]"
         raise ValueError(f"{name}: expected {what}, received values from {arr.min():.6g} to {arr.max():.6g}")
     return arr
+
+
+def _title(title: Any) -> str:
+    if not isinstance(title, str):
+        raise TypeError(f"title: expected a str, received {type(title).__name__}")
+    return text_label(title)
 
 
 def _ticks(labels: Sequence[str]) -> tuple[list[int], list[str]]:
@@ -105,13 +114,15 @@ def grid_figure(maps: Any, tokens: Any, *, title: str = "", difference: bool = F
 
     Args:
       maps: ``[L, N, T, S]``, weights in [0, 1] (or differences in [-1, 1] with ``difference=True``).
-      tokens: the S key labels (queries the same when T == S), or ``(query_labels, key_labels)``.
-      title: shown above.
+      tokens: the S key labels (queries the same when T == S), or ``(query_labels, key_labels)``; drawn
+        literally (``$`` included), a lone surrogate as U+FFFD.
+      title: shown above, literally.
 
     Returns:
       A matplotlib ``Figure`` on its own Agg canvas (nothing shown, no global state touched).
     """
     m = _check(maps, "maps", 4, difference=difference)
+    title = _title(title)
     L, N, T, S = m.shape
     queries, keys = _split_tokens(tokens, T, S, "tokens")
     gap = max(1, round(0.08 * max(T, S)))
@@ -133,9 +144,9 @@ def grid_figure(maps: Any, tokens: Any, *, title: str = "", difference: bool = F
     qt, ql = _ticks(queries)
     kt, kl = _ticks(keys)
     ax.set_yticks([layer * (T + gap) + t for layer in range(L) for t in qt], ql * L,
-                  fontsize=_font(T, block * T / max(T, S)))
+                  fontsize=_font(T, block * T / max(T, S)), **LITERAL)
     ax.set_xticks([head * (S + gap) + s for head in range(N) for s in kt], kl * N,
-                  fontsize=_font(S, block), rotation=90)
+                  fontsize=_font(S, block), rotation=90, **LITERAL)
     ax.tick_params(length=1.5, pad=1)
     top = ax.secondary_xaxis("top")
     top.set_xticks([head * (S + gap) + (S - 1) / 2 for head in range(N)], [f"h{n}" for n in range(N)], fontsize=8)
@@ -146,7 +157,8 @@ def grid_figure(maps: Any, tokens: Any, *, title: str = "", difference: bool = F
     fig.colorbar(im, ax=ax, shrink=min(0.6, 6.0 / (block * L + 2.0)) if L > 4 else 0.8, pad=0.04, label=what)
     head_line = f"{title}\n" if title else ""
     # the axes' own title (not the figure's) sits right above the head labels, whatever the grid's aspect
-    ax.set_title(f"{head_line}rows: queries, columns: keys ({T} x {S} tokens); layers down, heads across", fontsize=9)
+    ax.set_title(f"{head_line}rows: queries, columns: keys ({T} x {S} tokens); layers down, heads across", fontsize=9,
+                 **LITERAL)
     return fig
 
 
@@ -158,9 +170,9 @@ def pair_figure(a: Any, b: Any, tokens_a: Any, tokens_b: Any, *, names: Sequence
 
     Args:
       a, b: ``[T, S]`` attention weights in [0, 1], the same shape.
-      tokens_a, tokens_b: their labels (S keys, or ``(query_labels, key_labels)``).
+      tokens_a, tokens_b: their labels (S keys, or ``(query_labels, key_labels)``), drawn literally.
       names: the two inputs' names.
-      title: shown above.
+      title: shown above, literally.
 
     Returns:
       A matplotlib ``Figure`` on its own Agg canvas.
@@ -172,6 +184,7 @@ def pair_figure(a: Any, b: Any, tokens_a: Any, tokens_b: Any, *, names: Sequence
     names = tuple(names)
     if len(names) != 2 or not all(isinstance(n, str) for n in names):
         raise ValueError(f"names: expected two strings, received {names!r}")
+    names, title = tuple(text_label(n) for n in names), _title(title)
     T, S = wa.shape
     qa, ka = _split_tokens(tokens_a, T, S, "tokens_a")
     qb, kb = _split_tokens(tokens_b, T, S, "tokens_b")
@@ -189,13 +202,13 @@ def pair_figure(a: Any, b: Any, tokens_a: Any, tokens_b: Any, *, names: Sequence
         im = ax.imshow(w, cmap=_colours(cmap), vmin=vmin, vmax=vmax, interpolation="nearest")
         yt, yl = _ticks(ql)
         xt, xl = _ticks(kl)
-        ax.set_yticks(yt, yl, fontsize=_font(T, side))
-        ax.set_xticks(xt, xl, fontsize=_font(S, side), rotation=90)
-        ax.set_title(name, fontsize=10)
+        ax.set_yticks(yt, yl, fontsize=_font(T, side), **LITERAL)
+        ax.set_xticks(xt, xl, fontsize=_font(S, side), rotation=90, **LITERAL)
+        ax.set_title(name, fontsize=10, **LITERAL)
         ax.set_ylabel("query")
         ax.set_xlabel("key")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=what)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=10, **LITERAL)
     fig.tight_layout()
     return fig

@@ -1,0 +1,257 @@
+"""Bad input at the edges of interventions, Winograd data, viz and jaxattn.nnx: refused by name, or drawn as given.
+
+Each case asserts the exception type and a message that names the argument (or the pair and field);
+the models are tiny random ones, so every case is fast.
+"""
+
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxattn import gpt2, interventions, viz
+from jaxattn.nnx import MultiHeadAttention
+
+# ----------------------------------------------------------------------------------------------------
+# Fixtures: a tiny GPT-2 on 5 tokens (one input, two and three inputs), and one Winograd pair.
+# ----------------------------------------------------------------------------------------------------
+
+T = 5
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = gpt2.GPT2Config.make(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    params = gpt2.init_params(0, config)
+    bind = lambda ids: interventions.bind(gpt2, params, config, np.asarray(ids))
+    return dict(one=bind(np.arange(T)), two=bind(np.arange(2 * T).reshape(2, T)),
+                three=bind(np.arange(3 * T).reshape(3, T)))
+
+
+PAIR = {"texts": ["The trophy didn't fit in the suitcase because [it] was too big.",
+                  "The trophy didn't fit in the suitcase because [it] was too small."],
+        "candidates": ["trophy", "suitcase"], "substitutes": ["the trophy", "the suitcase"], "answers": [0, 1]}
+
+
+def logit(output):
+    return output.logits[-1, 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interventions: scores, metrics and effect-table arguments.
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_evaluate_refuses_nan_scores_by_sentence_and_candidate():
+    pairs = interventions.parse_pairs({"pairs": [PAIR]})
+    with pytest.raises(ValueError, match=r"score must return a number, received NaN for sentence 0 \(pair 0\), "
+                                         r"candidate 0"):
+        interventions.evaluate(pairs, score=lambda context, continuation: float("nan"))
+
+    def nan_for_small_suitcase(context, continuation):
+        return float("nan") if "suitcase was too small" in context + continuation else -1.0
+
+    with pytest.raises(ValueError, match=r"NaN for sentence 1 \(pair 0\), candidate 1, full substitution"):
+        interventions.evaluate(pairs, score=nan_for_small_suitcase)
+    with pytest.raises(TypeError, match=r"score must return one real number .* for sentence 0 \(pair 0\), candidate 0"):
+        interventions.evaluate(pairs, score=lambda context, continuation: "-1.0")
+    scores = interventions.substitution_scores(interventions.flatten_pairs(pairs), lambda c, x: -float(len(x)))
+    assert np.all(np.isfinite(scores["full"]))  # real numbers pass
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        ((100, (0, 1), (1, 2)), ValueError, r"token must be a position < T = 5 \(the output's tokens\), received 100"),
+        ((-50, (0, 1), (1, 2)), ValueError, r"token must be >= 0 .*received -50"),
+        ((2, (0, 1), (3, 9)), ValueError, r"span_b must end at or before T = 5"),
+        ((2.0, (0, 1), (1, 2)), TypeError, r"token must be an int"),
+        ((2, (1, 1), (1, 2)), ValueError, r"span_a must be \(start, stop\) with 0 <= start < stop"),
+    ],
+    ids=["token_past_T", "token_negative", "span_past_T", "token_float", "span_empty"],
+)
+def test_similarity_metric_refuses_positions_outside_the_output(tiny, args, error, message):
+    with pytest.raises(error, match=message):
+        metric = interventions.similarity_metric(*args)
+        interventions.metric_value(tiny["one"], metric)  # traced under jit: the shapes are static
+
+
+def test_similarity_metric_refuses_a_batched_output(tiny):
+    metric = interventions.similarity_metric(2, (0, 1), (1, 2))
+    assert np.isfinite(float(interventions.metric_value(tiny["one"], metric)))
+    with pytest.raises(ValueError, match=r"last_hidden_state must be \[T, D\] .*received shape \(2, 5, 16\)"):
+        metric(tiny["two"]())
+
+
+@pytest.mark.parametrize(
+    "metric, error, message",
+    [
+        (lambda o: o.logits[-1, 0] + 1j, TypeError, r"metric must return a real scalar .*received dtype complex64"),
+        (lambda o: "x", TypeError, r"metric must return a real scalar .*received str"),
+        (lambda o: None, TypeError, r"metric must return a real scalar .*received NoneType"),
+        (lambda o: o.logits[-1, 0] > 0, TypeError, r"metric must return a real scalar .*received dtype bool"),
+        (lambda o: o.logits[-1], ValueError, r"metric must return a scalar, received shape \(50,\)"),
+    ],
+    ids=["complex", "string", "none", "bool", "vector"],
+)
+@pytest.mark.parametrize("table", ["ablation_effects", "gate_gradients", "metric_value"])
+def test_metric_results_that_are_not_real_scalars_are_refused(tiny, metric, error, message, table):
+    with pytest.raises(error, match=message):
+        getattr(interventions, table)(tiny["one"], metric)
+
+
+def test_effect_table_arguments_are_refused_by_name(tiny):
+    with pytest.raises(TypeError, match=r"value must be a real number .*received str"):
+        interventions.ablation_effects(tiny["one"], logit, value="x")
+    with pytest.raises(ValueError, match=r"value must be finite"):
+        interventions.ablation_effects(tiny["one"], logit, value=float("inf"))
+    z3 = tiny["three"](capture=("z",)).captured["z"]  # [3, L, T, N, H]
+    batch_metric = lambda o: o.logits[0, -1, 0]
+    for table in (interventions.patching_effects, interventions.attribution_patching):
+        with pytest.raises(ValueError, match=r"value must have the bound's batch of B = 2 inputs .*received shape "
+                                             r"\(3, 2, 5, 2, 8\)"):
+            table(tiny["two"], batch_metric, z3)
+    assert interventions.patching_effects(tiny["two"], batch_metric, z3[:2]).shape == (2, 2)  # B = 2: accepted
+
+
+def test_evaluate_refuses_empty_and_malformed_pairs():
+    pairs = interventions.parse_pairs({"pairs": [PAIR]})
+    score = lambda context, continuation: -1.0
+    with pytest.raises(ValueError, match=r"pairs must hold at least one pair"):
+        interventions.evaluate([], score=score)
+    with pytest.raises(TypeError, match=r"pairs\[0\] must be two Schema"):
+        interventions.evaluate([pairs[0][:1]], score=score)
+    with pytest.raises(ValueError, match=r"pairs must hold at least 2 pairs when maps is given"):
+        interventions.evaluate(pairs, maps=lambda text: None)
+    with pytest.raises(ValueError, match=r"pair_ids must name at least 2 pairs"):
+        interventions.best_head(np.zeros((2, 1, 1, 2)), [0, 1], [0, 0])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Winograd data: each malformed field named with its pair.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _with(**changes):
+    p = copy.deepcopy(PAIR)
+    p.update(changes)
+    return p
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (list(PAIR.values()), r"pair 1 must be a dict with 'texts', 'candidates', 'substitutes' and 'answers', "
+                              r"received list"),
+        (_with(texts=[PAIR["texts"][0], 7]), r"pair 1: 'texts'\[1\] must be a string, received int"),
+        (_with(candidates=[None, "suitcase"]), r"pair 1: 'candidates'\[0\] must be a phrase or \[phrase, occurrence\], "
+                                                r"received None"),
+        (_with(candidates=["trophy", "box"]), r"pair 1: 'candidates'\[1\] 'box' \(occurrence 0\) must occur as a "
+                                              r"whole word before the pronoun of 'texts'\[0\]"),
+        (_with(candidates=[["trophy", "0"], "suitcase"]), r"pair 1: 'candidates'\[0\]\[1\] \(the occurrence\) must "
+                                                          r"be an int >= 0, received '0'"),
+        (_with(candidates=["", "suitcase"]), r"pair 1: 'candidates'\[0\] must be a non-empty phrase"),
+        (_with(substitutes=["the trophy", ""]), r"pair 1: 'substitutes'\[1\] must be a non-empty phrase"),
+        (_with(substitutes=["the trophy", 3]), r"pair 1: 'substitutes'\[1\] must be a string, received int"),
+        (_with(texts=[PAIR["texts"][0].replace("[it]", "[]"), PAIR["texts"][1]]),
+         r"pair 1: the text must have a pronoun inside its \[brackets\], received 'texts'\[0\] = "),
+    ],
+    ids=["pair_is_list", "text_not_string", "candidate_none", "candidate_not_in_text", "occurrence_not_int",
+         "candidate_empty", "substitute_empty", "substitute_not_string", "pronoun_empty"],
+)
+def test_winograd_pairs_are_refused_by_pair_and_field(bad, message):
+    assert len(interventions.parse_pairs({"pairs": [PAIR]})) == 1  # the good pair parses
+    with pytest.raises(ValueError, match=message):
+        interventions.parse_pairs({"pairs": [PAIR, bad]})
+
+
+def test_winograd_answers_must_be_the_ints_0_and_1():
+    for answers in (["a", 0], [False, True]):
+        with pytest.raises(ValueError, match=r"pair 0: 'answers' must be ints \(0 or 1\)"):
+            interventions.parse_pairs({"pairs": [_with(answers=answers)]})
+    with pytest.raises(ValueError, match=r"pair 0: the two sentences must have different answers"):
+        interventions.parse_pairs({"pairs": [_with(answers=[1, 1])]})
+
+
+# ----------------------------------------------------------------------------------------------------
+# viz: tokens are text.
+# ----------------------------------------------------------------------------------------------------
+
+MATH_TOKENS = ["$\\foo$", " $5 and $6", "x_1^2"]
+
+
+def _maps(L=1, N=2, n=3):
+    w = np.random.default_rng(0).random((L, N, n, n))
+    return w / w.sum(-1, keepdims=True)
+
+
+def test_png_draws_dollar_signs_in_tokens_literally():
+    m = _maps()
+    fig = viz.grid_figure(m, MATH_TOKENS, title="cost: $\\alpha$")
+    ax = fig.axes[0]
+    labels = ax.get_xticklabels() + ax.get_yticklabels()
+    assert "0 $\\foo$" in [t.get_text() for t in labels]
+    assert all(not t.get_parse_math() and not t.get_usetex() for t in labels + [ax.title])
+    for png in (viz.grid_png(m, MATH_TOKENS, title="$\\alpha$"),
+                viz.pair_png(m[0, 0], m[0, 1], MATH_TOKENS, ["a", "$b$", "c"], names=("$x$", "B"), title="$\\x$"),
+                interventions.heatmaps_png({"$\\foo$": np.ones((2, 2))}, title="$\\bar$")):
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(TypeError, match=r"title: expected a str, received int"):
+        viz.grid_png(m, MATH_TOKENS, title=3)
+
+
+def test_html_replaces_lone_surrogates_so_the_page_encodes():
+    tokens = ["\udc80", "a\ud800b", "ok"]
+    page = viz.html(_maps(), tokens, title="t\udcff", names=("A\udc80", "B"))
+    page.encode("utf-8")  # the page always encodes
+    run = viz.page_data(page)["runs"][0]
+    assert run["keys"] == ["\ufffd", "a\ufffdb", "ok"] and run["name"] == "A\ufffd"
+    assert viz.grid_png(_maps(), tokens)[:4] == b"\x89PNG"  # the PNG figures draw them as U+FFFD too
+
+
+# ----------------------------------------------------------------------------------------------------
+# jaxattn.nnx.MultiHeadAttention: Flax's API, its inputs checked.
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=False)(jnp.ones((2, 3, 8)), jnp.ones((2, 3, 5))),
+         ValueError, r"inputs_k must have shape \[batch..., S, in_kv_features\] = \[2, S, 8\] .*received \(2, 3, 5\)"),
+        (lambda: MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=False)(
+            jnp.ones((2, 3, 8)), jnp.ones((2, 3, 8)), jnp.ones((2, 4, 8))),
+         ValueError, r"inputs_v must have shape \(2, 3, 8\)"),
+        (lambda: MultiHeadAttention(2, 8, in_kv_features=4, rngs=nnx.Rngs(0), decode=False)(jnp.ones((2, 3, 8))),
+         ValueError, r"inputs_k is required"),
+        (lambda: MultiHeadAttention(0, 8, rngs=nnx.Rngs(0)), ValueError, r"num_heads must be an int >= 1, received 0"),
+        (lambda: MultiHeadAttention(2, 8, num_kv_heads=0, rngs=nnx.Rngs(0)), ValueError,
+         r"num_kv_heads must be an int >= 1 or None, received 0"),
+        (lambda: MultiHeadAttention(2, 8, precision="bogus", rngs=nnx.Rngs(0)), ValueError,
+         r"precision must be None, a jax.lax.Precision, its name .*received 'bogus'"),
+    ],
+    ids=["inputs_k_features", "inputs_v_length", "self_attention_kv_features", "num_heads_zero", "num_kv_heads_zero",
+         "precision_name"],
+)
+def test_nnx_multi_head_attention_refuses_bad_arguments_by_name(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_nnx_decode_past_the_cache_is_refused_eagerly_and_nan_under_jit():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 8)), jnp.float32)
+    m = MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=True)
+    m.init_cache((2, 3, 8))
+    for _ in range(3):
+        assert m(x).shape == (2, 1, 8)
+    with pytest.raises(ValueError, match=r"decode: step index 3 is past the cache's length 3"):
+        m(x)
+    assert int(m.cache_index[...]) == 3  # the refused step changed nothing
+
+    traced = MultiHeadAttention(2, 8, rngs=nnx.Rngs(0), decode=True)
+    traced.init_cache((2, 3, 8))
+    step = nnx.jit(lambda module, x: module(x))
+    outs = [np.asarray(step(traced, x)) for _ in range(4)]
+    assert all(np.all(np.isfinite(o)) for o in outs[:3]) and np.all(np.isnan(outs[3]))

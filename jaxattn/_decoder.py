@@ -13,11 +13,11 @@ head dim, D width, V vocabulary, L layers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
@@ -25,6 +25,8 @@ from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import causal_layer, check_span, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
+from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
+from jaxattn.checkpoint import check_shapes, flatten
 from jaxattn.models import ModelOutput, Sizes
 
 Array = jax.Array
@@ -63,6 +65,14 @@ class Family(NamedTuple):
     unembed: Callable[..., Array]
     window: Callable[[Any], int | None]
     max_name: str
+
+
+def check_tree(params: Any, shapes: dict[str, tuple[int, ...]], *, root: str, layout: str, kernel_layout: str) -> None:
+    """``params`` a dict with a ``root`` entry whose flattened leaves have exactly ``shapes`` (``ValueError``
+    naming the key otherwise); reads shapes and dtypes only, so traced params pass through."""
+    if not isinstance(params, dict) or root not in params:
+        raise ValueError(f"params must be a dict with a '{root}' entry ({layout})")
+    check_shapes(flatten(params), shapes, "params", kernel_layout=kernel_layout)
 
 
 def check_config(family: Family, config: Any) -> Sizes:
@@ -128,7 +138,7 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
                        captured=sites.captured())
 
 
-def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
+def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
             head_mask: Any = None, scale: Any = None, return_attention_logits: bool = False,
             return_qkv: bool = False, return_hidden_states: bool = False, capture: Any = (),
             patch: Any = None) -> ModelOutput:
@@ -149,14 +159,14 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     return with_sugar(out, asked, **flags)
 
 
-def log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
+def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
              start: Any = 0, end: Any = None, scale: Any = None) -> Array:
     """The checked span score of a family (each model module's ``log_prob`` documents it)."""
     check_config(family, config)
     ids = _ids(family, config, input_ids)
     end = check_span(start, end, ids.shape[0])
     keep = _keep(attention_mask, ids.shape[0])
-    out = forward(family, params, config, ids, attention_mask=keep, scale=scale)
+    out = _checked_forward(family, params, config, ids, attention_mask=keep, scale=scale)
     return span_log_prob(out.logits, ids, keep, start, end)
 
 
@@ -246,7 +256,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     return ids, jnp.concatenate([logits0[None], step_logits])  # [T + new], [new, V]: each token's logits
 
 
-def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_new_tokens: Any,
+def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_new_tokens: Any,
              attention_mask: Any = None, head_mask: Any = None, temperature: Any = 0.0, key: Any = None,
              scale: Any = None, return_logits: bool = False) -> Any:
     """The checked generation of a family (each model module's ``generate`` documents it)."""
@@ -272,3 +282,157 @@ def stack_layers(family: Family, params: Any, config: Any) -> Any:
     L = family.sizes(config).layers
     return jax.tree.map(lambda *a: jnp.stack(a), *[family.layer(params, i) for i in range(L)])
 
+
+# ----------------------------------------------------------------------------------------------------
+# Each family's public forward, log_prob and generate: one signature and one docstring, written here.
+# ----------------------------------------------------------------------------------------------------
+
+_FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attention map (jit-compiled).
+
+    {formula} The maps returned are the weights that produced the output.
+
+    A pure function of its array arguments: ``jax.grad`` with respect to ``params`` (or ``head_mask``,
+    ``scale``, a patch value), ``jax.jit`` with params as an argument, and ``jax.vmap`` over stacked
+    params or over a batch of sequences all work. Only static shapes are checked here; :func:`load` and
+    :func:`check_params` check a checkpoint's structure.
+
+    Args:
+      params: the params pytree (the module docstring's layout), e.g. from :func:`load`.
+      config: the model's :class:`{config}`.
+      input_ids: integer token ids ``[T]``, ``1 <= T <= {max_name}``. A batch is ``jax.vmap`` of this.
+        An id outside ``[0, vocab_size)`` raises ``ValueError`` when the ids are concrete; under
+        ``jit``/``vmap`` (traced ids) its position's embedding is NaN, so its logits and those of every
+        later position are NaN (never another token's).
+      attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding; ``None``: all real; a concrete
+        mask with no real token is refused. Padded keys get weight 0 and positions count real tokens
+        only (as Hugging Face's ``generate``), so a left- or right-padded sequence gives at its real
+        positions the logits and maps of the sequence alone. Rows at padded positions mean nothing.
+      head_mask: ``[L, N]`` (query heads), Hugging Face's meaning: each head's output ``z`` is multiplied
+        by its entry before the output projection (0 ablates the head, 1 keeps it; any float,
+        differentiable). ``None``: ones.
+      scale: the attention logit scale; ``None`` is ``1/sqrt(H)``, the value the model was trained with.
+        ``scale=1.0`` runs the trained weights without the ``√d_k`` (the collapse experiment); a traced
+        scale is accepted.
+      return_attention_logits, return_qkv, return_hidden_states: sugar over ``capture``, filling
+        ``attention_logits [L, N, T, T]``, ``q [L, T, N, H]`` and ``k, v [L, T, K, H]``, and
+        ``hidden_states [L + 1, T, D]`` (every block's ``resid_pre``, then ``last_hidden_state``).
+      capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
+        ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
+        (shapes and meanings in ``docs/models.md``; ``z [L, T, N, H]`` is each head's output before
+        ``head_mask``; ``resid_post`` is before the final norm).
+      patch: ``{{name: (value, where)}}`` with ``value`` ``[L, ...]`` (a captured tensor's shape) and a
+        boolean ``where`` of the same shape (or 1 along any axis): where True, the forward uses ``value``
+        instead of the tensor it made, at the place it is made, so everything downstream sees it (e.g.
+        ``z`` of chosen heads from another input). Differentiable in ``value``; ``attn_logits`` is read
+        only (patch ``attn_weights``).
+
+    Returns:
+      A :class:`jaxattn.models.ModelOutput`: ``logits [T, V]`` (``unembed(last_hidden_state)``),
+      ``last_hidden_state [T, D]`` (the final norm's output), ``attentions [L, N, T, T]``, ``captured``
+      and the sugar fields asked for.
+    """
+
+_LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
+
+    Token ``t`` is scored from the logits of the last real token before it, so a padded sequence scores
+    as the sequence alone: the first real token has no prediction and never counts, nor do padded
+    positions. ``start`` and ``end`` index the PADDED array (under left padding by ``p`` tokens, position
+    ``t`` of the sequence alone is ``t + p``; :func:`jaxattn.models.left_pad` pads a batch) and may be
+    traced (``jit``/``vmap`` over spans and batches); concrete values must satisfy
+    ``0 <= start <= end <= T``.
+
+    Args:
+      input_ids: ``[T]``, e.g. a prefix followed by the continuation that starts at token ``start``.
+      attention_mask: ``[T]``, as in :func:`forward`.
+      start, end: the span ``[start, end)`` of positions scored; ``end=None`` is ``T``.
+      scale: as in :func:`forward`.
+
+    Returns:
+      a float32 scalar (nats).
+    """
+
+_GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
+
+    The cache (``[L, T + max_new_tokens, K, H]`` keys, after any rotation, and values) is preallocated;
+    the prompt runs in one pass, then ONE compiled step (a ``lax.scan``) produces every new token,
+    attending to the cache through :func:`jaxattn.multi_head_attention`. Both run the layers as a
+    ``lax.scan`` over the stacked blocks, so generation compiles one block, whatever the depth. Greedy
+    (``temperature=0``) output is the argmax of the full :func:`forward` at every step. The first new
+    token is predicted from the last REAL prompt token, so a left- or right-padded prompt continues as
+    the prompt alone (the new tokens come after the whole padded array); a batch of prompts is
+    ``jax.vmap`` of this over padded prompts with their ``attention_mask``.
+
+    Args:
+      prompt_ids: ``[T]`` token ids.
+      max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= {max_name}``.
+      attention_mask: ``[T]`` for a padded prompt, as in :func:`forward` (one with no real token is refused).
+      head_mask, scale: as in :func:`forward`.
+      temperature: 0 for greedy decoding; a finite ``> 0`` samples from ``softmax(logits / temperature)``
+        (a tiny one picks the argmax, never an overflow). Python or NumPy numbers.
+      key: a ``jax.random`` key or an int seed (64 bits), needed when ``temperature > 0``.
+      return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
+
+    Returns:
+      ``[T + max_new_tokens]`` int32: the prompt followed by the new tokens (and the logits, on request).
+    """
+
+
+def public_api(family: Family, *, title: str, formula: str, config_name: str) -> tuple[Callable, ...]:
+    """A family's public ``(forward, log_prob, generate)``: the signatures and docstrings every family shares,
+    with ``title`` (e.g. "GPT-2's"), ``formula`` (the forward in one paragraph) and the config class name."""
+
+    def forward(
+        params: Any,
+        config: Any,
+        input_ids: Int[ArrayLike, "T"],
+        *,
+        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+        head_mask: Real[ArrayLike, "L N"] | None = None,
+        scale: Real[ArrayLike, ""] | None = None,
+        return_attention_logits: bool = False,
+        return_qkv: bool = False,
+        return_hidden_states: bool = False,
+        capture: Sequence[str] = (),
+        patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+    ) -> ModelOutput:
+        return _checked_forward(family, params, config, input_ids, attention_mask=attention_mask,
+                                head_mask=head_mask, scale=scale, return_attention_logits=return_attention_logits,
+                                return_qkv=return_qkv, return_hidden_states=return_hidden_states, capture=capture,
+                                patch=patch)
+
+    def log_prob(
+        params: Any,
+        config: Any,
+        input_ids: Int[ArrayLike, "T"],
+        *,
+        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+        start: Int[ArrayLike, ""] = 0,
+        end: Int[ArrayLike, ""] | None = None,
+        scale: Real[ArrayLike, ""] | None = None,
+    ) -> Float[Array, ""]:
+        return _checked_log_prob(family, params, config, input_ids, attention_mask=attention_mask, start=start,
+                                 end=end, scale=scale)
+
+    def generate(
+        params: Any,
+        config: Any,
+        prompt_ids: Int[ArrayLike, "T"],
+        *,
+        max_new_tokens: int,
+        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+        head_mask: Real[ArrayLike, "L N"] | None = None,
+        temperature: Any = 0.0,
+        key: Any = None,
+        scale: Real[ArrayLike, ""] | None = None,
+        return_logits: bool = False,
+    ) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
+        return _checked_generate(family, params, config, prompt_ids, max_new_tokens=max_new_tokens,
+                                 attention_mask=attention_mask, head_mask=head_mask, temperature=temperature,
+                                 key=key, scale=scale, return_logits=return_logits)
+
+    fields = dict(title=title, formula=formula, config=config_name, max_name=family.max_name)
+    for fn, doc in ((forward, _FORWARD_DOC), (log_prob, _LOG_PROB_DOC), (generate, _GENERATE_DOC)):
+        fn.__doc__ = doc.format(**fields)
+        fn.__module__ = family.name
+        fn.__qualname__ = fn.__name__
+    return forward, log_prob, generate

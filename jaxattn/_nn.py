@@ -11,6 +11,7 @@ import numpy as np
 from jaxattn._attention import multi_head_attention
 from jaxattn._checks import as_key
 from jaxattn._sites import Sites, mix
+from jaxattn.checkpoint import unflatten
 
 Array = jax.Array
 
@@ -21,6 +22,19 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
     mean = jnp.mean(x, axis=-1, keepdims=True)  # [..., 1]
     var = jnp.var(x, axis=-1, keepdims=True)  # [..., 1]
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale.reshape(lead + scale.shape) + bias.reshape(lead + bias.shape)
+
+
+def init_from_shapes(seed: int, shapes: dict[str, tuple[int, ...]], *, ones: tuple[str, ...]) -> dict:
+    """Random float32 params from ``{"a/b/kernel": shape}``: ``kernel``/``embedding`` leaves ``N(0, 0.02²)``,
+    leaves ending in one of ``ones`` (norm scales) 1, the rest (biases) 0; drawn with NumPy, compiling nothing."""
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in shapes.items():
+        if name.endswith(("kernel", "embedding")):
+            flat[name] = (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
+        else:
+            flat[name] = np.full(shape, 1.0 if name.endswith(ones) else 0.0, np.float32)
+    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
 
 
 def embed_ids(table: Array, ids: Array) -> Array:

@@ -26,7 +26,6 @@ import functools
 import json
 import re
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -38,24 +37,12 @@ from jaxattn._attention import merge_heads, split_heads
 from jaxattn._checks import check_int
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
-from jaxattn._nn import embed_ids, layer_norm
-from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
-from jaxattn.checkpoint import (
-    CheckpointError,
-    ConfigSchema,
-    TextTokenizer,
-    cast_params,
-    check_finite,
-    check_shapes,
-    flatten,
-    read_config,
-    read_msgpack,
-    read_safetensors,
-    resolve,
-    unflatten,
-)
+from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
+from jaxattn._typing import Array
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
+    check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
-from jaxattn.models import ModelOutput, QKWeights, Sizes
+from jaxattn.models import QKWeights, Sizes
 
 require("models", "jaxattn.gpt2", "safetensors", "tokenizers", "huggingface_hub", "flax")
 
@@ -187,16 +174,7 @@ def init_params(seed: int, config: GPT2Config) -> dict:
     Drawn with NumPy (``numpy.random.default_rng(seed)``), so that building even a GPT-2-small-sized
     model compiles nothing.
     """
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for name, shape in param_shapes(config).items():
-        if name.endswith(("kernel", "embedding")):
-            flat[name] = (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
-        elif name.endswith("scale"):
-            flat[name] = np.ones(shape, np.float32)
-        else:
-            flat[name] = np.zeros(shape, np.float32)
-    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    return init_from_shapes(seed, param_shapes(config), ones=("scale",))
 
 
 # The released GPT-2 shapes (vocabulary aside): layers, heads, width, positions.
@@ -409,6 +387,13 @@ _FAMILY = Family(
     max_name="n_positions",
 )
 
+forward, log_prob, generate = _decoder.public_api(
+    _FAMILY, title="GPT-2's", config_name="GPT2Config",
+    formula="``h₀ = wte[ids] + wpe[positions]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with "
+            "causal multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`; "
+            "``logits = ln_f(h) wteᵀ``.",
+)
+
 
 def attention_input(params: dict, config: GPT2Config, layer: int, x: Array) -> Array:
     """``ln_1`` of block ``layer`` on the residual stream ``x [T, D]``: what its q, k, v are projected from."""
@@ -433,152 +418,10 @@ def qk_weights(params: dict, config: GPT2Config) -> QKWeights:
 
 
 def check_params(params: Any, config: GPT2Config) -> None:
-    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing).
-
-    Only shapes and dtypes are read, so it also runs on traced params (under ``jit``, ``grad``, ``vmap``).
-    """
-    if not isinstance(params, dict) or "transformer" not in params:
-        raise ValueError("params must be a dict with a 'transformer' entry (Hugging Face Flax GPT-2 layout)")
-    check_shapes(flatten(params), param_shapes(config), "params", kernel_layout="(out, in)")
-
-
-def forward(
-    params: dict,
-    config: GPT2Config,
-    input_ids: Int[ArrayLike, "T"],
-    *,
-    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-    head_mask: Real[ArrayLike, "L N"] | None = None,
-    scale: Real[ArrayLike, ""] | None = None,
-    return_attention_logits: bool = False,
-    return_qkv: bool = False,
-    return_hidden_states: bool = False,
-    capture: Sequence[str] = (),
-    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-) -> ModelOutput:
-    """GPT-2's forward pass on one sequence, with every layer's attention map (jit-compiled).
-
-    ``h₀ = wte[ids] + wpe[positions]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with
-    causal multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`;
-    ``logits = ln_f(h) wteᵀ``. The maps returned are the weights that produced the output.
-
-    A pure function of its array arguments: ``jax.grad`` with respect to ``params`` (or ``head_mask``,
-    ``scale``), ``jax.jit`` with params as an argument, and ``jax.vmap`` over stacked params or over a
-    batch of sequences all work. Only static shapes are checked here; :func:`load` and
-    :func:`check_params` check a checkpoint's structure.
-
-    Args:
-      params: the params pytree (Flax layout; see the module docstring), e.g. from :func:`load`.
-      config: the model's :class:`GPT2Config`.
-      input_ids: integer token ids ``[T]``, ``1 <= T <= n_positions``. A batch is ``jax.vmap`` of this.
-        An id outside ``[0, vocab_size)`` raises ``ValueError`` when the ids are concrete; under
-        ``jit``/``vmap`` (traced ids) its position's embedding is NaN, so its logits and those of every
-        later position are NaN (never another token's).
-      attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding; ``None``: all real. Padded
-        keys get weight 0, and position ids count real tokens only (as Hugging Face's ``generate``), so
-        a LEFT-padded sequence gives at its real positions the logits and maps of the sequence alone,
-        and so does a right-padded one. Logits at padded positions mean nothing.
-      head_mask: ``[L, N]``, Hugging Face's meaning: each head's output is multiplied by its entry before
-        the output projection (0 ablates the head, 1 keeps it; any float, differentiable). ``None``: ones.
-      scale: the attention logit scale; ``None`` is GPT-2's ``1/sqrt(H)``. ``scale=1.0`` runs the real
-        weights without the ``√d_k`` (the collapse experiment); a traced scale is accepted.
-      return_attention_logits, return_qkv, return_hidden_states: sugar over ``capture`` filling
-        ``attention_logits [L, N, T, T]``, ``q, k, v [L, T, N, H]``, ``hidden_states [L + 1, T, D]``.
-      capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
-        ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
-        (shapes and meanings in ``docs/models.md``; ``z [L, T, N, H]`` is each head's output before
-        ``head_mask``).
-      patch: ``{name: (value, where)}`` with ``value`` ``[L, ...]`` (a captured tensor's shape) and a
-        boolean ``where`` of the same shape (or 1 along any axis): where True, the forward uses ``value``
-        instead of the tensor it made, at the place it is made, so everything downstream sees it (e.g.
-        ``z`` of chosen heads from another input). Differentiable in ``value``; ``attn_logits`` is read
-        only (patch ``attn_weights``).
-
-    Returns:
-      A :class:`jaxattn.models.ModelOutput`: ``logits [T, V]``, ``last_hidden_state [T, D]`` (``ln_f``'s
-      output), ``attentions [L, N, T, T]``, ``captured`` and the sugar fields asked for.
-    """
-    return _decoder.forward(_FAMILY, params, config, input_ids, attention_mask=attention_mask, head_mask=head_mask,
-                            scale=scale, return_attention_logits=return_attention_logits, return_qkv=return_qkv,
-                            return_hidden_states=return_hidden_states, capture=capture, patch=patch)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Scores and generation
-# ----------------------------------------------------------------------------------------------------
-
-
-def log_prob(
-    params: dict,
-    config: GPT2Config,
-    input_ids: Int[ArrayLike, "T"],
-    *,
-    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-    start: Int[ArrayLike, ""] = 0,
-    end: Int[ArrayLike, ""] | None = None,
-    scale: Real[ArrayLike, ""] | None = None,
-) -> Float[Array, ""]:
-    """``Σ_{start <= t < end} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
-
-    Token ``t`` is scored from the logits of the last real token before it, so a padded sequence scores as
-    the sequence alone: the first real token has no prediction and never counts, nor do padded positions.
-    ``start`` and ``end`` index the PADDED array (under left padding by ``p`` tokens, position ``t`` of the
-    sequence alone is ``t + p``). ``start`` and ``end`` may be traced (``jit``/``vmap`` over spans and batches);
-    concrete values must satisfy ``0 <= start <= end <= T``.
-
-    Args:
-      input_ids: ``[T]``, e.g. a prefix followed by the continuation that starts at token ``start``.
-      attention_mask: ``[T]``, as in :func:`forward` (left or right padding).
-      start, end: the span ``[start, end)`` of positions scored; ``end=None`` is ``T``.
-      scale: as in :func:`forward`.
-
-    Returns:
-      a scalar (nats), float32.
-    """
-    return _decoder.log_prob(_FAMILY, params, config, input_ids, attention_mask=attention_mask, start=start, end=end,
-                             scale=scale)
-
-
-def generate(
-    params: dict,
-    config: GPT2Config,
-    prompt_ids: Int[ArrayLike, "T"],
-    *,
-    max_new_tokens: int,
-    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-    head_mask: Real[ArrayLike, "L N"] | None = None,
-    temperature: float = 0.0,
-    key: Any = None,
-    scale: Real[ArrayLike, ""] | None = None,
-    return_logits: bool = False,
-) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
-    """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
-
-    The cache (``[L, T + max_new_tokens, N, H]`` keys and values) is preallocated; the prompt runs in
-    one pass, then ONE compiled step (a ``lax.scan``) produces every new token, attending to the cache
-    through :func:`jaxattn.multi_head_attention`; both run the layers as a ``lax.scan``, so generation
-    compiles one block, not the whole depth. The first new token is predicted from the last REAL prompt
-    token, so a left- or right-padded prompt continues as the prompt alone (the new tokens come after
-    the whole padded array); an ``attention_mask`` of zeros is refused. Greedy (``temperature=0``) output is the argmax of the
-    full :func:`forward` at every step. A batch of prompts of different lengths is ``jax.vmap`` of this
-    over LEFT-padded prompts with their ``attention_mask`` (position ids count real tokens only).
-
-    Args:
-      prompt_ids: ``[T]`` token ids.
-      max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= n_positions``.
-      attention_mask: ``[T]`` for a padded prompt, as in :func:`forward`.
-      head_mask, scale: as in :func:`forward`.
-      temperature: 0 for greedy decoding; a finite ``> 0`` samples from ``softmax(logits / temperature)``
-        (a tiny one picks the argmax, never an overflow). Python or NumPy numbers.
-      key: a ``jax.random`` key or int seed, needed when ``temperature > 0``.
-      return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
-
-    Returns:
-      ``[T + max_new_tokens]`` int32: the prompt followed by the new tokens (and the logits, on request).
-    """
-    return _decoder.generate(_FAMILY, params, config, prompt_ids, max_new_tokens=max_new_tokens,
-                             attention_mask=attention_mask, head_mask=head_mask, temperature=temperature, key=key,
-                             scale=scale, return_logits=return_logits)
+    """Raise ``ValueError`` naming the key whose shape (Flax layout, kernels ``(out, in)``) does not match
+    ``config``, or that is missing; shapes and dtypes only, so traced params (``jit``, ``grad``) pass."""
+    _decoder.check_tree(params, param_shapes(config), root="transformer", kernel_layout="(out, in)",
+                        layout="Hugging Face Flax GPT-2 layout")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -586,14 +429,8 @@ def generate(
 # ----------------------------------------------------------------------------------------------------
 
 
-def save(
-    directory: str | Path,
-    params: dict,
-    config: GPT2Config,
-    tokenizer: TextTokenizer | None = None,
-    *,
-    format: str = "safetensors",
-) -> Path:
+def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: TextTokenizer | None = None, *,
+         format: str = "safetensors") -> Path:
     """Write a checkpoint in Hugging Face's layout that :func:`load` (and ``transformers``) reads.
 
     ``config.json``; the weights as ``model.safetensors`` (PyTorch ``GPT2LMHeadModel`` names, Conv1D

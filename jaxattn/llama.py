@@ -38,7 +38,7 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -50,24 +50,12 @@ from jaxattn._attention import merge_heads, split_heads
 from jaxattn._checks import check_int
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
-from jaxattn._nn import embed_ids
-from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
-from jaxattn.checkpoint import (
-    CheckpointError,
-    ConfigSchema,
-    TextTokenizer,
-    cast_params,
-    check_finite,
-    check_shapes,
-    flatten,
-    read_config,
-    read_msgpack,
-    read_safetensors,
-    resolve,
-    unflatten,
-)
+from jaxattn._nn import embed_ids, init_from_shapes
+from jaxattn._typing import Array
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
+    check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
-from jaxattn.models import ModelOutput, QKWeights, Sizes
+from jaxattn.models import QKWeights, Sizes
 
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
 
@@ -354,17 +342,8 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def init_params(seed: int, config: LlamaConfig) -> dict:
-    """Random float32 params: weights ``N(0, 0.02²)``, zero biases, unit RMSNorm weights (NumPy, no compile)."""
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for name, shape in param_shapes(config).items():
-        if name.endswith(("kernel", "embedding")):
-            flat[name] = (0.02 * rng.standard_normal(shape, np.float32)).astype(np.float32)
-        elif name.endswith("weight"):
-            flat[name] = np.ones(shape, np.float32)
-        else:
-            flat[name] = np.zeros(shape, np.float32)
-    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    """Random float32 params: weights ``N(0, 0.02²)``, zero biases, RMSNorms that scale by 1 (NumPy, no compile)."""
+    return init_from_shapes(seed, param_shapes(config), ones=() if config.norm_plus_one else ("weight",))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -681,6 +660,15 @@ _FAMILY = Family(
     max_name="max_position_embeddings",
 )
 
+forward, log_prob, generate = _decoder.public_api(
+    _FAMILY, title="The", config_name="LlamaConfig",
+    formula="``h₀ = embed[ids]`` (times ``sqrt(D)`` for Gemma); each block ``h += o_proj(attn(rms(h)))``, "
+            "``h += glu(rms(h))`` (SwiGLU; GeGLU for Gemma), attention ``softmax(scale · RoPE(q) RoPE(k)ᵀ) v`` "
+            "(Qwen3: q and k RMS-normalised per head first) from :func:`jaxattn.multi_head_attention` with K "
+            "key/value heads shared by N/K query heads each (causal; Mistral's sliding window when the config "
+            "has one); ``logits = rms(h) Wᵀ``.",
+)
+
 
 def attention_input(params: dict, config: LlamaConfig, layer: int, x: Array) -> Array:
     """Block ``layer``'s ``input_layernorm`` of the residual stream ``x [T, D]``: what q, k, v come from."""
@@ -709,134 +697,11 @@ def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
 
 
 def check_params(params: Any, config: LlamaConfig) -> None:
-    """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing).
-
-    Only shapes and dtypes are read, so it also runs on traced params (under ``jit``, ``grad``, ``vmap``).
-    """
+    """Raise ``ValueError`` naming the key whose shape (Flax Llama layout, kernels ``(in, out)``) does not
+    match ``config``, or that is missing; shapes and dtypes only, so traced params pass (``jit``, ``vmap``)."""
     _decoder.check_config(_FAMILY, config)
-    if not isinstance(params, dict) or "model" not in params:
-        raise ValueError("params must be a dict with a 'model' entry (Hugging Face Flax Llama layout)")
-    check_shapes(flatten(params), param_shapes(config), "params", kernel_layout="(in, out)")
-
-
-def forward(
-    params: dict,
-    config: LlamaConfig,
-    input_ids: Int[ArrayLike, "T"],
-    *,
-    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-    head_mask: Real[ArrayLike, "L N"] | None = None,
-    scale: Real[ArrayLike, ""] | None = None,
-    return_attention_logits: bool = False,
-    return_qkv: bool = False,
-    return_hidden_states: bool = False,
-    capture: Sequence[str] = (),
-    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-) -> ModelOutput:
-    """The forward pass on one sequence, with every layer's attention map (jit-compiled).
-
-    ``h₀ = embed[ids]`` (times ``sqrt(D)`` for Gemma); each block ``h += o_proj(attn(rms(h)))``,
-    ``h += glu(rms(h))`` (SwiGLU, or GeGLU for Gemma), attention
-    ``softmax(scale · RoPE(q) RoPE(k)ᵀ) v`` from :func:`jaxattn.multi_head_attention` with K key/value
-    heads shared by N/K query heads each (causal; Mistral's sliding window when the config has one);
-    ``logits = rms(h) Wᵀ``. The maps returned are the weights that produced the output.
-
-    A pure function of its array arguments: ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (over stacked
-    params or a batch of sequences) all work. Only static shapes are checked here.
-
-    Args:
-      params: the params pytree (Flax layout; module docstring), e.g. from :func:`load`.
-      config: the model's :class:`LlamaConfig`.
-      input_ids: integer token ids ``[T]``, ``1 <= T <= max_position_embeddings``. Concrete ids outside
-        ``[0, vocab_size)`` raise ``ValueError``; traced ones give NaN logits from that position on.
-      attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding; ``None``: all real. Padded
-        keys get weight 0 and RoPE positions count real tokens only, so a left- or right-padded
-        sequence gives at its real positions the logits and maps of the sequence alone.
-      head_mask: ``[L, N]`` (query heads), Hugging Face's meaning: each head's output is multiplied by its
-        entry before ``o_proj`` (0 ablates it; any float, differentiable). ``None``: ones.
-      scale: the attention logit scale; ``None`` is ``1/sqrt(H)``. ``scale=1.0`` runs the trained weights
-        without the ``√d_k``; a traced scale is accepted.
-      return_attention_logits, return_qkv, return_hidden_states: sugar over ``capture`` filling
-        ``attention_logits [L, N, T, T]``, ``q [L, T, N, H]``, ``k, v [L, T, K, H]``, ``hidden_states [L + 1, T, D]``.
-      capture: names of per-layer tensors to return in ``captured``, each stacked ``[L, ...]``:
-        ``resid_pre, q, k, v, attn_logits, attn_weights, z, attn_out, resid_mid, mlp_out, resid_post``
-        (``k``, ``v`` have K heads; shapes in ``docs/models.md``).
-      patch: ``{name: (value, where)}`` (as in :func:`jaxattn.gpt2.forward`): where ``where`` is True the
-        forward uses ``value`` instead of the tensor it made, at the place it is made.
-
-    Returns:
-      A :class:`jaxattn.models.ModelOutput`: ``logits [T, V]``, ``last_hidden_state [T, D]`` (the final
-      norm's output), ``attentions [L, N, T, T]``, ``captured`` and the sugar fields asked for.
-    """
-    return _decoder.forward(_FAMILY, params, config, input_ids, attention_mask=attention_mask, head_mask=head_mask,
-                            scale=scale, return_attention_logits=return_attention_logits, return_qkv=return_qkv,
-                            return_hidden_states=return_hidden_states, capture=capture, patch=patch)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Scores and generation
-# ----------------------------------------------------------------------------------------------------
-
-
-def log_prob(
-    params: dict,
-    config: LlamaConfig,
-    input_ids: Int[ArrayLike, "T"],
-    *,
-    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-    start: Int[ArrayLike, ""] = 0,
-    end: Int[ArrayLike, ""] | None = None,
-    scale: Real[ArrayLike, ""] | None = None,
-) -> Float[Array, ""]:
-    """``Σ_{start <= t < end} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
-
-    Token ``t`` is scored from the logits of the last real token before it, so a padded sequence scores as
-    the sequence alone: the first real token has no prediction and never counts, nor do padded positions.
-    ``start`` and ``end`` index the PADDED array (under left padding by ``p`` tokens, position ``t`` of the
-    sequence alone is ``t + p``). ``start`` and ``end`` may be traced; concrete values must satisfy
-    ``0 <= start <= end <= T``. ``scale`` as in :func:`forward`. Returns a float32 scalar (nats).
-    """
-    return _decoder.log_prob(_FAMILY, params, config, input_ids, attention_mask=attention_mask, start=start, end=end,
-                             scale=scale)
-
-
-def generate(
-    params: dict,
-    config: LlamaConfig,
-    prompt_ids: Int[ArrayLike, "T"],
-    *,
-    max_new_tokens: int,
-    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-    head_mask: Real[ArrayLike, "L N"] | None = None,
-    temperature: float = 0.0,
-    key: Any = None,
-    scale: Real[ArrayLike, ""] | None = None,
-    return_logits: bool = False,
-) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
-    """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
-
-    The cache holds the K key/value heads (``[L, T + max_new_tokens, K, H]``, keys after RoPE) and is
-    preallocated; the prompt runs in one pass, then ONE compiled step (a ``lax.scan``) produces every
-    new token; both run the layers as a ``lax.scan``, so generation compiles one block, not the whole
-    depth. The first new token is predicted from the last REAL prompt token, so a left- or right-padded
-    prompt continues as the prompt alone (the new tokens come after the whole padded array); an
-    ``attention_mask`` of zeros is refused. Greedy (``temperature=0``) output is the argmax of the full :func:`forward` at every
-    step. A batch of prompts is ``jax.vmap`` of this over LEFT-padded prompts with their
-    ``attention_mask``.
-
-    Args:
-      prompt_ids: ``[T]`` token ids.
-      max_new_tokens: how many tokens to add, ``>= 1``; ``T + max_new_tokens <= max_position_embeddings``.
-      attention_mask: ``[T]`` for a padded prompt, as in :func:`forward`.
-      head_mask, scale: as in :func:`forward`.
-      temperature: 0 for greedy decoding; a finite ``> 0`` samples from ``softmax(logits / temperature)``
-        (a tiny one picks the argmax, never an overflow). Python or NumPy numbers.
-      key: a ``jax.random`` key or int seed, needed when ``temperature > 0``.
-      return_logits: also return the logits each new token was chosen from, ``[max_new_tokens, V]``.
-    """
-    return _decoder.generate(_FAMILY, params, config, prompt_ids, max_new_tokens=max_new_tokens,
-                             attention_mask=attention_mask, head_mask=head_mask, temperature=temperature, key=key,
-                             scale=scale, return_logits=return_logits)
+    _decoder.check_tree(params, param_shapes(config), root="model", kernel_layout="(in, out)",
+                        layout="Hugging Face Flax Llama layout")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -844,14 +709,8 @@ def generate(
 # ----------------------------------------------------------------------------------------------------
 
 
-def save(
-    directory: str | Path,
-    params: dict,
-    config: LlamaConfig,
-    tokenizer: TextTokenizer | None = None,
-    *,
-    format: str = "safetensors",
-) -> Path:
+def save(directory: str | Path, params: dict, config: LlamaConfig, tokenizer: TextTokenizer | None = None, *,
+         format: str = "safetensors") -> Path:
     """Write a Hugging Face checkpoint directory that :func:`load` (and ``transformers``) reads.
 
     ``config.json`` (the fields of ``config.model_type``), ``model.safetensors`` (PyTorch names,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxattn.io import atomic_write
+from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder
 
 GIB = 1024**3
 IMPLS_CPU = ("xla", "dense", "naive", "blockwise")
@@ -421,6 +421,11 @@ def main() -> None:
         spec = json.loads(args.child)
         print(json.dumps(_peak_memory_child(spec["cfg"], spec["impl"], spec["seed"])), flush=True)
         return
+    try:  # before any work: nothing wasted, nothing half-written
+        prepare_output_folder(args.out, ("bench_attention.json", "bench_attention.md"), create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
 
     import jax
 
@@ -440,7 +445,6 @@ def main() -> None:
         args.min_rounds, args.max_rounds, args.seconds_per_config = 2, 3, 3.0
 
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / "bench_attention.json", out_dir / "bench_attention.md"
     print(f"seed {args.seed}; writing {json_path} and {md_path}", flush=True)
     print(f"backend {backend}, dtype {dtype}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}", flush=True)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxattn import gpt2
-from jaxattn.io import write_json
+from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
 
 
 def _timed(fn) -> float:
@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="lab-output/bench_gpt2")
     args = parser.parse_args(argv)
+    try:  # before any work: nothing wasted, nothing half-written
+        prepare_output_folder(args.out, ("bench_gpt2.json",), create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
@@ -81,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio jaxattn / Hugging Face = {ratio:.3f}  (target <= 1.0: {'met' if ratio <= 1.0 else 'NOT met'})")
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {"command": "python experiments/bench_gpt2.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "seed": args.seed, "size": args.size, "T": args.T, "vocab": config.vocab_size,
               "platform": jax.devices()[0].platform, "jaxattn_s": t_ours, "huggingface_s": t_theirs,

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxattn import llama
 from jaxattn.checkpoint import flatten, unflatten
-from jaxattn.io import write_json
+from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
 
 
 def _timed(fn) -> float:
@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="lab-output/bench_llama")
     args = parser.parse_args(argv)
+    try:  # before any work: nothing wasted, nothing half-written
+        prepare_output_folder(args.out, ("bench_llama.json",), create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     t_load = []
     for _ in range(args.load_repeats):
@@ -114,7 +119,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{statistics.median(c_theirs):.2f} s, ratio {cpu_ratio:.3f}")
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     record = {"command": "python experiments/bench_llama.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "seed": args.seed, "T": args.T, "platform": jax.devices()[0].platform, "load_s": t_load,
               "median_load_s": statistics.median(t_load), "parameters": n_params,

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 
 import jaxattn
-from jaxattn.io import atomic_write
+from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "blockwise")
 
@@ -43,6 +43,11 @@ def main() -> None:
     parser.add_argument("--implementations", nargs="*", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    try:  # before any work: nothing wasted, nothing half-written
+        prepare_output_folder(args.out, ("conformance.md", "conformance.json"), create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
 
     grid = dict(dtypes=("float32", "bfloat16"), lengths=((13, 29),)) if args.quick else {}
     report = lambda r: print(f"{r['label']} {r['implementation']}: {r['status']}", flush=True)

@@ -23,10 +23,12 @@ import numpy as np
 
 from jaxattn import bert, gpt2, interventions, lab, llama
 from jaxattn.checkpoint import CheckpointError
-from jaxattn.io import atomic_write, write_json
+from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
 
 BIG, SMALL = lab.SENTENCES["big"], lab.SENTENCES["small"]
 CHOICES = [lab.RESOLUTIONS["trophy"], lab.RESOLUTIONS["suitcase"]]
+# What each part writes into --out (checked before the model loads).
+OUTPUTS = {"effects": ("heads.json", "heads.md", "heads.png"), "bench": ("bench.json",), "bound": ("bound.json",)}
 
 
 def load(args):
@@ -204,6 +206,12 @@ def main(argv=None) -> int:
     parts = set(args.parts.split(","))
     if not parts <= {"effects", "bench", "bound"}:
         parser.error(f"--parts: unknown {sorted(parts - {'effects', 'bench', 'bound'})}")
+    out = Path(args.out or f"lab-output/heads/{args.random_gpt2 and 'random-gpt2-' + args.random_gpt2 or Path(args.model).name}")
+    try:  # before the model loads: nothing wasted, nothing half-written
+        prepare_output_folder(out, [name for part in sorted(parts) for name in OUTPUTS[part]], create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         module, params, config, tok, name = load(args)
@@ -212,8 +220,6 @@ def main(argv=None) -> int:
         print("(offline: --model smollm2 or --model minilm run on bundled weights)", file=sys.stderr)
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
-    out = Path(args.out or f"lab-output/heads/{args.random_gpt2 and 'random-gpt2-' + args.random_gpt2 or Path(args.model).name}")
-    out.mkdir(parents=True, exist_ok=True)
     if "bench" in parts:  # first: both ways then compile from nothing
         bound, _, metric, *_ = setup(module, params, config, tok)
         bench_part(bound, metric, args, out, name)

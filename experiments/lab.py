@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 from jaxattn import gpt2, lab, probes
-from jaxattn.io import NO_CACHE_VARIABLE, use_compilation_cache, write_json
+from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, use_compilation_cache, write_json
+from jaxattn.io import prepare_output_folder as prepare_folder
 from jaxattn.progress import ProgressBar, step
 
 
@@ -155,54 +155,14 @@ OUTPUTS = {
 }
 
 
-class OutputFolderError(Exception):
-    """--out cannot take the results: the message says why, in one line."""
-
-
 def prepare_output_folder(out: str, parts: list[int]) -> str:
-    """Check, before any part runs, that ``out`` is (or can be made) a writable folder whose result names are
-    free to take files; create it. Returns its absolute path. ``OutputFolderError`` otherwise, and then
-    nothing is left behind: folders this call created are removed again."""
-    if out == "":
-        raise OutputFolderError("--out is empty: give the folder to write the results to")
-    try:
-        path = os.path.abspath(out)
-        existing = path  # the nearest part of the path that exists
-        while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
-            existing = os.path.dirname(existing)
-    except ValueError as e:  # e.g. an embedded null byte
-        raise OutputFolderError(f"--out {out!r} is not a usable path: {e}") from None
-    if not os.path.isdir(existing):
-        if existing == path:
-            raise OutputFolderError(f"--out {out!r} exists and is not a folder")
-        raise OutputFolderError(f"--out {out!r} cannot be created: {existing!r} is not a folder")
+    """Check, before any part runs, that ``out`` can take every result of ``parts``, and create it
+    (:func:`jaxattn.io.prepare_output_folder`). Returns its absolute path."""
+    targets = {}
     for part in parts:
         who = "parts 3-4 write" if PARTS[part] is run_parts34 else f"part {part} writes"
-        for name in OUTPUTS[PARTS[part]]:
-            target = os.path.join(path, name.rstrip("/"))
-            if name.endswith("/") and os.path.lexists(target) and not os.path.isdir(target):
-                raise OutputFolderError(f"{target!r} exists and is not a folder, but {who} into it")
-            if not name.endswith("/") and os.path.isdir(target):
-                raise OutputFolderError(f"{target!r} is a folder, but {who} a file there")
-    created = []  # the folders makedirs will create, deepest first
-    folder = path
-    while folder != existing:
-        created.append(folder)
-        folder = os.path.dirname(folder)
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".lab-write-check.", suffix=".tmp")
-        os.close(fd)
-        os.remove(probe)
-    except (OSError, ValueError) as e:
-        for folder in created:
-            try:
-                os.rmdir(folder)
-            except OSError:
-                pass
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise OutputFolderError(f"--out {out!r}: cannot write there ({reason})") from None
-    return path
+        targets.update({name: who for name in OUTPUTS[PARTS[part]]})
+    return str(prepare_folder(out, targets))
 
 
 def main(argv=None) -> None:
@@ -232,11 +192,7 @@ def main(argv=None) -> None:
     except OutputFolderError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    try:
-        cache = use_compilation_cache(enabled=args.cache)  # a second run loads its compiled programs from here
-    except OSError as e:
-        print(f"note: compiled programs are not kept across runs: {e}", file=sys.stderr)
-        cache = None
+    cache = use_compilation_cache(enabled=args.cache)  # kept here for a second run; an unusable folder: one warning
     print(f"jaxattn lab, parts {','.join(map(str, args.parts))}; seed {args.seed} (rerun with --seed {args.seed}); "
           f"output folder {os.path.abspath(args.out)}")
     print(f"compiled programs: {'kept in ' + str(cache) + ' (--no-cache: not kept)' if cache else 'not kept'}")

@@ -18,14 +18,16 @@ import time
 import numpy as np
 
 from jaxattn import train
-from jaxattn.io import NO_CACHE_VARIABLE, atomic_write, use_compilation_cache
+from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, atomic_write, prepare_output_folder, use_compilation_cache
 from jaxattn.progress import ProgressBar
 
 SCALES = {"scaled": None, "unscaled": 1.0}  # name -> the core's scale (None = 1/√d_k)
 SCALE_LABEL = {"scaled": "1/√d_k", "unscaled": "1"}
+PANELS = ("loss", "entropy", "max_logit")  # one PNG each
+OUTPUTS = ("summary.md", "history.json", *(f"{name}.png" for name in PANELS))  # what a run writes into --out
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head-dims", type=int, nargs="+", default=[16, 64, 256], help="d_k values (default: 16 64 256)")
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
@@ -43,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-cache", dest="cache", action="store_false",
                    help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
                         f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.head_dims, args.learning_rates, args.seeds, args.steps, args.warmup = [16, 64], [3e-3], [0], 100, 10
     return args
@@ -111,13 +113,14 @@ def plot(histories: dict, runs: dict, args, path_stem: str) -> list[str]:
     return paths
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
-        use_compilation_cache(enabled=args.cache)  # a second run loads its compiled programs from there
-    except OSError as e:
-        print(f"note: compiled programs are not kept across runs: {e}", file=sys.stderr)
-    os.makedirs(args.out, exist_ok=True)
+        prepare_output_folder(args.out, OUTPUTS, create=False)  # before any training: nothing wasted, nothing half-written
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    use_compilation_cache(enabled=args.cache)  # kept for a second run; an unusable folder: one warning
     task = train.RecallTask()
     opt = train.OptConfig(total_steps=args.steps, warmup_steps=args.warmup, batch_size=args.batch_size)
     print(f"seeds {args.seeds}; task {task} (chance loss log {task.n_values} = {task.chance_loss:.3f} nats)")
@@ -179,7 +182,8 @@ def main() -> None:
     atomic_write(stem + "history.json", json.dumps(payload, allow_nan=True).encode())
     pngs = plot(histories, runs, args, stem)
     print("wrote", ", ".join([stem + "summary.md", stem + "history.json", *pngs]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

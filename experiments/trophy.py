@@ -27,12 +27,22 @@ from pathlib import Path
 from jaxattn import bert, gpt2, llama
 from jaxattn import lab as trophy
 from jaxattn.checkpoint import CheckpointError, HubUnavailableError
-from jaxattn.io import NO_CACHE_VARIABLE, atomic_write, use_compilation_cache, write_json
+from jaxattn.io import (
+    NO_CACHE_VARIABLE,
+    OutputFolderError,
+    atomic_write,
+    prepare_output_folder,
+    use_compilation_cache,
+    write_json,
+)
 from jaxattn.progress import ProgressBar, step
 
 DEFAULT_GPT2 = "gpt2"
 ENCODER = "minilm"  # --model value for the bundled all-MiniLM-L6-v2
 CAUSAL = "smollm2"  # --model value for the bundled SmolLM2-135M
+# What a run writes into --out (checked before the model loads).
+OUTPUTS = ("trophy.json", "part3.txt", "part4.txt", "trophy_big.png", "trophy_small.png", "trophy_difference.png",
+           "trophy_focus.png", "trophy.html")
 
 
 def doing(what: str):
@@ -93,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = parser.parse_args(argv)
     try:
-        use_compilation_cache(enabled=args.cache)  # a second run loads its compiled programs from there
-    except OSError as e:
-        print(f"note: compiled programs are not kept across runs: {e}", file=sys.stderr)
+        prepare_output_folder(args.out, OUTPUTS, create=False)  # before any work: nothing wasted, nothing half-written
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    use_compilation_cache(enabled=args.cache)  # kept for a second run; an unusable folder: one warning
 
     seed = None
     if args.random_gpt2:
@@ -151,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         part4 += "\n\n" + text
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"model": name, "seed": seed,
               "part3": {"layer": layer, "head": head, "focus_head": list(focus)},
               "part4": comparison.to_json()}

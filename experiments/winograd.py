@@ -19,7 +19,9 @@ from pathlib import Path
 
 from jaxattn import bert, gpt2, interventions, llama
 from jaxattn.checkpoint import CheckpointError
-from jaxattn.io import atomic_write, write_json
+from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
+
+OUTPUTS = ("winograd.json", "winograd.md")  # what a run writes into --out (checked before the model loads)
 
 
 def load(model):
@@ -59,6 +61,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the split of the pairs for the best head")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/winograd/<model>)")
     args = parser.parse_args(argv)
+    out = Path(args.out or f"lab-output/winograd/{Path(args.model).name}")
+    try:  # before the model loads: nothing wasted, nothing half-written
+        prepare_output_folder(out, OUTPUTS, create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         module, params, config, tok, name = load(args.model)
@@ -78,8 +86,6 @@ def main(argv=None) -> int:
     text = render(result, name, interventions.load_metadata())
     print(text)
     print(f"({time.perf_counter() - t0:.0f} s)")
-    out = Path(args.out or f"lab-output/winograd/{Path(args.model).name}")
-    out.mkdir(parents=True, exist_ok=True)
     write_json(out / "winograd.json", {"model": name, "seed": args.seed, **result})
     atomic_write(out / "winograd.md", text + "\n")
     print(f"wrote winograd.json, winograd.md to {out}/")

@@ -33,7 +33,7 @@ from jaxattn._checks import (
     softmax_dtype,
 )
 from jaxattn._backends import check_implementation
-from jaxattn._masks import causal_mask
+from jaxattn._masks import causal_mask, clamp_offset
 from jaxattn._typing import ArrayLike, Bool, Float, Key, Real, Shaped, UInt32
 
 Array = jax.Array
@@ -196,6 +196,8 @@ def _attend(
     or ``[1, S]``), which makes the non-finite bookkeeping of :func:`_kept_nonfinite` O(S·V).
     """
     T, S = q.shape[0], k.shape[0]
+    if causal is not None:
+        causal = clamp_offset(causal, T, S)  # the same mask, and i + causal stays inside int32
     if mask is not None:
         mask = mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
     keep = _keep(mask, causal, T, S)  # broadcastable to [T, S], or None
@@ -361,7 +363,8 @@ def attention(
         (for sweeps under ``jit``/``vmap``) and is not checked.
       is_causal: also apply :func:`causal_mask` ``(T, S, causal_offset)``.
       causal_offset: with ``is_causal``, key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``
-        (0: self-attention; ``S - T``: queries that continue ``S - T`` earlier keys).
+        (0: self-attention; ``S - T``: queries that continue ``S - T`` earlier keys). Any Python int:
+        ``causal_offset >= S`` keeps every key, ``<= -T`` none (clamped to ``[-T, S]``, the same mask).
 
     Returns:
       ``(out, weights)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``weights [T, S]`` in that

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,18 +63,142 @@ def _type_name(raw: Any) -> str:
         return f"unknown type id {int(raw)}"
 
 
+# The header's value types (``gguf.GGUFValueType``): the byte size of each scalar; 8 is a string
+# (uint64 length + bytes), 9 an array (uint32 item type, uint64 count, the items).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_READ_VERSIONS = (2, 3)  # the versions gguf.GGUFReader reads
+
+
+class _Header:
+    """A cursor over a GGUF file's header that refuses any size the rest of the file cannot hold."""
+
+    def __init__(self, data: bytes | Any, path: Path, order: str):
+        self.data, self.path, self.order, self.at = data, path, order, 0
+
+    def fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: cannot read GGUF file, truncated or corrupt? ({what})")
+
+    def left(self) -> int:
+        return len(self.data) - self.at
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.left():
+            raise self.fail(f"{what} needs {n} bytes at offset {self.at}, but the file ends {self.left()} bytes later")
+
+    def uint(self, size: int, what: str) -> int:
+        self.need(size, what)
+        (value,) = struct.unpack_from(self.order + {4: "I", 8: "Q"}[size], self.data, self.at)
+        self.at += size
+        return int(value)
+
+    def string(self, what: str, *, keep: bool = True) -> bytes:
+        n = self.uint(8, f"the length of {what}")
+        self.need(n, f"{what} ({n} bytes claimed)")
+        text = bytes(self.data[self.at:self.at + n]) if keep else b""
+        self.at += n
+        return text
+
+    def value(self, kind: int, key: str, depth: int = 0) -> bool:
+        """Skip one value of type ``kind``; False when the type is unknown (the reader then refuses it)."""
+        if kind in _SCALAR_BYTES:
+            self.need(_SCALAR_BYTES[kind], f"metadata key '{key}'")
+            self.at += _SCALAR_BYTES[kind]
+        elif kind == _STRING:
+            self.string(f"metadata key '{key}'", keep=False)
+        elif kind == _ARRAY:
+            item = self.uint(4, f"the item type of metadata key '{key}'")
+            count = self.uint(8, f"the length of metadata key '{key}'")
+            # the fewest bytes one item takes: a scalar's size, a string's length field, an array's type and count
+            least = _SCALAR_BYTES.get(item, 8 if item == _STRING else 12)
+            if count * least > self.left():
+                raise self.fail(
+                    f"metadata key '{key}' claims an array of {count} items, at least {count * least} bytes, "
+                    f"but the file ends {self.left()} bytes later"
+                )
+            if item in _SCALAR_BYTES:
+                self.at += count * least
+            elif item == _STRING:  # a vocabulary's worth of strings: the loop of self.string, inlined
+                at, end, length = self.at, len(self.data), struct.Struct(self.order + "Q").unpack_from
+                for i in range(count):
+                    if at + 8 > end or at + 8 + length(self.data, at)[0] > end:
+                        self.at = at
+                        raise self.fail(f"item {i} of metadata key '{key}' runs past the file's end (offset {at})")
+                    at += 8 + length(self.data, at)[0]
+                self.at = at
+            elif item == _ARRAY and depth < 8:
+                for _ in range(count):
+                    if not self.value(item, key, depth + 1):
+                        return False
+            else:
+                return False
+        else:
+            return False
+        return True
+
+
+def check_header(path: str | os.PathLike) -> None:
+    """Walk a GGUF file's header (magic, version, tensor count, key/value count, every key and value, every
+    tensor's name and dims) and refuse any count or length whose bytes the file cannot hold, before
+    ``gguf.GGUFReader`` is handed them (it would loop over a claimed array length past the file's end).
+
+    A file that is not GGUF, or of a version or value type the reader does not know, passes: the reader
+    refuses it by name.
+
+    Raises:
+      CheckpointError: naming the file, the count or metadata key, the bytes it claims and those left.
+    """
+    import mmap
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            return  # too short for a header: the reader reports it
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return
+            version = struct.unpack_from("<I", data, 4)[0]
+            order = "<"
+            if version & 0xFFFF == 0:  # written on a machine of the other byte order, as the reader detects
+                order, version = ">", struct.unpack_from(">I", data, 4)[0]
+            if version not in _READ_VERSIONS:
+                return
+            h = _Header(data, path, order)
+            h.at = 8
+            n_tensors = h.uint(8, "the tensor count")
+            n_keys = h.uint(8, "the key/value count")
+            if n_tensors * 24 + n_keys * 13 > h.left():  # the smallest tensor info and key/value entry
+                raise h.fail(f"the header claims {n_tensors} tensors and {n_keys} metadata keys, at least "
+                             f"{n_tensors * 24 + n_keys * 13} bytes, but the file ends {h.left()} bytes later")
+            for i in range(n_keys):
+                key = h.string(f"the name of metadata key number {i}").decode("utf-8", "replace")
+                if not h.value(h.uint(4, f"the type of metadata key '{key}'"), key):
+                    return  # an unknown value type: the reader refuses it
+            for i in range(n_tensors):
+                name = h.string(f"the name of tensor number {i}").decode("utf-8", "replace")
+                n_dims = h.uint(4, f"the dimension count of tensor '{name}'")
+                h.need(n_dims * 8 + 12, f"the {n_dims} dims, type and offset of tensor '{name}'")
+                h.at += n_dims * 8 + 12
+
+
 def open_gguf(path: str | os.PathLike) -> Any:
     """A ``gguf.GGUFReader`` over ``path`` (memory-mapped; nothing is dequantized yet).
 
     Raises:
-      CheckpointError: the file is missing, truncated, not a GGUF file or holds a tensor type the reader
-        does not know; the message names the file.
+      CheckpointError: the file is missing, truncated, not a GGUF file, claims a count or length its bytes
+        cannot hold (:func:`check_header`) or holds a tensor type the reader does not know; the message
+        names the file.
     """
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
+    try:
+        check_header(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read GGUF file ({e.strerror or e})") from None
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, KeyError, IndexError, struct errors...
@@ -136,7 +261,9 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
     Raises:
       CheckpointError: another architecture; a ``llama.*`` key this model does not implement (or one with
         a value other than the neutral one, e.g. ``llama.rope.scaling.type`` other than ``none``); a
-        missing or mistyped key; a RoPE dimension count other than the head dim (partial RoPE).
+        missing or mistyped key; a head count below 1 or one that does not divide the embedding width
+        (without ``key_length``); a ``block_count`` other than the number of ``blk.N`` tensor groups the
+        file holds; a RoPE dimension count other than the head dim (partial RoPE).
     """
     path = Path(path)
     meta = metadata(reader)
@@ -154,9 +281,23 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{path}: unsupported metadata key '{key}'; this model does not implement it, "
                                   "so its weights could be misread")
     D = _int(meta, "llama.embedding_length", path)
+    if D < 1:
+        raise CheckpointError(f"{path}: metadata key 'llama.embedding_length' must be >= 1, found {D}")
     N = _int(meta, "llama.attention.head_count", path)
+    if N < 1:
+        raise CheckpointError(f"{path}: metadata key 'llama.attention.head_count' must be >= 1, found {N}")
     K = _int(meta, "llama.attention.head_count_kv", path, default=N)
-    H = _int(meta, "llama.attention.key_length", path, default=D // N if N else 1)
+    if K < 1 or N % K != 0:
+        raise CheckpointError(
+            f"{path}: metadata key 'llama.attention.head_count_kv' must be >= 1 and divide "
+            f"'llama.attention.head_count' = {N} (grouped-query attention), found {K}"
+        )
+    if "llama.attention.key_length" not in meta and D % N != 0:
+        raise CheckpointError(
+            f"{path}: metadata key 'llama.attention.head_count' = {N} does not divide 'llama.embedding_length' = {D}; "
+            "without 'llama.attention.key_length' the head dim is embedding_length / head_count"
+        )
+    H = _int(meta, "llama.attention.key_length", path, default=D // N)
     if _int(meta, "llama.attention.value_length", path, default=H) != H:
         raise CheckpointError(f"{path}: llama.attention.value_length differs from key_length; not supported")
     if _int(meta, "llama.rope.dimension_count", path, default=H) != H:
@@ -168,12 +309,14 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{path}: missing tensor 'token_embd.weight'")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    L = _int(meta, "llama.block_count", path)
+    _check_blocks(L, reader, path, "metadata key 'llama.block_count'")
     V = _int(meta, "llama.vocab_size", path, default=int(embd.shape[1]) if len(embd.shape) == 2 else 0)
     return dict(
         vocab_size=V,
         hidden_size=D,
         intermediate_size=_int(meta, "llama.feed_forward_length", path),
-        num_hidden_layers=_int(meta, "llama.block_count", path),
+        num_hidden_layers=L,
         num_attention_heads=N,
         num_key_value_heads=K,
         head_dim=H,
@@ -184,6 +327,15 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
     )
+
+
+def _check_blocks(L: int, reader: Any, path: Path, what: str) -> None:
+    """Refuse a layer count ``L`` other than the number of ``blk.N.`` tensor groups in the file (before a
+    table of ``L`` entries is built)."""
+    blocks = {int(m.group(1)) for m in (re.match(r"blk\.(\d+)\.", t.name) for t in reader.tensors) if m}
+    if L != len(blocks):
+        held = f"{len(blocks)} blocks (blk.{min(blocks)} to blk.{max(blocks)})" if blocks else "no block"
+        raise CheckpointError(f"{path}: {what} = {L}, but the file holds the tensors of {held}")
 
 
 def tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
@@ -242,12 +394,14 @@ def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any) -> dic
     (``[out, in]``), q and k un-permuted (:func:`unpermute`).
 
     Raises:
-      CheckpointError: a tensor type outside :data:`TENSOR_TYPES`, a missing or unexpected tensor, or a
-        shape other than ``config``'s, each named.
+      CheckpointError: a layer count other than the file's number of ``blk.N`` groups, a tensor type
+        outside :data:`TENSOR_TYPES`, a missing or unexpected tensor, or a shape other than ``config``'s,
+        each named.
     """
     from gguf.quants import dequantize
 
     path = Path(path)
+    _check_blocks(config.num_hidden_layers, reader, path, "the config's num_hidden_layers")
     expected = tensor_shapes(config)
     tensors = {t.name: t for t in reader.tensors}
     for name in expected:

@@ -23,6 +23,15 @@ def _check_length(n: Any, name: str) -> int:
     return int(n)
 
 
+def clamp_offset(offset: int, T: int, S: int) -> int:
+    """A causal offset clamped to ``[-T, S]``, the range in which it changes the mask ``[T, S]``.
+
+    Any ``offset >= S`` lets every query see every key, any ``offset <= -T`` lets no query see any key;
+    clamping keeps the mask identical and the index arithmetic inside int32.
+    """
+    return max(-T, min(S, int(offset)))
+
+
 def causal_mask(T: int, S: int | None = None, offset: int = 0) -> Bool[Array, "T S"]:
     """Causal keep-mask ``[T, S]``: query ``i`` may attend to key ``j`` iff ``j <= i + offset``.
 
@@ -33,7 +42,9 @@ def causal_mask(T: int, S: int | None = None, offset: int = 0) -> Bool[Array, "T
     Args:
       T: number of queries.
       S: number of keys; ``None`` means ``T``.
-      offset: how many keys past the diagonal each query may still see (may be negative).
+      offset: how many keys past the diagonal each query may still see (may be negative). Any Python
+        int is accepted: ``offset >= S`` keeps every key, ``offset <= -T`` none (it is clamped to
+        ``[-T, S]``, which gives the same mask).
 
     Returns:
       bool ``[T, S]``.
@@ -44,7 +55,7 @@ def causal_mask(T: int, S: int | None = None, offset: int = 0) -> Bool[Array, "T
         raise TypeError(f"offset must be a Python int, received {offset!r}")
     i = jnp.arange(T)[:, None]  # [T, 1]
     j = jnp.arange(S)[None, :]  # [1, S]
-    return j <= i + int(offset)  # [T, S]
+    return j <= i + clamp_offset(offset, T, S)  # [T, S]
 
 
 def padding_mask(lengths: Int[ArrayLike, "*batch"], S: int) -> Bool[Array, "*batch S"]:

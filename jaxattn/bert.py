@@ -49,19 +49,8 @@ from jaxattn._nn import embed_ids, layer_norm, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
-from jaxattn.checkpoint import (
-    CheckpointError,
-    ConfigSchema,
-    TextTokenizer,
-    cast_params,
-    check_finite,
-    check_shapes,
-    flatten,
-    read_config,
-    read_safetensors,
-    resolve,
-    unflatten,
-)
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
+    check_shapes, flatten, read_config, read_safetensors, resolve, unflatten)
 from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 require("models", "jaxattn.bert", "safetensors", "tokenizers", "huggingface_hub")

@@ -165,6 +165,114 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? ({e})") from None
 
 
+_MAX_SAFETENSORS_HEADER = 100_000_000  # bytes; the limit the safetensors library itself enforces
+
+
+def safetensors_names(path: str | os.PathLike) -> list[str]:
+    """The tensor names of a ``.safetensors`` file, read from its JSON header alone (no tensor data is read).
+
+    The header's claimed size is checked against the file's size before it is read.
+
+    Raises:
+      CheckpointError: the file is missing, or its header is truncated or not a safetensors header.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? "
+                                      f"(the file holds {size} bytes, fewer than the 8 of the header's size)")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_SAFETENSORS_HEADER):
+                raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? (its header claims "
+                                      f"{n} bytes, the file holds {size - 8} after the size field)")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: weight file not found") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? "
+                              f"(header: {type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? (the header is not a JSON object)")
+    return [name for name in header if name != "__metadata__"]
+
+
+def weight_names(path: str | os.PathLike) -> list[str]:
+    """The tensor names of a weight file without reading any tensor: a ``.safetensors`` file's header
+    (:func:`safetensors_names`), or the ``weight_map`` keys of a ``*.index.json`` shard index; a Flax
+    ``.msgpack`` file has no header, so it is read whole (``a/b/c`` names).
+
+    Raises:
+      CheckpointError: the file is missing or unreadable, or an index without a ``weight_map`` object.
+    """
+    path = Path(path)
+    if path.name.endswith(".msgpack"):  # no header to read apart: the file, bounded by its size
+        return list(flatten(read_msgpack(path)))
+    if not path.name.endswith(".json"):
+        return safetensors_names(path)
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard index not found") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot read the shard index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{path}: 'weight_map' must map tensor names to shard file names")
+    return list(weight_map)
+
+
+def check_layer_count(
+    config_path: str | os.PathLike,
+    weights_path: str | os.PathLike,
+    *,
+    field: str = "num_hidden_layers",
+    pattern: str = r"model\.layers\.(\d+)\.",
+) -> None:
+    """Check a ``config.json``'s layer count against the layers the weight file holds, before anything is
+    built from the config (a model's tables of expected weights have one entry per layer, so a claim of
+    10**9 layers must be refused before they are made).
+
+    Only tensor names are read (:func:`weight_names`: a safetensors header or a shard index), never
+    tensor data. A config that cannot be read, or whose ``field`` is missing or not an int, passes: the
+    config reader reports those. Nor does it judge a weight file it cannot read: the weight reader does.
+
+    Args:
+      config_path: the ``config.json``.
+      weights_path: ``model.safetensors`` or ``model.safetensors.index.json``.
+      field: the config field holding the layer count.
+      pattern: a regular expression matched at the start of each tensor name; its first group is the
+        layer index.
+
+    Raises:
+      CheckpointError: ``field`` differs from the number of distinct layer indices among the tensor
+        names; the message names the field, both files, the claimed and the found count.
+    """
+    config_path, weights_path = Path(config_path), Path(weights_path)
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return  # the config reader reports it
+    claimed = raw.get(field) if isinstance(raw, dict) else None
+    if isinstance(claimed, bool) or not isinstance(claimed, int):
+        return  # missing or mistyped: the config reader reports it
+    try:
+        names = weight_names(weights_path)
+    except CheckpointError:
+        return  # the weight reader reports it
+    layer = re.compile(pattern)
+    found = {int(m.group(1)) for m in map(layer.match, names) if m is not None}
+    if claimed != len(found):
+        held = f"{len(found)} layers (indices {min(found)} to {max(found)})" if found else "no layer"
+        raise CheckpointError(
+            f"{config_path}: field '{field}' = {claimed}, but {weights_path} holds the tensors of {held}; "
+            "the config and the weights do not belong together"
+        )
+
+
 def read_msgpack(path: str | os.PathLike) -> dict[str, Any]:
     """A Flax ``.msgpack`` checkpoint as a nested dict of NumPy arrays.
 
@@ -290,6 +398,19 @@ def _looks_like_path(name: str) -> bool:
     return not _HUB_ID.match(name)
 
 
+def _check_inside(filename: Any, where: str) -> None:
+    """Refuse a checkpoint file name that is not a relative path inside the checkpoint (``where``)."""
+    if not isinstance(filename, str):
+        raise CheckpointError(f"{where}: a checkpoint file name must be a string, found {filename!r}")
+    parts = re.split(r"[/\\]", filename)
+    if (filename.strip() == "" or "\0" in filename or os.path.isabs(filename) or filename.startswith(("/", "\\"))
+            or re.match(r"^[A-Za-z]:", filename) or ".." in parts):
+        raise CheckpointError(
+            f"{where}: file name {filename!r} is not inside the checkpoint (empty, absolute, with '..' or a NUL); "
+            "a checkpoint names its files relative to its own folder"
+        )
+
+
 def resolve(
     name_or_path: str | os.PathLike,
     *,
@@ -313,12 +434,15 @@ def resolve(
       A :class:`ResolvedFiles`.
 
     Raises:
-      CheckpointError: a missing directory or file; a hub id that cannot be fetched: offline with
+      CheckpointError: a file name that is not a relative path inside the checkpoint (absolute, with
+        ``..``, empty), whichever file listed it; a missing directory or file; a hub id that cannot be fetched: offline with
         nothing cached gives one :class:`HubUnavailableError` whose message says how to point at a
         local directory instead.
     """
     name = os.fspath(name_or_path)
     path = Path(name).expanduser()
+    for f in [*required, *(g for group in any_of for opt in group for g in _option(opt))]:
+        _check_inside(f, name)
     if path.is_dir():
         files: dict[str, Path] = {}
         for f in required:

@@ -53,7 +53,7 @@ from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes
 from jaxattn._typing import Array
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
-    check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
+    check_layer_count, check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
@@ -554,8 +554,10 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
             required=["config.json"],
             any_of=[list(WEIGHT_FILES), ["tokenizer.json"]],
         ).files
-        config = read_llama_config(files["config.json"])
         source = next(files[f] for f in WEIGHT_FILES if f in files)
+        # before the config is read: a claimed depth the weights do not have must not size any table
+        check_layer_count(files["config.json"], source, pattern=r"model[./]layers[./](\d+)[./]")
+        config = read_llama_config(files["config.json"])
         arrays = read_weights(files, name_or_path)
         if source.name.startswith("flax_model"):
             params = params_from_flax(arrays, config, source)

@@ -208,6 +208,7 @@ def test_an_unknown_weight_layout_lists_the_known_ones(tok, tmp_path):
     config = llama.LlamaConfig.make(vocab_size=tok.get_vocab_size() + 4, max_position_embeddings=16, hidden_size=16,
                                     intermediate_size=24, num_hidden_layers=1, num_attention_heads=2)
     directory = save_hf(tmp_path / "c", random_params(0, config), config, tok)
-    save_file({"transformer.wte.weight": np.zeros((4, 4), np.float32)}, str(directory / "model.safetensors"))
+    save_file({"transformer.wte.weight": np.zeros((4, 4), np.float32),
+               "model.layers.0.attn.c_attn.weight": np.zeros((4, 4), np.float32)}, str(directory / "model.safetensors"))
     with pytest.raises(Exception, match=r"not a weight layout this loader knows \(it knows PyTorch names.*Flax names"):
         llama.load(directory)

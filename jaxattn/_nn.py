@@ -49,55 +49,23 @@ def embed_ids(table: Array, ids: Array) -> Array:
     return jnp.where(valid[:, None], rows, jnp.nan)
 
 
-ROW_BLOCKS, ROW_BLOCKS_FROM = 2, 256  # the causal forwards' row blocks, used from this many tokens on
-
-
 def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array | None, layer: int,
                  num_layers: int, sites: Sites) -> tuple[Array, Array]:
     """One layer's causal attention in a model forward: ``(z [T, N, H], weights [L, N, T, T])``.
 
-    The layer's map is written in place into ``weights``, the zeroed ``[L, N, T, T]`` buffer (made at the
-    first layer, where ``weights`` is None), and passes the ``attn_weights`` site. From ``ROW_BLOCKS_FROM``
-    tokens on the attention runs in ``ROW_BLOCKS`` row blocks (:func:`causal_rows`); a patched map needs
-    the whole ``[N, T, T]``, so with an ``attn_weights`` patch it runs as one call and ``z`` is remade from
-    the patched weights. ``q [T, N, H]``, ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
+    The layer's map passes the ``attn_weights`` site and is written in place into ``weights``, the zeroed
+    ``[L, N, T, T]`` buffer (made at the first layer, where ``weights`` is None), so that the maps are
+    never copied into a stack at the end. With an ``attn_weights`` patch, ``z`` is remade from the patched
+    weights. ``q [T, N, H]``, ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
     """
     T, N = q.shape[:2]
     if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
         weights = jax.lax.optimization_barrier(jnp.zeros((num_layers, N, T, T), q.dtype))  # [L, N, T, T]
-    patched = sites.patches("attn_weights")
-    if T >= ROW_BLOCKS_FROM and not patched:
-        z, weights = causal_rows(q, k, v, mask, scale, weights, layer, ROW_BLOCKS)  # [T, N, H], [L, N, T, T]
-        sites("attn_weights", layer, weights[layer])  # captured (never patched here)
-        return z, weights
     z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
     w = sites("attn_weights", layer, w)  # [N, T, T]
-    if patched:
+    if sites.patches("attn_weights"):
         z = mix(w, v)  # [T, N, H] from the patched weights
     return z, weights.at[layer].set(w)  # [L, N, T, T], written in place
-
-
-def causal_rows(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array, layer: int,
-                blocks: int) -> tuple[Array, Array]:
-    """One layer's causal attention by row blocks, writing its maps into ``weights [L, N, T, T]``.
-
-    Block ``[lo, hi)`` of queries meets keys ``[0, hi)`` only, the keys a causal query can see: one
-    :func:`jaxattn.multi_head_attention` call per block (``causal_offset=lo``), its weights
-    ``[N, hi - lo, hi]`` written in place (the buffer is zero above the diagonal blocks). The rows are those
-    of one causal call over all ``T`` keys, up to the rounding of shorter row sums, for about
-    ``(1 + 1/blocks) / 2`` of its products and softmax work. ``q [T, N, H]``, ``k, v [T, K, H]``;
-    ``mask``: the keep-mask ``[S]`` or ``[T, S]``. Returns ``(z [T, N, H], weights)``.
-    """
-    T = q.shape[0]
-    zs = []
-    for r in range(blocks):
-        lo, hi = r * T // blocks, (r + 1) * T // blocks
-        keep = mask[:hi] if mask.ndim == 1 else mask[lo:hi, :hi]  # [hi] or [hi - lo, hi]
-        z, w = multi_head_attention(q[lo:hi], k[:hi], v[:hi], mask=keep, scale=scale, is_causal=True,
-                                    causal_offset=lo)  # [hi - lo, N, H], [N, hi - lo, hi]
-        weights = jax.lax.dynamic_update_slice(weights, w[None], (layer, 0, lo, 0))  # [L, N, T, T]
-        zs.append(z)
-    return jnp.concatenate(zs), weights  # [T, N, H], [L, N, T, T]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -53,6 +53,12 @@ from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, ca
     check_shapes, flatten, read_config, read_safetensors, resolve, unflatten)
 from jaxattn.models import ModelOutput, QKWeights, Sizes
 
+__all__ = [
+    "BERT_SCHEMA", "BUNDLED_NAME", "BUNDLED_PACKAGE", "BertConfig", "CAUSAL", "FILES", "INSTALL_HINT", "attention_input",
+    "bundled_model_dir", "check_params", "embed", "final_norm", "forward", "head_projections", "load", "load_tokenizer",
+    "mean_pool", "normalize", "params_from_safetensors", "qk_weights", "read_bert_config", "sizes", "tokenize", "unembed",
+]
+
 require("models", "jaxattn.bert", "safetensors", "tokenizers", "huggingface_hub")
 
 Array = jax.Array

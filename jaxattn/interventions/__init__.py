@@ -19,7 +19,8 @@ effect of every head is one compiled program over a batch of masks or patches: n
   :func:`substitution_scores`, :func:`pronoun_attention`, :func:`max_attention_predictions`,
   :func:`best_head`, :func:`accuracy`, :func:`model_maps`, :func:`lm_scorer`, :func:`evaluate` (all of
   them on a model), :func:`special_after_pronoun`;
-- the entropy bound on real heads (``_heads``): :func:`qk_weights`, :func:`entropy_bounds`;
+- the entropy bound on real heads (``_heads``): :func:`qk_weights` (a :class:`jaxattn.models.QKWeights`),
+  :func:`attention_inputs`, :func:`entropy_bounds`;
 - reports (``_report``): :func:`head_tables` (every method's table), :func:`correlations`,
   :func:`top_heads`, :func:`heatmaps_png`, :func:`benchmark_ablations` (one program vs a loop),
   :func:`bound_summary`, and their ``render_*`` functions.
@@ -44,7 +45,7 @@ from jaxattn.interventions._effects import (  # noqa: E402
     patching_effects,
     reference_mean,
 )
-from jaxattn.interventions._heads import QKWeights, attention_inputs, entropy_bounds, qk_weights  # noqa: E402
+from jaxattn.interventions._heads import attention_inputs, entropy_bounds, qk_weights  # noqa: E402
 from jaxattn.interventions._metrics import choice_metric, similarity_metric, span_log_prob  # noqa: E402
 from jaxattn.interventions._model import Bound, bind  # noqa: E402
 from jaxattn.interventions._report import (  # noqa: E402
@@ -86,7 +87,6 @@ __all__ = [
     "HEAD_SITES",
     "METHODS",
     "Bound",
-    "QKWeights",
     "Schema",
     "ablation_effects",
     "accuracy",

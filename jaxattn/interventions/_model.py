@@ -40,6 +40,8 @@ class Bound:
       batch: ``None`` for one sequence, else B: ``apply`` runs ``jax.vmap`` over B sequences that share
         ``head_mask``; a patch value may carry a leading B axis (``[B, L, ...]``, e.g. captured from a
         batch of the same shape) or not (``[L, ...]``, shared); ``where`` never has one.
+      module, config: the model module (its protocol: ``final_norm``, ``unembed``, ``head_projections``...)
+        and config the forward was bound with; ``args["params"]`` holds its params.
     """
 
     apply: Callable[..., Any]
@@ -47,6 +49,8 @@ class Bound:
     n_layers: int
     n_heads: int
     batch: int | None = None
+    module: Any = None
+    config: Any = None
 
     def __call__(self, *, head_mask: Any = None, patch: Mapping[str, tuple[Any, Any]] | None = None,
                  capture: Sequence[str] = ()) -> Any:
@@ -137,4 +141,4 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         raise TypeError(f"module must implement the model protocol (jaxattn.models): {module!r} has no sizes(config)")
     sizes = module.sizes(config)
     args = {"params": params, "ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "kwargs": dict(forward_kwargs)}
-    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch)
+    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config)

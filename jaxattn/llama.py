@@ -264,7 +264,7 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
     try:
         model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         model_type = "llama"  # read_config below reports the unreadable file
     if model_type not in SCHEMAS:
         raise CheckpointError(
@@ -463,7 +463,7 @@ def read_weights(files: Mapping[str, Path], name_or_path: Any = None) -> dict[st
     index_path = files[name]
     try:
         weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{index_path}: cannot read the shard index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")

@@ -140,6 +140,15 @@ def test_a_config_value_infinite_in_float32_is_refused(tmp_path):
         llama.load(directory)
 
 
+def test_a_config_nested_too_deeply_is_a_checkpoint_error(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"config\.json: not a config: its JSON nests too deeply"):
+        llama.read_llama_config(path)
+    with pytest.raises(CheckpointError, match=r"config\.json: not a config: its JSON nests too deeply"):
+        gpt2.read_gpt2_config(path)
+
+
 # --- the model protocol ---
 
 

@@ -700,6 +700,17 @@ def test_bundled_capital_of_france_is_paris(smollm2):
     assert tokenizer.decode([int(np.argmax(logits))]) == " Paris"
 
 
+@pytest.mark.slow
+def test_bundled_bfloat16_greedy_generation_matches_float32(smollm2):
+    """bfloat16 params generate (the cache takes the params' dtype) the float32 model's greedy tokens on a
+    short run."""
+    params, config, tokenizer = smollm2
+    prompt = tokenizer.encode("The capital of France is")
+    half = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+    full = llama.generate(params, config, prompt, max_new_tokens=8)
+    np.testing.assert_array_equal(llama.generate(half, config, prompt, max_new_tokens=8), full)
+
+
 def _wrong_rope_pairing(params, config):
     """The q/k kernels in llama.cpp's row order: the rotation pairs features (2j, 2j+1), not (j, j + H/2)."""
     N, K = config.num_attention_heads, config.num_key_value_heads

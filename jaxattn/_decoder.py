@@ -47,7 +47,6 @@ class Family(NamedTuple):
       attn_out: ``(p, config, z [T, N, H]) -> [T, D]``, the output projection.
       mlp: ``(p, config, x [T, D]) -> [T, D]``, the MLP sublayer's contribution (its norm included).
       final_norm, unembed: ``(params, config, x [..., D])``.
-      window: ``config -> int | None``, a sliding window (query t sees keys s with t - s < window).
       max_name: the config field of the longest input, for messages.
     """
 
@@ -63,7 +62,6 @@ class Family(NamedTuple):
     mlp: Callable[..., Array]
     final_norm: Callable[..., Array]
     unembed: Callable[..., Array]
-    window: Callable[[Any], int | None]
     max_name: str
 
 
@@ -118,7 +116,7 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
     pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
     x = family.embed(params, config, ids, pos)  # [T, D]
     rot = family.rotation(config, pos, T)
-    mask = _key_mask(keep, pos, family.window(config))  # [S] or [T, S]
+    mask = _key_mask(keep, pos, s.window)  # [S] or [T, S]
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(L):
         p = family.layer(params, i)
@@ -196,7 +194,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     s = family.sizes(config)
     T, new = prompt.shape[0], max_new_tokens
     total = T + new
-    window = family.window(config)
+    window = s.window
     blocks = jax.tree.map(lambda *a: jnp.stack(a), *[family.layer(params, i) for i in range(s.layers)])  # [L, ...]
     pos = positions(keep)  # [T]
     next_pos = jnp.sum(keep).astype(jnp.int32)  # the first new token's position

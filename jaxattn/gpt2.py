@@ -390,7 +390,7 @@ CAUSAL = True  # query t sees keys s <= t
 _FAMILY = Family(
     name="jaxattn.gpt2", config_type=GPT2Config, sizes=sizes, check_params=lambda p, c: check_params(p, c),
     layer=lambda params, i: params["transformer"]["h"][str(i)], embed=_embed, rotation=lambda c, pos, n: None,
-    qkv=_qkv, attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed, window=lambda c: None,
+    qkv=_qkv, attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed,
     max_name="n_positions",
 )
 

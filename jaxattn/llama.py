@@ -657,7 +657,7 @@ def sizes(config: LlamaConfig) -> Sizes:
     """The protocol's :class:`~jaxattn.models.Sizes` of a config."""
     return Sizes(layers=config.num_hidden_layers, heads=config.num_attention_heads,
                  kv_heads=config.num_key_value_heads, head_dim=config.head_dim, width=config.hidden_size,
-                 vocab=config.vocab_size, max_length=config.max_position_embeddings)
+                 vocab=config.vocab_size, max_length=config.max_position_embeddings, window=config.sliding_window)
 
 
 CAUSAL = True  # query t sees keys s <= t (and, under Mistral's sliding window, s > t - window)
@@ -665,7 +665,7 @@ CAUSAL = True  # query t sees keys s <= t (and, under Mistral's sliding window, 
 _FAMILY = Family(
     name="jaxattn.llama", config_type=LlamaConfig, sizes=sizes, check_params=lambda p, c: check_params(p, c),
     layer=lambda params, i: params["model"]["layers"][str(i)], embed=_embed, rotation=_rotation, qkv=_qkv,
-    attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed, window=lambda c: c.sliding_window,
+    attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed,
     max_name="max_position_embeddings",
 )
 

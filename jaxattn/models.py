@@ -42,6 +42,7 @@ class Sizes(NamedTuple):
     width: int  # D
     vocab: int  # V
     max_length: int  # the longest input the model takes
+    window: int | None = None  # a sliding window: query t sees keys s with t - s < window (None: all)
 
 
 class ModelOutput(NamedTuple):

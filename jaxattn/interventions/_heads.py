@@ -71,7 +71,7 @@ def entropy_bounds(module: Any, params: Any, config: Any, input_ids: Any, *, cau
                          "q and k per head (qk_norm), so the bound does not apply")
     causal = bool(_protocol(module, "CAUSAL")) if causal is None else causal
     keep = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
-    window = getattr(config, "sliding_window", None)
+    window = _protocol(module, "sizes")(config).window
     if window is not None:
         t = jnp.arange(T)
         keep = keep & (t[:, None] - t[None, :] < window)

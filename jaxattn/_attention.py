@@ -21,18 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn._backends import check_implementation
+from jaxattn._blockwise import multi_head_blockwise_attention
 from jaxattn._checks import (
-    as_bool_array,
     as_float_array,
     as_key,
-    check_broadcastable,
+    check_attention_inputs,
     check_flag,
     check_int,
+    check_multi_head_inputs,
     check_rank,
-    check_scale,
-    softmax_dtype,
 )
-from jaxattn._backends import check_implementation
+from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits
 from jaxattn._masks import causal_mask, clamp_offset
 from jaxattn._typing import ArrayLike, Bool, Float, Key, Real, Shaped, UInt32
 
@@ -42,27 +42,6 @@ Array = jax.Array
 # ----------------------------------------------------------------------------------------------------
 # The per-example, per-head core (no validation: callers validate first).
 # ----------------------------------------------------------------------------------------------------
-
-
-def _logits(q: Array, k: Array, bias: Array | None, scale: Any) -> Array:
-    """``scale * q kᵀ + bias`` in at least float32: ``[T, S]``.
-
-    The product is accumulated in float32 (or wider) and only then scaled, in that dtype, so the scale is
-    never rounded to a bf16/fp16 input dtype. A query (key) row holding a non-finite entry gives NaN on
-    its whole logit row (column): the product runs on that row zeroed and NaN is put back by a ``where``
-    (a double ``where``), so a NaN/Inf at a masked position cannot reach ``dq = dl k`` or ``dk = dlᵀ q``
-    through ``0 · NaN``, while a kept one makes its row NaN in the softmax.
-    """
-    acc = softmax_dtype(jnp.result_type(q, k))
-    q_ok, k_ok = jnp.isfinite(q), jnp.isfinite(k)  # [T, H], [S, H]
-    q0, k0 = jnp.where(q_ok, q, 0), jnp.where(k_ok, k, 0)  # [T, H], [S, H]
-    logits = jnp.einsum("TH,SH->TS", q0, k0, preferred_element_type=acc)  # [T, S]
-    logits = logits * jnp.asarray(scale, acc)  # [T, S], the 1/sqrt(d_k) step
-    bad = jnp.logical_or(~jnp.all(q_ok, axis=1)[:, None], ~jnp.all(k_ok, axis=1)[None, :])  # [T, S]
-    logits = jnp.where(bad, jnp.nan, logits)  # [T, S]
-    if bias is not None:
-        logits = logits + bias.astype(acc)  # [T, S]
-    return logits
 
 
 def _causal(is_causal: Any, causal_offset: Any) -> int | None:
@@ -130,53 +109,13 @@ def _masked_softmax_jvp(primals, tangents):
     return p, p0 * (d_logits - mean)  # [T, S]
 
 
-def _kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: Array) -> Array:
-    """``hit[t, c] = any_s keep[t, s] & bad[s, c]``, broadcastable to ``[T, C]``: a kept bad entry reaches it.
-
-    ``mask``: ``[t, s]`` (``t in {1, T}``, ``s in {1, S}``) or None, combined with the causal diagonal
-    (``causal``, an offset or None) as :func:`_keep` does; ``bad [S, C]`` bool. O(S·C) when the keep-mask
-    has a rank-one structure (no mask, causal, a key-padding mask ``[S]``, a query mask ``[T, 1]``, each
-    with or without causal). A general ``[T, S]``
-    mask adds a loop over the keys that hold a bad entry, 32 at a time (a ``[T, 32] @ [32, C]`` product
-    each): nothing when every value is finite, and no ``[T, S]`` buffer.
-    """
-    t, s = (1, 1) if mask is None else mask.shape
-    if t > 1 and s > 1:  # a general mask
-        B = min(32, S)
-        key_bad = jnp.any(bad, axis=1)  # [S]
-        n_bad = jnp.sum(key_bad, dtype=jnp.int32)  # []
-        ids = jnp.argsort(~key_bad, stable=True)  # [S], the keys holding a bad entry first
-        ids = jnp.pad(ids, (0, -S % B))  # [whole chunks of B]
-
-        def chunk(i, hit):
-            idx = jax.lax.dynamic_slice_in_dim(ids, i * B, B)  # [B]
-            cols = jnp.logical_and(mask[:, idx], (i * B + jnp.arange(B) < n_bad)[None, :])  # [T, B]
-            if causal is not None:
-                cols = jnp.logical_and(cols, idx[None, :] <= jnp.arange(T)[:, None] + causal)  # [T, B]
-            count = jnp.einsum("TB,BC->TC", cols.astype(jnp.float32), bad[idx].astype(jnp.float32))  # [T, C]
-            return jnp.logical_or(hit, count > 0.0)
-
-        return jax.lax.fori_loop(0, (n_bad + B - 1) // B, chunk, jnp.zeros((T, bad.shape[1]), bool))
-    if mask is not None and s > 1:  # [1, S]: the same keys for every query
-        bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
-    if causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
-        none = T + S + abs(causal)  # past every query: a column without a bad key is never hit
-        first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]
-        hit = first[None, :] <= jnp.arange(T)[:, None] + causal  # [T, C]
-    else:
-        hit = jnp.any(bad, axis=0, keepdims=True)  # [1, C]
-    if mask is not None and s == 1:  # [t, 1]: whole query rows kept or masked
-        hit = jnp.logical_and(hit, mask)  # [T or 1, C]
-    return hit
-
-
 def _weighted_sum(weights: Array, v: Array, hit: Array) -> Array:
     """``weights @ v``, ``[T, V]``, in which a masked key contributes nothing, whatever its value.
 
     A plain product gives ``0 · NaN = NaN`` at a masked key whose v is NaN or Inf. Here the product runs
     on v with its non-finite entries zeroed (and NaN weight rows zeroed), then NaN is put back where it
     belongs (a double ``where``): entry ``(t, c)`` is NaN iff row t's weights are NaN or ``hit[t, c]``
-    (row t keeps a key whose ``v[:, c]`` is non-finite, :func:`_kept_nonfinite`). The cotangent of those
+    (row t keeps a key whose ``v[:, c]`` is non-finite, :func:`kept_nonfinite`). The cotangent of those
     NaN entries is dropped, so a row that never kept a non-finite v gets finite gradients.
     """
     v = v.astype(weights.dtype)  # [S, V]
@@ -193,57 +132,18 @@ def _attend(
     """One head, one example: ``(out [T, V], weights [T, S])`` from one softmax.
 
     ``mask``: None or broadcastable to ``[T, S]``, best in its compact shape (a key-padding mask ``[S]``
-    or ``[1, S]``), which makes the non-finite bookkeeping of :func:`_kept_nonfinite` O(S·V).
+    or ``[1, S]``), which makes the non-finite bookkeeping of :func:`kept_nonfinite` O(S·V).
     """
     T, S = q.shape[0], k.shape[0]
     if causal is not None:
         causal = clamp_offset(causal, T, S)  # the same mask, and i + causal stays inside int32
-    if mask is not None:
-        mask = mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
+    mask = compact_mask(mask)  # [t, s] or None
     keep = _keep(mask, causal, T, S)  # broadcastable to [T, S], or None
-    weights = _masked_softmax(_logits(q, k, bias, scale), keep)  # [T, S], f32+
-    hit = _kept_nonfinite(mask, causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
+    weights = _masked_softmax(scaled_logits(q, k, bias, scale), keep)  # [T, S], f32+
+    hit = kept_nonfinite(mask, causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
     out = _weighted_sum(weights, v, hit)  # [T, V]
     out_dtype = jnp.result_type(q, k, v)
     return out.astype(out_dtype), weights.astype(jnp.result_type(q, k))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Validation for the single-head API.
-# ----------------------------------------------------------------------------------------------------
-
-
-def _validate_single(q, k, v, mask, bias, scale, *, broadcast_mask=True):
-    """Checked arrays for the single-head API; ``broadcast_mask=False`` keeps the mask's compact shape."""
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    check_rank(q, 2, "q", "[T, H]")
-    check_rank(k, 2, "k", "[S, H]")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, H], "
-            f"k has shape {tuple(k.shape)} [S, H]"
-        )
-    if v is not None:
-        v = as_float_array(v, "v")
-        check_rank(v, 2, "v", "[S, V]")
-        if v.shape[0] != k.shape[0]:
-            raise ValueError(
-                f"k and v must have the same length S: k has shape {tuple(k.shape)} [S, H], "
-                f"v has shape {tuple(v.shape)} [S, V]"
-            )
-    T, S = q.shape[0], k.shape[0]
-    if mask is not None:
-        mask = as_bool_array(mask, "mask")
-        check_broadcastable(mask, (T, S), "mask", "[T, S]")
-        if broadcast_mask:
-            mask = jnp.broadcast_to(mask, (T, S))
-    if bias is not None:
-        bias = as_float_array(bias, "bias")
-        check_broadcastable(bias, (T, S), "bias", "[T, S]")
-        bias = jnp.broadcast_to(bias, (T, S))
-    scale = check_scale(scale, q.shape[-1], jnp.result_type(q, k))
-    return q, k, v, mask, bias, scale
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,8 +173,8 @@ def attention_logits(
     Returns:
       ``[T, S]`` in at least float32.
     """
-    q, k, _, _, bias, scale = _validate_single(q, k, None, None, bias, scale)
-    return _logits(q, k, bias, scale)
+    q, k, _, _, bias, scale = check_attention_inputs(q, k, None, None, bias, scale)
+    return scaled_logits(q, k, bias, scale)
 
 
 def attention_weights(
@@ -303,9 +203,9 @@ def attention_weights(
     Returns:
       ``[T, S]`` in the dtype of ``q``/``k``; each row sums to 1, or is all zeros if fully masked.
     """
-    q, k, _, mask, bias, scale = _validate_single(q, k, None, mask, bias, scale)
+    q, k, _, mask, bias, scale = check_attention_inputs(q, k, None, mask, bias, scale)
     causal = _causal(is_causal, causal_offset)
-    weights = _masked_softmax(_logits(q, k, bias, scale), _keep(mask, causal, q.shape[0], k.shape[0]))
+    weights = _masked_softmax(scaled_logits(q, k, bias, scale), _keep(mask, causal, q.shape[0], k.shape[0]))
     return weights.astype(jnp.result_type(q, k))
 
 
@@ -370,58 +270,13 @@ def attention(
       ``(out, weights)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``weights [T, S]`` in that
       of q, k.
     """
-    q, k, v, mask, bias, scale = _validate_single(q, k, v, mask, bias, scale, broadcast_mask=False)
+    q, k, v, mask, bias, scale = check_attention_inputs(q, k, v, mask, bias, scale, broadcast_mask=False)
     return _attend(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
 
 
 # ----------------------------------------------------------------------------------------------------
 # Multi-head and grouped-query attention: vmaps of the single-head core.
 # ----------------------------------------------------------------------------------------------------
-
-
-def _per_head(x: Array | None, N: int, K: int) -> tuple[Array | None, int | None]:
-    """A mask/bias broadcastable to ``[N, T, S]`` as ``[K, G, t, s]`` (vmapped) or ``[t, s]`` (shared)."""
-    if x is None:
-        return None, None
-    x = x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))  # [n, t, s], n in {1, N}
-    if x.shape[0] == 1:
-        return x[0], None
-    return x.reshape((K, N // K) + tuple(x.shape[1:])), 0
-
-
-def _validate_multi(q, k, v, mask, bias, scale):
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    check_rank(q, 3, "q", "[T, N, H]")
-    check_rank(k, 3, "k", "[S, K, H]")
-    check_rank(v, 3, "v", "[S, K, V]")
-    T, N, H = q.shape
-    S, K, Hk = k.shape
-    if H != Hk:
-        raise ValueError(
-            f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, N, H], "
-            f"k has shape {tuple(k.shape)} [S, K, H]"
-        )
-    if v.shape[0] != S or v.shape[1] != K:
-        raise ValueError(
-            f"v must have shape [S, K, V] = [{S}, {K}, V] to match k {tuple(k.shape)}, "
-            f"received {tuple(v.shape)}"
-        )
-    if K == 0 or N % K != 0:
-        raise ValueError(
-            f"the number of query heads N must be a multiple of the number of key/value heads K "
-            f"(grouped-query attention): q has N={N} heads (shape {tuple(q.shape)}), "
-            f"k and v have K={K} (shape {tuple(k.shape)})"
-        )
-    if mask is not None:
-        mask = as_bool_array(mask, "mask")
-        check_broadcastable(mask, (N, T, S), "mask", "[N, T, S]")
-    if bias is not None:
-        bias = as_float_array(bias, "bias")
-        check_broadcastable(bias, (N, T, S), "bias", "[N, T, S]")
-    scale = check_scale(scale, H, jnp.result_type(q, k))
-    return q, k, v, mask, bias, scale
 
 
 def multi_head_attention(
@@ -454,16 +309,15 @@ def multi_head_attention(
     Returns:
       ``(out [T, N, V], weights [N, T, S])``.
     """
-    q, k, v, mask, bias, scale = _validate_multi(q, k, v, mask, bias, scale)
+    q, k, v, mask, bias, scale = check_multi_head_inputs(q, k, v, mask, bias, scale)
     causal = _causal(is_causal, causal_offset)
     T, N, H = q.shape
     S, K, V = v.shape
-    G = N // K
-    qh = q.reshape(T, K, G, H).transpose(1, 2, 0, 3)  # [K, G, T, H]
+    qh = group_query_heads(q, K)  # [K, G, T, H]
     kh = k.transpose(1, 0, 2)  # [K, S, H]
     vh = v.transpose(1, 0, 2)  # [K, S, V]
-    m, m_axis = _per_head(mask, N, K)
-    b, b_axis = _per_head(bias, N, K)
+    m, m_axis = per_head(mask, N, K)
+    b, b_axis = per_head(bias, N, K)
 
     def one_head(q1, k1, v1, m1, b1):  # m1 [t, s] in its compact shape (see _attend)
         if b1 is not None:
@@ -562,6 +416,63 @@ def _project(x: Array, params: dict, w: str, b: str) -> Array:
     return y
 
 
+def _layer_mode(return_weights: Any, implementation: Any, bias: Any) -> tuple[bool, str | None]:
+    """:func:`attention_layer`'s ``(return_weights, implementation)``, checked together with ``bias``:
+    an implementation needs ``return_weights=False``, a bias needs ``return_weights=True``."""
+    return_weights = check_flag(return_weights, "return_weights")
+    implementation = check_implementation(implementation)
+    if return_weights and implementation is not None:
+        raise ValueError(
+            f"implementation={implementation!r} needs return_weights=False: the weights [N, T, S] come from "
+            f"the dense core, the implementations return (out, lse) (rows of the map: jaxattn.weights_from_lse)"
+        )
+    if not return_weights and bias is not None:
+        raise ValueError(
+            "bias needs return_weights=True: with return_weights=False the heads are computed without the "
+            "[N, T, S] logits a bias is added to"
+        )
+    return return_weights, implementation
+
+
+def _layer_inputs(
+    params: dict, h: Any, context: Any, num_heads: Any, num_kv_heads: Any
+) -> tuple[Array, Array, int, int]:
+    """:func:`attention_layer`'s ``(h [T, D], c [S, Dc], N, K)``, checked against ``params``: ``c`` is the
+    context (``h`` for self-attention), and ``W_Q``, ``W_K``, ``W_V`` project ``h``, ``c``, ``c`` to N, K, K
+    heads."""
+    missing = [name for name in _WEIGHT_KEYS if name not in params]
+    if missing:
+        raise ValueError(f"params is missing {missing}; expected keys {list(_WEIGHT_KEYS)} (+ optional biases)")
+    h = as_float_array(h, "h")
+    check_rank(h, 2, "h", "[T, D]")
+    c = h if context is None else as_float_array(context, "context")
+    check_rank(c, 2, "context", "[S, Dc]")
+    N = check_int(num_heads, "num_heads")
+    K = N if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
+    for name, x, rows in (("W_Q", h, h.shape[1]), ("W_K", c, c.shape[1]), ("W_V", c, c.shape[1])):
+        w = params[name]
+        if jnp.ndim(w) != 2 or w.shape[0] != rows:
+            raise ValueError(
+                f"params['{name}'] must have shape [{rows}, heads*H] to project an input of shape "
+                f"{tuple(x.shape)}, received {tuple(jnp.shape(w))}"
+            )
+    for name, heads in (("W_Q", N), ("W_K", K), ("W_V", K)):
+        width = params[name].shape[1]
+        if width % heads != 0:
+            raise ValueError(
+                f"params['{name}'] has {width} output columns, which {heads} heads do not divide "
+                f"(expected a multiple of {heads}); check num_heads/num_kv_heads"
+            )
+    return h, c, N, K
+
+
+def _check_output_projection(params: dict, width: int) -> None:
+    """``W_O`` must be ``[N·V, D]``, ``width = N·V`` the merged heads' width."""
+    w_o = params["W_O"]
+    if jnp.ndim(w_o) != 2 or w_o.shape[0] != width:
+        raise ValueError(f"params['W_O'] must have shape [N*V, D] = [{width}, D], received {tuple(jnp.shape(w_o))}")
+
+
 def attention_layer(
     params: dict[str, Float[ArrayLike, "_ _"] | Float[ArrayLike, "_"] | None],
     h: Float[ArrayLike, "T D"],
@@ -602,56 +513,17 @@ def attention_layer(
     Returns:
       ``(out [T, D], weights [N, T, S])``, or ``(out [T, D], lse [N, T])`` with ``return_weights=False``.
     """
-    return_weights = check_flag(return_weights, "return_weights")
-    implementation = check_implementation(implementation)
-    if return_weights and implementation is not None:
-        raise ValueError(
-            f"implementation={implementation!r} needs return_weights=False: the weights [N, T, S] come from "
-            f"the dense core, the implementations return (out, lse) (rows of the map: jaxattn.weights_from_lse)"
-        )
-    if not return_weights and bias is not None:
-        raise ValueError(
-            "bias needs return_weights=True: with return_weights=False the heads are computed without the "
-            "[N, T, S] logits a bias is added to"
-        )
-    missing = [name for name in _WEIGHT_KEYS if name not in params]
-    if missing:
-        raise ValueError(f"params is missing {missing}; expected keys {list(_WEIGHT_KEYS)} (+ optional biases)")
-    h = as_float_array(h, "h")
-    check_rank(h, 2, "h", "[T, D]")
-    c = h if context is None else as_float_array(context, "context")
-    check_rank(c, 2, "context", "[S, Dc]")
-    N = check_int(num_heads, "num_heads")
-    K = N if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
-    for name, x, rows in (("W_Q", h, h.shape[1]), ("W_K", c, c.shape[1]), ("W_V", c, c.shape[1])):
-        w = params[name]
-        if jnp.ndim(w) != 2 or w.shape[0] != rows:
-            raise ValueError(
-                f"params['{name}'] must have shape [{rows}, heads*H] to project an input of shape "
-                f"{tuple(x.shape)}, received {tuple(jnp.shape(w))}"
-            )
-    for name, heads in (("W_Q", N), ("W_K", K), ("W_V", K)):
-        width = params[name].shape[1]
-        if width % heads != 0:
-            raise ValueError(
-                f"params['{name}'] has {width} output columns, which {heads} heads do not divide "
-                f"(expected a multiple of {heads}); check num_heads/num_kv_heads"
-            )
+    return_weights, implementation = _layer_mode(return_weights, implementation, bias)
+    h, c, N, K = _layer_inputs(params, h, context, num_heads, num_kv_heads)
     q = split_heads(_project(h, params, "W_Q", "b_Q"), N)  # [T, N, H]
     k = split_heads(_project(c, params, "W_K", "b_K"), K)  # [S, K, H]
     v = split_heads(_project(c, params, "W_V", "b_V"), K)  # [S, K, V]
     if return_weights:
         out, weights = multi_head_attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
     else:
-        from jaxattn._blockwise import multi_head_blockwise_attention  # (imports this module)
-
         out, weights = multi_head_blockwise_attention(  # weights: lse [N, T]
             q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=implementation
         )
-    w_o = params["W_O"]
-    if jnp.ndim(w_o) != 2 or w_o.shape[0] != N * v.shape[2]:
-        raise ValueError(
-            f"params['W_O'] must have shape [N*V, D] = [{N * v.shape[2]}, D], received {tuple(jnp.shape(w_o))}"
-        )
+    _check_output_projection(params, N * v.shape[2])
     out = _project(merge_heads(out), params, "W_O", "b_O")  # [T, D]
     return out, weights

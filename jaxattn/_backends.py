@@ -15,13 +15,14 @@ The functions that never need the ``[T, S]`` map (:func:`jaxattn.blockwise_atten
 - ``"pallas"``: ``jax.experimental.pallas.ops.gpu.attention.mha`` (Triton, NVIDIA GPUs) with
   ``return_residuals=True``; ``lse`` is its saved base-2 log-sum-exp times ``ln 2``, float32. No mask
   (``is_causal`` only), a concrete scale. Its gradient is the kernel's own backward.
-- ``None``: the fastest available on the platform, by a fixed rule on static facts (see :func:`resolve`).
+- ``None``: the fastest available on the platform, by a fixed rule on static facts (see :func:`choose_implementation`).
 
 Every implementation returns ``out [T, N, V]`` in the promoted input dtype and ``lse [N, T]`` in the
 accumulation dtype (float32, or float64 for float64 inputs), with jaxattn's conventions: a row with no
-kept key gives a zero output and ``lse = -inf``. The library kernels stop the gradient of their ``lse``;
-here ``lse`` stays differentiable: its cotangent, when there is one, goes through the blockwise backward
-with zero-width values (one extra pass over the tiles, skipped when nothing depends on ``lse``).
+kept key gives a zero output and ``lse = -inf``. The library kernels stop the gradient of their ``lse``,
+and so does :func:`attend`; :mod:`jaxattn._blockwise`, which calls it, gives ``lse`` its gradient: the
+cotangent, when there is one, goes through the blockwise backward with zero-width values (one extra pass
+over the tiles, skipped when nothing depends on ``lse``).
 
 An implementation that cannot honour a call (the platform, a dtype, a mask, a traced scale) raises a
 ``ValueError`` naming ``implementation`` and the reason; nothing falls back to another implementation.
@@ -103,7 +104,7 @@ def unsupported(name: str, q: Array, k: Array, v: Array, mask: Array | None, sca
     raise AssertionError(name)
 
 
-def resolve(implementation: str | None, q: Array, k: Array, v: Array, mask: Array | None, scale: Any,
+def choose_implementation(implementation: str | None, q: Array, k: Array, v: Array, mask: Array | None, scale: Any,
             is_causal: bool, *, platform: str | None = None, interpret: bool = False) -> str:
     """The implementation to run: the one asked for if it can run this call (else ``ValueError``), or
     None's choice.
@@ -130,40 +131,6 @@ def resolve(implementation: str | None, q: Array, k: Array, v: Array, mask: Arra
         if half and unsupported("pallas", q, k, v, mask, scale, is_causal, platform=platform) is None:
             return "pallas"
     return "blockwise"
-
-
-# ----------------------------------------------------------------------------------------------------
-# lse's cotangent, for kernels that return lse without a gradient.
-# ----------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _differentiable_lse(lse, q, k, mask, scale, is_causal, block_q, block_k):
-    """``lse`` itself; its cotangent flows to ``q``, ``k`` and ``scale`` through the blockwise backward."""
-    return lse
-
-
-def _differentiable_lse_fwd(lse, q, k, mask, scale, is_causal, block_q, block_k):
-    return lse.value, (lse.value, q.value, k.value, mask.value if mask is not None else None, scale.value)
-
-
-def _differentiable_lse_bwd(is_causal, block_q, block_k, residuals, d_lse):
-    lse, q, k, mask, scale = residuals
-    if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
-        return None, None, None, None, None
-    from jaxattn._blockwise import _multi_head_grads
-
-    T, N, _ = q.shape
-    S, K, _ = k.shape
-    acc = scale.dtype
-    empty_v = jnp.zeros((S, K, 0), k.dtype)  # zero-width values: only the lse part of ds = p·(dp - D)
-    empty_out = jnp.zeros((T, N, 0), acc)
-    dq, dk, _, d_scale = _multi_head_grads(q, k, empty_v, mask, scale, empty_out, lse, empty_out, d_lse.astype(acc),
-                                           is_causal=is_causal, block_q=block_q, block_k=block_k)
-    return None, dq.astype(q.dtype), dk.astype(k.dtype), None, d_scale.astype(scale.dtype)
-
-
-_differentiable_lse.defvjp(_differentiable_lse_fwd, _differentiable_lse_bwd, symbolic_zeros=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,7 +218,7 @@ def _pallas_mha_bwd(sm_scale, causal, interpret, residuals, cotangents):
 
     ``mha`` refuses to differentiate a call with ``return_residuals=True``; its backward needs exactly
     the ``(q, k, v, segment_ids, out, lse)`` that call returns. The lse cotangent is not the kernel's
-    business: :func:`_differentiable_lse` carries it.
+    business: :func:`jaxattn._blockwise._differentiable_lse` carries it.
     """
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -308,13 +275,12 @@ def _pallas(q, k, v, scale, is_causal, interpret):
 
 
 def attend(name: str, q: Array, k: Array, v: Array, mask: Array | None, scale: Any, is_causal: bool, *,
-           block_q: int, block_k: int, interpret: bool = False) -> tuple[Array, Array]:
+           interpret: bool = False) -> tuple[Array, Array]:
     """Multi-head attention through implementation ``name`` (not ``"blockwise"``, which the caller runs).
 
     Validated inputs as in :func:`unsupported`; ``scale`` a Python number or a traced scalar. Returns
     ``(out [T, N, V], lse [N, T])``: out in the promoted input dtype, lse in the accumulation dtype,
-    differentiable (see :func:`_differentiable_lse`); rows with no kept key give 0 and ``-inf``.
-    ``block_q``, ``block_k``: the tiles of lse's backward pass.
+    without a gradient (the caller gives it one); rows with no kept key give 0 and ``-inf``.
     """
     T, N, _ = q.shape
     S = k.shape[0]
@@ -335,5 +301,4 @@ def attend(name: str, q: Array, k: Array, v: Array, mask: Array | None, scale: A
     if rows is not None:  # the kernels give such rows the mean of v and a finite lse: jaxattn's are 0, -inf
         out = jnp.where(rows.T[:, :, None], out, 0).astype(out_dtype)  # [T, N, V]
         lse = jnp.where(rows, lse, -jnp.inf)  # [N, T]
-    lse = _differentiable_lse(lse, q, k, mask, scale_arr, bool(is_causal), block_q, block_k)
     return out.astype(out_dtype), lse

@@ -37,18 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._attention import _kept_nonfinite, _logits, _per_head, _validate_multi, _validate_single
-from jaxattn._backends import attend, check_implementation, resolve
+from jaxattn._backends import attend, check_implementation, choose_implementation
 from jaxattn._checks import (
-    as_bool_array,
     as_float_array,
-    check_broadcastable,
+    check_attention_inputs,
     check_flag,
     check_int,
-    check_rank,
-    check_scale,
+    check_multi_head_inputs,
     softmax_dtype,
 )
+from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
 
 Array = jax.Array
@@ -281,7 +279,7 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
     qs = q.reshape(plan.nq, bq, q.shape[1])  # [nq, bq, H]
     _, (out, lse) = jax.lax.scan(scan_body, None, (jnp.arange(plan.nq), qs))  # [nq, bq, V], [nq, bq]
     out = out.reshape(plan.nq * bq, V)  # [Tp, V]
-    hit = _kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * bq, plan.nk * bk, v_bad)  # [Tp or 1, V], no [T, S] buffer
+    hit = kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * bq, plan.nk * bk, v_bad)  # [Tp or 1, V], no [T, S] buffer
     return jnp.where(hit, jnp.nan, out), lse.reshape(plan.nq * bq)
 
 
@@ -304,22 +302,11 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     acc_dtype = scale.dtype
     bq, bk = plan.bq, plan.bk
     H, V = q.shape[1], v.shape[1]
-    # Non-finite inputs: the products run on q, k, v with their non-finite entries zeroed, so that a masked
-    # one (weight 0) never reaches a gradient as 0 · NaN. The outputs the forward set to NaN (a kept
-    # non-finite input) have their cotangent dropped, and a NaN row (NaN lse) gets p = exp(s - inf) = 0.
-    q = jnp.where(jnp.isfinite(q), q, 0)  # [Tp, H]
-    k = jnp.where(jnp.isfinite(k), k, 0)  # [Sp, H]
-    v = jnp.where(jnp.isfinite(v), v, 0)  # [Sp, V]
-    marked = jnp.isnan(out)  # [Tp, V]
-    d_out = jnp.where(marked, 0.0, d_out.astype(acc_dtype))  # [Tp, V]
-    out = jnp.where(marked, 0.0, out.astype(acc_dtype))  # [Tp, V]
-    d_lse = jnp.where(jnp.isnan(lse), 0.0, d_lse)  # [Tp]
-    D = jnp.sum(d_out * out, axis=1) - d_lse  # [Tp]
-    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # rows with no kept key: every p is masked to 0 anyway
-    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)  # [Tp]
+    q, k, v, d_out, D, lse = _backward_operands(q, k, v, out, lse, d_out, d_lse, acc_dtype)
     pre = q.dtype == acc_dtype  # as in _forward: bf16/fp16 tiles scale their float32 product instead
     q_s = _scaled(q, scale) if pre else q  # [Tp, H]
     _, (n_masked_b, n_free_b) = _loop_counts(plan)
+    dq_rows = _dq_rows(bq)
 
     def k_block(j, dq, kb, vb):  # kb [bk, H], vb [bk, V]
         j, (kb, vb) = _tied(j, (kb, vb))  # see _tied
@@ -348,19 +335,10 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
             return dq_b, dk, dv
 
-        # The tile's rows of dq go in and out of the (possibly skipped) tile alone.
-        def take(i, carry):
-            dq, dk, dv = carry
-            return jax.lax.dynamic_slice_in_dim(dq, i * bq, bq), dk, dv  # [bq, H], [bk, H], [bk, V]
-
-        def put(i, carry, part):
-            dq_b, dk, dv = part
-            return jax.lax.dynamic_update_slice_in_dim(carry[0], dq_b, i * bq, axis=0), dk, dv  # [Tp, H], ...
-
         i_lo, i_full = _q_range(plan, j)
         carry = (dq, jnp.zeros_like(kb, acc_dtype), jnp.zeros_like(vb, acc_dtype))  # (made from the data: see _forward)
-        carry = _tile_loop(i_lo, i_full, n_masked_b, functools.partial(tile, masked=True), carry, (take, put))
-        carry = _tile_loop(i_full, plan.nq, n_free_b, functools.partial(tile, masked=False), carry, (take, put))
+        carry = _tile_loop(i_lo, i_full, n_masked_b, functools.partial(tile, masked=True), carry, dq_rows)
+        carry = _tile_loop(i_full, plan.nq, n_free_b, functools.partial(tile, masked=False), carry, dq_rows)
         return carry
 
     def scan_body(dq, xs):
@@ -379,6 +357,41 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
         dk = dk * scale  # [Sp, H], = scale·dsᵀq
     dv = dv.reshape(plan.nk * bk, V)  # [Sp, V]
     return dq, dk, dv, d_scale
+
+
+def _backward_operands(q, k, v, out, lse, d_out, d_lse, acc_dtype):
+    """What :func:`_backward` multiplies: ``(q, k, v, d_out, D, lse)``, with ``D = rowsum(d_out · out) - d_lse``.
+
+    Non-finite inputs: the products run on q, k, v with their non-finite entries zeroed, so that a masked
+    one (weight 0) never reaches a gradient as 0 · NaN. The outputs the forward set to NaN (a kept
+    non-finite input) have their cotangent dropped, and a NaN row (NaN lse) gets p = exp(s - inf) = 0.
+    """
+    q = jnp.where(jnp.isfinite(q), q, 0)  # [Tp, H]
+    k = jnp.where(jnp.isfinite(k), k, 0)  # [Sp, H]
+    v = jnp.where(jnp.isfinite(v), v, 0)  # [Sp, V]
+    marked = jnp.isnan(out)  # [Tp, V]
+    d_out = jnp.where(marked, 0.0, d_out.astype(acc_dtype))  # [Tp, V]
+    out = jnp.where(marked, 0.0, out.astype(acc_dtype))  # [Tp, V]
+    d_lse = jnp.where(jnp.isnan(lse), 0.0, d_lse)  # [Tp]
+    D = jnp.sum(d_out * out, axis=1) - d_lse  # [Tp]
+    lse = jnp.where(lse == -jnp.inf, 0.0, lse)  # rows with no kept key: every p is masked to 0 anyway
+    lse = jnp.where(jnp.isnan(lse), jnp.inf, lse)  # [Tp]
+    return q, k, v, d_out, D, lse
+
+
+def _dq_rows(bq: int):
+    """``(take, put)`` for :func:`_tile_loop`: query block ``i``'s rows of dq go in and out of the (possibly
+    skipped) tile alone, with the key block's ``dk``, ``dv``; the whole ``dq [Tp, H]`` never enters the cond."""
+
+    def take(i, carry):
+        dq, dk, dv = carry
+        return jax.lax.dynamic_slice_in_dim(dq, i * bq, bq), dk, dv  # [bq, H], [bk, H], [bk, V]
+
+    def put(i, carry, part):
+        dq_b, dk, dv = part
+        return jax.lax.dynamic_update_slice_in_dim(carry[0], dq_b, i * bq, axis=0), dk, dv  # [Tp, H], ...
+
+    return take, put
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -439,16 +452,6 @@ def _pad_rows(x: Array, n: int) -> Array:
     if extra == 0:
         return x
     return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1))
-
-
-def _mask_2d(mask: Array | None, T: int, S: int) -> Array | None:
-    """A keep-mask broadcastable to ``[T, S]`` as ``[t, s]`` with ``t in {1, T}``, ``s in {1, S}``.
-
-    The broadcast is NOT materialised: a padding mask ``[S]`` becomes ``[1, S]``, O(S) memory.
-    """
-    if mask is None:
-        return None
-    return mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
 
 
 def _padded(q, k, v, mask, plan: _Plan):
@@ -572,19 +575,19 @@ def blockwise_attention(
 
 def _blockwise_attention(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret):
     """:func:`blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode (any platform)."""
-    q, k, v, mask, _, scale = _validate_single(q, k, v, mask, None, scale, broadcast_mask=False)
+    q, k, v, mask, _, scale = check_attention_inputs(q, k, v, mask, None, scale, broadcast_mask=False)
     is_causal = check_flag(is_causal, "is_causal")
-    T, S = q.shape[0], k.shape[0]
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
-    name = resolve(implementation, q[:, None], k[:, None], v[:, None], mask, scale, is_causal, interpret=interpret)
+    name = choose_implementation(implementation, q[:, None], k[:, None], v[:, None], mask, scale, is_causal,
+                                 interpret=interpret)
     if name != "blockwise":
-        out, lse = attend(name, q[:, None], k[:, None], v[:, None], mask, scale, is_causal, block_q=block_q,
-                          block_k=block_k, interpret=interpret)  # [T, 1, V], [1, T]
+        out, lse = _attend_library(name, q[:, None], k[:, None], v[:, None], mask, scale, is_causal,
+                                   block_q=block_q, block_k=block_k, interpret=interpret)  # [T, 1, V], [1, T]
         return out[:, 0], lse[0]
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    return _blockwise(q, k, v, _mask_2d(mask, T, S), _scale_array(scale, acc_dtype), is_causal, block_q, block_k)
+    return _blockwise(q, k, v, compact_mask(mask), _scale_array(scale, acc_dtype), is_causal, block_q, block_k)
 
 
 def multi_head_blockwise_attention(
@@ -644,34 +647,30 @@ def multi_head_blockwise_attention(
 
 def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret):
     """:func:`multi_head_blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode."""
-    q, k, v, mask, _, scale = _validate_multi(q, k, v, mask, None, scale)
+    q, k, v, mask, _, scale = check_multi_head_inputs(q, k, v, mask, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
-    name = resolve(implementation, q, k, v, mask, scale, is_causal, interpret=interpret)
+    name = choose_implementation(implementation, q, k, v, mask, scale, is_causal, interpret=interpret)
     if name != "blockwise":
-        return attend(name, q, k, v, mask, scale, is_causal, block_q=block_q, block_k=block_k, interpret=interpret)
+        return _attend_library(name, q, k, v, mask, scale, is_causal, block_q=block_q, block_k=block_k,
+                               interpret=interpret)
     T, N, H = q.shape
     S, K, V = v.shape
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     scale = _scale_array(scale, acc_dtype)
-    qh, kh, vh = _split_heads(q, K), k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [K, G, T, H], [K, S, H], [K, S, V]
-    m, m_axis = _per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
+    qh = group_query_heads(q, K)  # [K, G, T, H]
+    kh, vh = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [K, S, H], [K, S, V]
+    m, m_axis = per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
 
     def one_head(qs, kvs, m1):
         (q1,), (k1, v1) = qs, kvs
-        return _blockwise(q1, k1, v1, _mask_2d(m1, T, S), scale, is_causal, block_q, block_k)
+        return _blockwise(q1, k1, v1, compact_mask(m1), scale, is_causal, block_q, block_k)
 
     out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, _heads_side_by_side(q, k))
     out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V], from [K, G, T, V]
     return out, lse.reshape(N, T)
-
-
-def _split_heads(x: Array, K: int) -> Array:
-    """``[T, N, X]`` -> ``[K, G, T, X]``: query head ``n = κ·G + g`` reads key/value head ``κ``."""
-    T, N, X = x.shape
-    return x.reshape(T, K, N // K, X).transpose(1, 2, 0, 3)  # [K, G, T, X]
 
 
 def _over_heads(one_head, per_q, per_kv, mask, m_axis, vmapped):
@@ -679,7 +678,7 @@ def _over_heads(one_head, per_q, per_kv, mask, m_axis, vmapped):
 
     ``per_q``: a tuple of ``[K, G, ...]`` arrays, sliced per query head; ``per_kv``: a tuple of
     ``[K, ...]`` arrays, sliced per key/value head (query head ``(κ, g)`` reads ``κ``); ``mask``
-    ``[K, G, t, s]`` (``m_axis = 0``), shared ``[t, s]`` or None, from :func:`_per_head`.
+    ``[K, G, t, s]`` (``m_axis = 0``), shared ``[t, s]`` or None, from :func:`jaxattn._logits.per_head`.
 
     Heads run one after another (lax.map), not side by side (vmap): a vmapped tile is N times bigger
     and falls out of cache on a CPU. ``vmapped`` (see :func:`_heads_side_by_side`): the heads are
@@ -712,18 +711,18 @@ def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal
     S, K, V = v.shape
     G = N // K
     per_q = (
-        _split_heads(q, K),  # [K, G, T, H]
-        _split_heads(out, K),  # [K, G, T, V]
+        group_query_heads(q, K),  # [K, G, T, H]
+        group_query_heads(out, K),  # [K, G, T, V]
         lse.reshape(K, G, T),  # [K, G, T]
-        _split_heads(d_out, K),  # [K, G, T, V]
+        group_query_heads(d_out, K),  # [K, G, T, V]
         d_lse.reshape(K, G, T),  # [K, G, T]
     )
     per_kv = (k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # [K, S, H], [K, S, V]
-    m, m_axis = _per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
+    m, m_axis = per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
 
     def one_head(qs, kvs, m1):
         (q1, out1, lse1, d_out1, d_lse1), (k1, v1) = qs, kvs
-        m1 = _mask_2d(m1, T, S)
+        m1 = compact_mask(m1)
         return _blockwise_grads(q1, k1, v1, m1, scale, out1, lse1, d_out1, d_lse1, is_causal, block_q, block_k)
 
     dq, dk, dv, d_scale = _over_heads(one_head, per_q, per_kv, m, m_axis, _heads_side_by_side(q, k))  # [K, G, ...] each
@@ -731,6 +730,53 @@ def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal
     dk = jnp.sum(dk, axis=1).transpose(1, 0, 2)  # [S, K, H]
     dv = jnp.sum(dv, axis=1).transpose(1, 0, 2)  # [S, K, V]
     return dq, dk, dv, jnp.sum(d_scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The library kernels (jaxattn._backends), their lse given a gradient by the blockwise backward.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _attend_library(name, q, k, v, mask, scale, is_causal, *, block_q, block_k, interpret):
+    """:func:`jaxattn._backends.attend` (``out [T, N, V]``, ``lse [N, T]``), with ``lse`` differentiable.
+
+    The kernels stop ``lse``'s gradient; here its cotangent flows to ``q``, ``k`` and ``scale`` through
+    :func:`_multi_head_grads` with zero-width values, on the tiles ``block_q``, ``block_k``.
+    """
+    out, lse = attend(name, q, k, v, mask, scale, is_causal, interpret=interpret)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return out, lse
+    out_dtype = jnp.result_type(q, k, v)
+    q, k = q.astype(out_dtype), k.astype(out_dtype)  # the operands the kernel ran on
+    scale = jnp.asarray(scale, lse.dtype)
+    return out, _differentiable_lse(lse, q, k, mask, scale, bool(is_causal), block_q, block_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _differentiable_lse(lse, q, k, mask, scale, is_causal, block_q, block_k):
+    """``lse`` itself; its cotangent flows to ``q``, ``k`` and ``scale`` through the blockwise backward."""
+    return lse
+
+
+def _differentiable_lse_fwd(lse, q, k, mask, scale, is_causal, block_q, block_k):
+    return lse.value, (lse.value, q.value, k.value, mask.value if mask is not None else None, scale.value)
+
+
+def _differentiable_lse_bwd(is_causal, block_q, block_k, residuals, d_lse):
+    lse, q, k, mask, scale = residuals
+    if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
+        return None, None, None, None, None
+    T, N, _ = q.shape
+    S, K, _ = k.shape
+    acc = scale.dtype
+    empty_v = jnp.zeros((S, K, 0), k.dtype)  # zero-width values: only the lse part of ds = p·(dp - D)
+    empty_out = jnp.zeros((T, N, 0), acc)
+    dq, dk, _, d_scale = _multi_head_grads(q, k, empty_v, mask, scale, empty_out, lse, empty_out, d_lse.astype(acc),
+                                           is_causal=is_causal, block_q=block_q, block_k=block_k)
+    return None, dq.astype(q.dtype), dk.astype(k.dtype), None, d_scale.astype(scale.dtype)
+
+
+_differentiable_lse.defvjp(_differentiable_lse_fwd, _differentiable_lse_bwd, symbolic_zeros=True)
 
 
 def weights_from_lse(
@@ -762,17 +808,9 @@ def weights_from_lse(
       ``[R, S]`` in the accumulation dtype (float32 or float64); each row sums to 1, or is all zeros if
       the row has no kept key.
     """
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
+    q, k, _, mask, _, scale = check_attention_inputs(q, k, None, mask, None, scale, broadcast_mask=False)
     lse = as_float_array(lse, "lse")
-    check_rank(q, 2, "q", "[T, H]")
-    check_rank(k, 2, "k", "[S, H]")
     T, S = q.shape[0], k.shape[0]
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, H], "
-            f"k has shape {tuple(k.shape)} [S, H]"
-        )
     is_causal = check_flag(is_causal, "is_causal")
     if lse.shape != (T,):
         raise ValueError(f"lse must have shape [T] = ({T},) to match q {tuple(q.shape)}, received {tuple(lse.shape)}")
@@ -786,16 +824,12 @@ def weights_from_lse(
             bad = np.asarray(rows)[(np.asarray(rows) < 0) | (np.asarray(rows) >= T)]
             if bad.size:
                 raise ValueError(f"rows must be query indices in [0, T={T}), received {bad.tolist()}")
-    if mask is not None:
-        mask = as_bool_array(mask, "mask")
-        check_broadcastable(mask, (T, S), "mask", "[T, S]")
-    scale = check_scale(scale, q.shape[1], jnp.result_type(q, k))
-    logits = _logits(q[rows], k, None, scale)  # [R, S]
+    logits = scaled_logits(q[rows], k, None, scale)  # [R, S]
     keep = jnp.ones(logits.shape, bool)  # [R, S]
     if is_causal:
         keep = jnp.arange(S)[None, :] <= rows[:, None]  # [R, S]
     if mask is not None:
-        m2 = _mask_2d(mask, T, S)  # [t, s]
+        m2 = compact_mask(mask)  # [t, s]
         m2 = m2[rows] if m2.shape[0] > 1 else m2  # [R or 1, s]
         keep = jnp.logical_and(keep, m2)  # [R, S]
     lse_r = lse[rows].astype(logits.dtype)  # [R]

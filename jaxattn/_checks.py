@@ -1,4 +1,4 @@
-"""Input validation shared by every public function.
+"""Input validation shared by every public function, and the checked inputs of attention itself.
 
 Each check runs on static shapes and dtypes in Python, before anything is traced into XLA, and raises
 a ``ValueError`` or ``TypeError`` that names the argument, what was expected and what was received.
@@ -162,3 +162,84 @@ def check_flag(value: Any, name: str) -> bool:
             f"pass it as a static argument, e.g. jax.jit(f, static_argnames='{name}'))"
         )
     raise TypeError(f"{name} must be a Python bool (True or False), received {value!r} of type {type(value).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The inputs of attention itself (axis alphabet as in jaxattn._attention).
+# ----------------------------------------------------------------------------------------------------
+
+
+def check_attention_inputs(q, k, v, mask, bias, scale, *, broadcast_mask=True):
+    """Checked ``(q, k, v, mask, bias, scale)`` of one head: q ``[T, H]``, k ``[S, H]``, v ``[S, V]`` or None,
+    mask and bias broadcastable to ``[T, S]`` (or None), the scale as :func:`check_scale` gives it.
+
+    The bias is broadcast to ``[T, S]``; the mask too, unless ``broadcast_mask=False``, which keeps its
+    compact shape (a key-padding mask ``[S]`` stays ``[S]``).
+    """
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    check_rank(q, 2, "q", "[T, H]")
+    check_rank(k, 2, "k", "[S, H]")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, H], "
+            f"k has shape {tuple(k.shape)} [S, H]"
+        )
+    if v is not None:
+        v = as_float_array(v, "v")
+        check_rank(v, 2, "v", "[S, V]")
+        if v.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"k and v must have the same length S: k has shape {tuple(k.shape)} [S, H], "
+                f"v has shape {tuple(v.shape)} [S, V]"
+            )
+    T, S = q.shape[0], k.shape[0]
+    if mask is not None:
+        mask = as_bool_array(mask, "mask")
+        check_broadcastable(mask, (T, S), "mask", "[T, S]")
+        if broadcast_mask:
+            mask = jnp.broadcast_to(mask, (T, S))
+    if bias is not None:
+        bias = as_float_array(bias, "bias")
+        check_broadcastable(bias, (T, S), "bias", "[T, S]")
+        bias = jnp.broadcast_to(bias, (T, S))
+    scale = check_scale(scale, q.shape[-1], jnp.result_type(q, k))
+    return q, k, v, mask, bias, scale
+
+
+def check_multi_head_inputs(q, k, v, mask, bias, scale):
+    """Checked ``(q, k, v, mask, bias, scale)`` of multi-head (grouped-query) attention: q ``[T, N, H]``,
+    k ``[S, K, H]``, v ``[S, K, V]`` with ``N % K == 0``, mask and bias broadcastable to ``[N, T, S]`` (kept
+    in their own shapes) or None, the scale as :func:`check_scale` gives it."""
+    q = as_float_array(q, "q")
+    k = as_float_array(k, "k")
+    v = as_float_array(v, "v")
+    check_rank(q, 3, "q", "[T, N, H]")
+    check_rank(k, 3, "k", "[S, K, H]")
+    check_rank(v, 3, "v", "[S, K, V]")
+    T, N, H = q.shape
+    S, K, Hk = k.shape
+    if H != Hk:
+        raise ValueError(
+            f"q and k must have the same head dimension H: q has shape {tuple(q.shape)} [T, N, H], "
+            f"k has shape {tuple(k.shape)} [S, K, H]"
+        )
+    if v.shape[0] != S or v.shape[1] != K:
+        raise ValueError(
+            f"v must have shape [S, K, V] = [{S}, {K}, V] to match k {tuple(k.shape)}, "
+            f"received {tuple(v.shape)}"
+        )
+    if K == 0 or N % K != 0:
+        raise ValueError(
+            f"the number of query heads N must be a multiple of the number of key/value heads K "
+            f"(grouped-query attention): q has N={N} heads (shape {tuple(q.shape)}), "
+            f"k and v have K={K} (shape {tuple(k.shape)})"
+        )
+    if mask is not None:
+        mask = as_bool_array(mask, "mask")
+        check_broadcastable(mask, (N, T, S), "mask", "[N, T, S]")
+    if bias is not None:
+        bias = as_float_array(bias, "bias")
+        check_broadcastable(bias, (N, T, S), "bias", "[N, T, S]")
+    scale = check_scale(scale, H, jnp.result_type(q, k))
+    return q, k, v, mask, bias, scale

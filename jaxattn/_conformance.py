@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._backends import IMPLEMENTATIONS, unsupported
+from jaxattn._blockwise import _multi_head_blockwise
 
 # Normwise relative tolerance per dtype of the computation: max|got - oracle| <= TOL · max|oracle|.
 TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -154,8 +155,6 @@ def _error(got, want) -> float:
 
 def _run_one(implementation: str, case: Case, q, k, v, mask, is_causal, w_out, w_lse, interpret: bool,
              block_q: int, block_k: int):
-    from jaxattn._blockwise import _multi_head_blockwise
-
     acc = jnp.promote_types(case.dtype, jnp.float32)
     has = None if mask is None else np.broadcast_to(mask, (case.N, case.T, case.S)).any(axis=2)  # [N, T]
     lse_weight = jnp.asarray(w_lse if has is None else np.where(has, w_lse, 0.0), acc)

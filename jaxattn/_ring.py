@@ -46,14 +46,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxattn._attention import _validate_multi
 from jaxattn._blockwise import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
     _multi_head_grads,
     multi_head_blockwise_attention,
 )
-from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_int, check_rank, softmax_dtype
+from jaxattn._checks import (
+    as_bool_array,
+    as_float_array,
+    check_flag,
+    check_int,
+    check_multi_head_inputs,
+    check_rank,
+    softmax_dtype,
+)
 from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
@@ -158,7 +165,7 @@ def ring_attention_shard(
     Returns:
       ``(out [Tc, N, V], lse [N, Tc])``: this device's rows of the output and of the row log-sum-exp.
     """
-    q, k, v, _, _, scale = _validate_multi(q, k, v, None, None, scale)
+    q, k, v, _, _, scale = check_multi_head_inputs(q, k, v, None, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
@@ -227,7 +234,7 @@ def ring_attention(
     Returns:
       ``(out [T, N, V], lse [N, T])``, sharded like q over ``axis_name``.
     """
-    q, k, v, _, _, scale = _validate_multi(q, k, v, None, None, scale)
+    q, k, v, _, _, scale = check_multi_head_inputs(q, k, v, None, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
@@ -452,7 +459,7 @@ def sharded_attention(
         )
     # the per-example checks of multi_head_attention, on shapes only (indexing a sharded array would move data)
     jax.eval_shape(
-        lambda q, k, v: _validate_multi(q, k, v, None, None, scale)[:3],
+        lambda q, k, v: check_multi_head_inputs(q, k, v, None, None, scale)[:3],
         *(jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (q, k, v)),
     )
     Pb = _mesh_axis_size(mesh, batch_axis, "batch_axis")

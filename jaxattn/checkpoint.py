@@ -25,6 +25,26 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+__all__ = [
+    "CheckpointError",
+    "ConfigSchema",
+    "HubUnavailableError",
+    "ResolvedFiles",
+    "TextTokenizer",
+    "cast_params",
+    "check_finite",
+    "check_layer_count",
+    "check_shapes",
+    "flatten",
+    "read_config",
+    "read_msgpack",
+    "read_safetensors",
+    "resolve",
+    "safetensors_names",
+    "unflatten",
+    "weight_names",
+]
+
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be used: a file is missing, corrupt, or holds something the model refuses."""

@@ -165,16 +165,7 @@ def dot_product_attention(
     query, key, value = (as_float_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
     _check_qkv(query, key, value)
     batch = tuple(query.shape[:-3])
-    T, N, _ = query.shape[-3:]
-    S = key.shape[-3]
-    target, axes = batch + (N, T, S), "[batch..., N, T, S]"
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        mask = mask if mask.dtype == jnp.bool_ else mask != 0  # Flax's masks may be float: nonzero = attend
-        check_broadcastable(mask, target, "mask", axes)
-    if bias is not None:
-        bias = as_float_array(bias, "bias")
-        check_broadcastable(bias, target, "bias", axes)
+    mask, bias = _mask_and_bias(mask, bias, batch + (query.shape[-2], query.shape[-3], key.shape[-3]))
     is_causal = check_flag(is_causal, "is_causal")
     dropout = not check_flag(deterministic, "deterministic") and _check_dropout_rate(dropout_rate) > 0.0
     if dropout and dropout_rng is None:
@@ -188,16 +179,40 @@ def dot_product_attention(
         # out [batch..., T, N, V], weights [batch..., N, T, S]
         if module is not None:
             module.sow(nnx.Intermediate, "attention_weights", weights)
-        if dropout:  # as Flax draws it: a keep pattern [T, S] shared by batch and heads, or one per weight
-            keep_prob = 1.0 - dropout_rate
-            shape = (1,) * (len(batch) + 1) + (T, S) if broadcast_dropout else weights.shape
-            keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)  # [batch... or 1, N or 1, T, S]
-            dropped = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))
-            K = key.shape[-2]
-            dropped = dropped.reshape(batch + (K, N // K, T, S))  # [batch..., K, G, T, S]
-            out = jnp.einsum("...KGTS,...SKV->...TKGV", dropped, value, precision=precision)
-            out = out.reshape(batch + (T, N, value.shape[-1])).astype(query.dtype)  # [batch..., T, N, V]
+        if dropout:
+            out = _dropped_out(weights, value, dropout_rng, dropout_rate, broadcast_dropout, precision)
+            out = out.astype(query.dtype)  # [batch..., T, N, V]
     return out
+
+
+def _mask_and_bias(mask: Any, bias: Any, target: tuple[int, ...]) -> tuple[Array | None, Array | None]:
+    """The mask (bool: Flax's masks may be float, nonzero = attend) and the bias, checked to broadcast to
+    ``target = [batch..., N, T, S]``."""
+    axes = "[batch..., N, T, S]"
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask if mask.dtype == jnp.bool_ else mask != 0
+        check_broadcastable(mask, target, "mask", axes)
+    if bias is not None:
+        bias = as_float_array(bias, "bias")
+        check_broadcastable(bias, target, "bias", axes)
+    return mask, bias
+
+
+def _dropped_out(weights: Array, value: Array, rng: Array, rate: float, broadcast: bool, precision: Any) -> Array:
+    """``out [batch..., T, N, V]`` from ``weights [batch..., N, T, S]`` after dropout, drawn as Flax draws it:
+    a keep pattern ``[T, S]`` shared by batch and heads (``broadcast``), or one per weight; the weights
+    kept are scaled by ``1 / (1 - rate)``. ``value [batch..., S, K, V]``."""
+    *batch, N, T, S = weights.shape
+    batch = tuple(batch)
+    K = value.shape[-2]
+    keep_prob = 1.0 - rate
+    shape = (1,) * (len(batch) + 1) + (T, S) if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, keep_prob, shape)  # [batch... or 1, N or 1, T, S]
+    dropped = weights * (keep.astype(weights.dtype) / jnp.asarray(keep_prob, weights.dtype))
+    dropped = dropped.reshape(batch + (K, N // K, T, S))  # [batch..., K, G, T, S]
+    out = jnp.einsum("...KGTS,...SKV->...TKGV", dropped, value, precision=precision)
+    return out.reshape(batch + (T, N, value.shape[-1]))  # [batch..., T, N, V]
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):

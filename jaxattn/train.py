@@ -48,6 +48,24 @@ import optax  # noqa: E402  (after the check, so a missing optax names the extra
 Array = jax.Array
 _LN_EPS = 1e-5  # LayerNorm epsilon (GPT-2's)
 
+__all__ = [
+    "METRICS",
+    "ModelConfig",
+    "OptConfig",
+    "RecallTask",
+    "forward",
+    "init_params",
+    "init_state",
+    "loss_fn",
+    "lr_schedule",
+    "optimizer",
+    "recall_batch",
+    "resolve_scale",
+    "summarize",
+    "train",
+    "train_step",
+]
+
 # ----------------------------------------------------------------------------------------------------
 # Configurations (frozen dataclasses: hashable, so they are static arguments of the compiled step).
 # ----------------------------------------------------------------------------------------------------

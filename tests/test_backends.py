@@ -13,7 +13,7 @@ import pytest
 
 import jaxattn
 from jaxattn import _conformance, check_conformance, conformance_table
-from jaxattn._backends import resolve
+from jaxattn._backends import choose_implementation
 from jaxattn._blockwise import _multi_head_blockwise
 from jaxattn._conformance import Case, _check, oracle
 from tests._oracle import reference_forward, reference_vjp
@@ -94,7 +94,7 @@ def test_none_picks_by_the_documented_rule_on_a_gpu(dtype, H, V, mask, scale, ex
     m = None if mask is None else jnp.ones((8,), bool)
 
     def pick(scale):
-        return resolve(None, q, k, v, m, scale, False, platform="gpu")
+        return choose_implementation(None, q, k, v, m, scale, False, platform="gpu")
 
     if scale == "traced":
         picked = []
@@ -102,8 +102,8 @@ def test_none_picks_by_the_documented_rule_on_a_gpu(dtype, H, V, mask, scale, ex
         assert picked == [expected]
     else:
         assert pick(scale) == expected
-    assert resolve(None, q, k, v, m, 0.125, False, platform="cpu") == "blockwise"
-    assert resolve(None, q, k, v, m, 0.125, False, platform="tpu") == "blockwise"
+    assert choose_implementation(None, q, k, v, m, 0.125, False, platform="cpu") == "blockwise"
+    assert choose_implementation(None, q, k, v, m, 0.125, False, platform="tpu") == "blockwise"
 
 
 BAD = [

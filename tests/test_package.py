@@ -1,6 +1,8 @@
 """The package's shape: what a bare install imports, which extra each part names, which way imports run."""
 
 import ast
+import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -15,7 +17,7 @@ PACKAGE = ROOT / "jaxattn"
 # package's face (``jaxattn/__init__.py``) sits with the probes: ``import jaxattn`` gives ``jaxattn.probes``.
 LAYERS = {
     "core": {"jaxattn._attention", "jaxattn._blockwise", "jaxattn._masks", "jaxattn._ring",
-             "jaxattn._backends", "jaxattn._conformance",
+             "jaxattn._backends", "jaxattn._conformance", "jaxattn._logits",
              "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io", "jaxattn.progress"},
     "probes": {"jaxattn", "jaxattn.probes"},
     "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx",
@@ -65,6 +67,89 @@ def test_imports_run_one_way_core_probes_models_lab():
     assert not wrong, "\n".join(wrong)
 
 
+def _import_edges(path: Path) -> list[tuple[str, int]]:
+    """``(module, line)`` for every jaxattn module the file imports, at any depth (a function's own imports too).
+
+    ``from jaxattn.x import name`` is an edge to ``jaxattn.x.name`` when that is a module (what Python
+    executes), else to ``jaxattn.x``; ``import jaxattn`` and ``from jaxattn import attention`` are edges to
+    the package's face, ``jaxattn/__init__.py``. Relative imports are resolved against the file's package.
+    A submodule's implicit import of its parent packages is not an edge: the parent is already running or
+    done when its submodule runs.
+    """
+    package = _module_name(path).split(".") if path.name == "__init__.py" else _module_name(path).split(".")[:-1]
+    edges = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            if base and base.split(".")[0] == "jaxattn":
+                edges += [(_target(base, a.name), node.lineno) for a in node.names]
+        elif isinstance(node, ast.Import):
+            edges += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "jaxattn"]
+    return edges
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` that hold a cycle (two or more nodes, or a self-loop)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph.get(node, ())):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_cycles_and_only_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
+    assert sorted(_cycles(graph)) == [["a", "b", "c"], ["e"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle_among_jaxattn_modules():
+    files = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    graph: dict[str, set[str]] = {module: set() for module in files}
+    where: dict[tuple[str, str], int] = {}
+    unknown = []
+    for module, path in files.items():
+        for target, line in _import_edges(path):
+            if target not in files:
+                unknown.append(f"{module}:{line} imports {target}, which is no module of the package")
+                continue
+            graph[module].add(target)
+            where.setdefault((module, target), line)
+    assert not unknown, "\n".join(unknown)
+    report = []
+    for component in _cycles(graph):
+        inside = [f"  {a}:{where[a, b]} -> {b}" for a in component for b in sorted(graph[a]) if b in component]
+        report.append(f"import cycle among {component}:\n" + "\n".join(inside))
+    assert not report, "\n".join(report)
+
+
 def test_experiments_use_public_names_only():
     private = []
     for path in sorted((ROOT / "experiments").glob("*.py")):
@@ -79,6 +164,61 @@ def test_no_public_module_only_reexports_a_private_one():
     for path in PACKAGE.glob("*.py"):
         if not path.name.startswith("_"):
             assert not (PACKAGE / f"_{path.name}").exists(), f"{path.name} beside _{path.name}"
+
+
+def _public_modules() -> dict[str, Path]:
+    """Every public module of the package: a file none of whose path parts is private, or a package's face."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    public = [p for p in paths if not any(part.startswith("_") for part in p.relative_to(ROOT).parts[:-1])
+              and (p.name == "__init__.py" or not p.name.startswith("_"))]
+    return {_module_name(p): p for p in public}
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The names a file binds at its top level by ``def``, ``class`` or assignment (not by import)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def _owned_files(module: str, path: Path) -> list[Path]:
+    """The module's file and, for a package's face, the files of its own private submodules."""
+    if path.name != "__init__.py":
+        return [path]
+    return [path] + sorted(p for p in path.parent.glob("_*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("module", sorted(_public_modules()))
+def test_every_public_module_has_all_and_owns_its_names(module):
+    # A name is owned by a module when it is defined there or in one of the module's own private
+    # submodules (jaxattn.probes._rows for jaxattn.probes, jaxattn._attention for jaxattn), never when it
+    # is imported from another module: each name of __all__ has one home, where its docs live.
+    mod = importlib.import_module(module)
+    assert hasattr(mod, "__all__"), f"{module} has no __all__"
+    assert len(set(mod.__all__)) == len(mod.__all__), f"{module}.__all__ repeats a name"
+    defined = set().union(*(_top_level_names(p) for p in _owned_files(module, _public_modules()[module])))
+    foreign = []
+    for name in mod.__all__:
+        assert not name.startswith("_"), f"{module}.__all__ lists the private name {name}"
+        assert hasattr(mod, name), f"{module}.__all__ lists {name}, which the module does not have"
+        obj = getattr(mod, name)
+        if inspect.ismodule(obj):
+            home = obj.__name__
+            ok = home == f"{module}.{name}"
+        elif callable(obj) or inspect.isclass(obj):
+            home = getattr(obj, "__module__", None)
+            ok = home == module or (home or "").startswith(module + "._")
+        else:
+            home = "another module (imported here, not assigned)"
+            ok = name in defined
+        if not ok:
+            foreign.append(f"{module}.{name} is defined in {home}")
+    assert not foreign, "\n".join(foreign)
 
 
 BARE = """

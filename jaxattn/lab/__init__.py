@@ -42,11 +42,11 @@ from jaxattn.lab._saturation import (  # noqa: E402
     zero_fractions,
 )
 from jaxattn.lab._trophy import (  # noqa: E402
-    LEVELS,
     PAIR_NAMES,
     RESOLUTION_PROMPT,
     RESOLUTIONS,
     SENTENCES,
+    SHADES,
     Comparison,
     LabModel,
     SentenceMaps,
@@ -68,7 +68,6 @@ from jaxattn.lab._trophy import (  # noqa: E402
 
 __all__ = [
     "FIT_MIN_HEAD_DIM",
-    "LEVELS",
     "LOW_PRECISION_DTYPES",
     "PAIR_NAMES",
     "QK_COLUMNS",
@@ -76,6 +75,7 @@ __all__ = [
     "RESOLUTION_PROMPT",
     "ROW_SUM_TOLERANCE",
     "SENTENCES",
+    "SHADES",
     "TABLE_COLUMNS",
     "Comparison",
     "LabModel",

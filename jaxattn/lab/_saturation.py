@@ -10,6 +10,7 @@ figure. Nothing here prints; the lab script renders and writes files (atomically
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -314,12 +315,12 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
     r_norm = readout_norm_mean(V)
     med = lambda name: np.asarray(summary[name]["median"][1], np.float64)[use]
     mean = lambda name: np.asarray(summary[name]["mean"][1], np.float64)[use]
+    fit = functools.partial(_fit_or_reason, fit_dims, dtype=dtype, min_head_dim=min_head_dim)
     out: dict[str, Any] = {
         "dtype": dtype, "num_keys": S, "num_queries": T, "value_dim": V, "fit_head_dims": fit_dims.tolist(),
         "gap_median": m, "gap_density_at_zero": f0, "readout_norm_mean": r_norm,
     }
-    sqrt_d = np.sqrt(fit_dims.astype(np.float64))
-    medians = (
+    medians = (  # key, y, times √d_k, b predicted, c predicted
         ("median_jacobian_norm", med("jacobian_norm"), False, m, 2.0),
         ("median_logit_grad_norm", med("logit_grad_norm"), False, m, None),
         ("median_q_grad_norm", med("q_grad_norm"), True, m, None),
@@ -329,50 +330,62 @@ def fit_laws(summary: dict[str, Any], *, dtype: str, min_head_dim: int = FIT_MIN
     )
     for key, y, times_sqrt_d, b_pred, c_pred in medians:
         form = "c·√d_k·exp(-b·√d_k)" if times_sqrt_d else "c·exp(-b·√d_k)"
-        try:
-            _check_fittable(fit_dims, y, dtype=dtype, min_head_dim=min_head_dim)
-            b, c = probes.fit_stretched_exp(fit_dims, y / sqrt_d if times_sqrt_d else y)
-        except ValueError as e:
-            out[key] = {"form": form, "not_fitted": str(e)}
-            continue
-        out[key] = {"form": form, "b": b, "c": c, "b_predicted": b_pred, "c_predicted": c_pred}
-    y = m * sqrt_d
+        out[key] = fit(form, y, functools.partial(_stretched_exp_law, times_sqrt_d=times_sqrt_d, b_predicted=b_pred,
+                                                  c_predicted=c_pred))
+    y = m * np.sqrt(fit_dims.astype(np.float64))
     out["median_entropy"] = {
         "form": "(1 + m√d_k)·exp(-m√d_k)",
         "measured_over_predicted": (med("entropy") / ((1 + y) * np.exp(-y))).tolist(),
     }
-    means = (
+    means = (  # key, y, c predicted
         ("mean_jacobian_norm", mean("jacobian_norm"), f0),
         ("mean_entropy", mean("entropy"), math.pi**2 / 6 * f0),
         ("mean_logit_grad_norm", mean("logit_grad_norm"), math.sqrt(2 / math.pi) * f0 * r_norm),
         ("mean_one_minus_max_weight", 1 - mean("max_weight"), math.log(2) * f0),
     )
-    form = "c·d_k^a; and C/√d_k·(1 + κ/√d_k)"
     for key, y, c_pred in means:
-        try:
-            _check_fittable(fit_dims, y, dtype=dtype, min_head_dim=min_head_dim)
-            a, c = probes.fit_power_law(fit_dims, y)
-            c_inf, kappa = _fit_inverse_sqrt(fit_dims, y)
-        except ValueError as e:
-            out[key] = {"form": form, "not_fitted": str(e)}
-            continue
-        out[key] = {"form": form, "a": a, "c": c, "a_predicted": -0.5, "c_predicted": c_pred, "C": c_inf, "kappa": kappa}
-    form = "C·(1 + κ/√d_k) -> C"
-    for key, name, limit in (
+        out[key] = fit("c·d_k^a; and C/√d_k·(1 + κ/√d_k)", y, functools.partial(_power_law, c_predicted=c_pred))
+    limits = (  # key, statistic, the constant predicted
         ("mean_q_grad_norm", "q_grad_norm", math.sqrt(2 / math.pi) * f0 * r_norm),
         ("mean_k_grad_norm", "k_grad_norm", 2 * T / S * f0 * r_norm / math.sqrt(math.pi)),
-    ):
-        y = mean(name)
-        try:
-            _check_fittable(fit_dims, y, dtype=dtype, min_head_dim=min_head_dim)
-            a, c = probes.fit_power_law(fit_dims, y)
-            c_inf, kappa = _fit_constant(fit_dims, y)
-        except ValueError as e:
-            out[key] = {"form": form, "not_fitted": str(e), "limit_predicted": limit}
-            continue
-        out[key] = {"form": form, "a": a, "c": c, "a_predicted": 0.0, "C": c_inf, "kappa": kappa,
-                    "limit_predicted": limit, "at_largest_d_k": float(y[-1])}
+    )
+    for key, name, limit in limits:
+        out[key] = fit("C·(1 + κ/√d_k) -> C", mean(name), functools.partial(_constant_law, limit_predicted=limit),
+                       on_failure={"limit_predicted": limit})
     return out
+
+
+def _fit_or_reason(d: np.ndarray, form: str, y: np.ndarray, law: Callable[..., dict[str, Any]], *, dtype: str,
+                   min_head_dim: int, on_failure: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"form": form, **law(d, y)}``, or ``{"form": form, "not_fitted": reason, **on_failure}`` when
+    ``y [P]`` over ``d [P]`` cannot be fitted (:func:`_check_fittable`) or the fit raises ``ValueError``."""
+    try:
+        _check_fittable(d, y, dtype=dtype, min_head_dim=min_head_dim)
+        return {"form": form, **law(d, y)}
+    except ValueError as e:
+        return {"form": form, "not_fitted": str(e), **(on_failure or {})}
+
+
+def _stretched_exp_law(d: np.ndarray, y: np.ndarray, *, times_sqrt_d: bool, b_predicted: float,
+                       c_predicted: float | None) -> dict[str, Any]:
+    """A median's ``c·exp(-b·√d_k)``, or ``c·√d_k·exp(-b·√d_k)`` with ``times_sqrt_d``, fitted."""
+    b, c = probes.fit_stretched_exp(d, y / np.sqrt(d.astype(np.float64)) if times_sqrt_d else y)
+    return {"b": b, "c": c, "b_predicted": b_predicted, "c_predicted": c_predicted}
+
+
+def _power_law(d: np.ndarray, y: np.ndarray, *, c_predicted: float) -> dict[str, Any]:
+    """A mean's ``c·d_k^a`` (predicted ``a = -1/2``) and its refinement ``C/√d_k·(1 + κ/√d_k)``, fitted."""
+    a, c = probes.fit_power_law(d, y)
+    c_inf, kappa = _fit_inverse_sqrt(d, y)
+    return {"a": a, "c": c, "a_predicted": -0.5, "c_predicted": c_predicted, "C": c_inf, "kappa": kappa}
+
+
+def _constant_law(d: np.ndarray, y: np.ndarray, *, limit_predicted: float) -> dict[str, Any]:
+    """A mean that tends to a constant: ``c·d_k^a`` (predicted ``a = 0``) and ``C·(1 + κ/√d_k)``, fitted."""
+    a, c = probes.fit_power_law(d, y)
+    c_inf, kappa = _fit_constant(d, y)
+    return {"a": a, "c": c, "a_predicted": 0.0, "C": c_inf, "kappa": kappa, "limit_predicted": limit_predicted,
+            "at_largest_d_k": float(y[-1])}
 
 
 def _check_fittable(d: np.ndarray, y: np.ndarray, *, dtype: str, min_head_dim: int) -> None:
@@ -495,20 +508,15 @@ def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, 
     ax = axes[0, 0]
     ax.loglog(d, summary["var_qk"], "o-", label="Monte Carlo Var(q·k)")
     ax.loglog(d, d, "k--", lw=1, label="d_k")
-    ax.set_title("Var(q·k) = d_k")
-    ax.set_xlabel("d_k")
-    ax.legend()
+    _finish_panel(ax, "Var(q·k) = d_k", legend_size=None)
 
     ax = axes[0, 1]
     for mode, style in ((0, "-"), (1, "--")):
         tag = "scaled" if mode == 0 else "unscaled"
         ax.loglog(d, summary["entropy"]["mean"][mode], "o" + style, label=f"mean, {tag}")
         ax.loglog(d, summary["entropy"]["median"][mode], "s" + style, label=f"median, {tag}")
-    ax.loglog(d, laws["mean_entropy"], "k:", lw=1, label="(π²/6) f_D(0)/√d_k")
-    ax.loglog(d, laws["median_entropy"], "k-.", lw=1, label="(1+m√d_k)·exp(-m√d_k)")
-    ax.set_title("row entropy (nats)")
-    ax.set_xlabel("d_k")
-    ax.legend(fontsize=7)
+    _finish_panel(ax, "row entropy (nats)", d, mean_law=(laws["mean_entropy"], "(π²/6) f_D(0)/√d_k"),
+                  median_law=(laws["median_entropy"], "(1+m√d_k)·exp(-m√d_k)"))
 
     ax = axes[1, 0]
     for mode, color in ((0, "C0"), (1, "C3")):
@@ -519,11 +527,8 @@ def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, 
         ax.fill_between(d, lo, hi, color=color, alpha=0.15)
         ax.loglog(d, j["median"][mode], "s-", color=color, label=f"median ‖J‖_F, {tag}")
         ax.loglog(d, j["mean"][mode], "o--", color=color, label=f"mean ‖J‖_F, {tag}")
-    ax.loglog(d, laws["mean_jacobian"], "k:", lw=1, label="f_D(0)/√d_k")
-    ax.loglog(d, laws["median_jacobian"], "k-.", lw=1, label="2·exp(-m√d_k)")
-    ax.set_title("softmax Jacobian norm (band: 10–90%)")
-    ax.set_xlabel("d_k")
-    ax.legend(fontsize=7)
+    _finish_panel(ax, "softmax Jacobian norm (band: 10–90%)", d, mean_law=(laws["mean_jacobian"], "f_D(0)/√d_k"),
+                  median_law=(laws["median_jacobian"], "2·exp(-m√d_k)"))
 
     ax = axes[1, 1]
     if zeros:
@@ -531,13 +536,23 @@ def plot_sweep(summary: dict[str, Any], zeros: dict[str, Any] | None = None, *, 
             ax.semilogx(d, z["measured"], "o-", color=f"C{i}", label=f"{name} measured")
             ax.semilogx(d, z["predicted"], ":", color=f"C{i}", label=f"{name} P(√d_k D > {z['underflow_gap']:.1f})")
     ax.set_ylim(-0.02, 1.0)
-    ax.set_title("unscaled rows with exactly-zero ∂L/∂logits")
-    ax.set_xlabel("d_k")
-    ax.legend(fontsize=7)
+    _finish_panel(ax, "unscaled rows with exactly-zero ∂L/∂logits")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _finish_panel(ax, title: str, d: np.ndarray | None = None, *, mean_law: tuple[Any, str] | None = None,
+                  median_law: tuple[Any, str] | None = None, legend_size: int | None = 7) -> None:
+    """A panel of :func:`plot_sweep` completed: the predicted laws ``(values over d, label)`` in black
+    (the mean's dotted, the median's dash-dotted), then its title, the ``d_k`` axis and the legend."""
+    for law, style in ((mean_law, "k:"), (median_law, "k-.")):
+        if law is not None:
+            ax.loglog(d, law[0], style, lw=1, label=law[1])
+    ax.set_title(title)
+    ax.set_xlabel("d_k")
+    ax.legend(fontsize=legend_size)
 
 
 # ----------------------------------------------------------------------------------------------------

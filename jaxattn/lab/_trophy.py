@@ -41,8 +41,8 @@ def substitutions(sentence: str) -> tuple[str, dict[str, str]]:
     prefix, rest = sentence[:at], sentence[at + len(" it"):]
     return prefix, {name: f" the{word}{rest}" for name, word in RESOLUTIONS.items()}
 
-# Intensity characters for ASCII maps, from weight 0 (blank) to weight 1.
-LEVELS = " .:-=+*#%@"
+# Shading characters for ASCII maps, from weight 0 (blank) to weight 1.
+SHADES = " .:-=+*#%@"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +157,7 @@ def focus_head(maps: SentenceMaps, row_word: str, col_words: Sequence[str]) -> t
 def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "") -> str:
     """An attention map ``[T, S]`` as text: one row per query token, one 2-character cell per key.
 
-    The cell's character encodes the weight on an absolute scale, ``LEVELS[floor(w · 10)]`` from
+    The cell's character encodes the weight on an absolute scale, ``SHADES[floor(w · 10)]`` from
     ``" "`` (below 0.1) to ``"@"`` (0.9 and above). A weight of exactly 0 is drawn ``" ·"``: in a
     causal map, the keys a query cannot see; so blank means "small", a dot means "cannot see".
     Columns are numbered with the row indices, written downwards past 9 (a line of tens above the
@@ -181,7 +181,7 @@ def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "")
             if w[i, j] == 0.0:
                 cells.append(" ·")
             else:
-                c = LEVELS[min(int(w[i, j] * len(LEVELS)), len(LEVELS) - 1)]
+                c = SHADES[min(int(w[i, j] * len(SHADES)), len(SHADES) - 1)]
                 cells.append(c * 2)
         lines.append(f"{i:>2d} {labels[i]!r:>{width}}  " + "".join(cells))
     lines.append("scale: ' ' < 0.1 <= '.' < 0.2 ... '@' >= 0.9; ' ·' = weight exactly 0 (masked)")
@@ -313,15 +313,7 @@ def compare(
     sentences = dict(SENTENCES if sentences is None else sentences)
     if set(sentences) != {"big", "small"}:
         raise ValueError(f"sentences must have the keys 'big' and 'small', received {sorted(sentences)}")
-    total = 3 + (8 if model.score is not None else 0)  # maps of big, small, big unscaled; 8 scores
-    done = 0
-
-    def say(what: str) -> None:
-        nonlocal done
-        if progress is not None:
-            progress(done, total, what)
-        done += 1
-
+    say = _Steps(progress, 3 + (8 if model.score is not None else 0))  # maps of big, small, big unscaled; 8 scores
     run_length = None
     if model.causal:  # one length for both sentences: one compiled program (see sentence_maps)
         run_length = max(len(model.tokenize(sentences[k])[0]) for k in ("big", "small"))
@@ -333,50 +325,26 @@ def compare(
     n = min(len(big.ids), len(small.ids))
     diff = np.nonzero(big.ids[:n] != small.ids[:n])[0]
     first_difference = int(diff[0]) if diff.size else n
-    it = word_span(big.labels, "it", after=word_span(big.labels, "because")[1])[1] - 1
-    if it != word_span(small.labels, "it", after=word_span(small.labels, "because")[1])[1] - 1:
+    it = _it_index(big)
+    if it != _it_index(small):
         raise ValueError("the token ' it' sits at different positions in the two sentences")
     # Keys present at the same position in both: the whole row when the lengths agree, else the
     # shared prefix (all a causal model's " it" can see either way).
     S = len(big.ids) if len(big.ids) == len(small.ids) else first_difference
     it_diff = np.abs(big.attentions[:, :, it, :S] - small.attentions[:, :, it, :S]).max(-1)  # [L, N]
-
-    def period(m: SentenceMaps) -> int:  # the last "." (an encoder may add [SEP] after it)
-        dots = [i for i, x in enumerate(m.labels) if _norm_label(x) == "."]
-        if not dots:
-            raise ValueError(f"the sentence must end with '.' as its own token, received labels {m.labels}")
-        return dots[-1]
-
     rows = {
         "it": lambda m: it,
-        "adjective": lambda m: period(m) - 1,  # the adjective's last token
-        "period": period,
+        "adjective": lambda m: _period_index(m) - 1,  # the adjective's last token
+        "period": _period_index,
     }
     preference = {r: {k: _preference(m, f(m)) for k, m in maps.items()} for r, f in rows.items()}
     flip = {r: p["big"] - p["small"] for r, p in preference.items()}
-
-    log_probs = None
+    log_probs = substitution = None
     if model.score is not None:
-        log_probs = {}
-        for k in ("big", "small"):
-            log_probs[k] = {}
-            for res, cont in RESOLUTIONS.items():
-                say(f"log p({cont!r} | 'too {k}')")
-                log_probs[k][res] = float(model.score(sentences[k] + RESOLUTION_PROMPT, cont))
-    substitution = None
-    if model.score is not None:
-        substitution = {}
-        for k in ("big", "small"):
-            prefix, rests = substitutions(sentences[k])
-            substitution[k] = {}
-            for res, rest in rests.items():
-                say(f"log p('{prefix.split()[-1]}{rest}' | ...) ('too {k}', it -> the {res})")
-                substitution[k][res] = float(model.score(prefix, rest))
-
+        log_probs, substitution = _resolution_scores(model.score, sentences, say)
     say("maps of 'too big' with scale=1.0")
     unscaled = sentence_maps(model, sentences["big"], scale=1.0)
-    if progress is not None:
-        progress(total, total, "done")
+    say.finish()
     entropy = {  # [L, N]: each head's mean row entropy (nats)
         "scaled": np.asarray(head_entropy(big.attentions), np.float64),
         "unscaled": np.asarray(head_entropy(unscaled.attentions), np.float64),
@@ -384,6 +352,56 @@ def compare(
     max_weight = {"scaled": big.attentions.max(-1).mean(-1), "unscaled": unscaled.attentions.max(-1).mean(-1)}
     return Comparison(model.name, model.causal, maps, first_difference, it, it_diff, preference, flip,
                       log_probs, entropy, max_weight, substitution)
+
+
+class _Steps:
+    """``progress(done, total, what)`` before each step (``steps(what)``) and once at the end (``finish()``);
+    nothing when ``progress`` is None."""
+
+    def __init__(self, progress: Callable[[int, int, str], None] | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(self.done, self.total, what)
+        self.done += 1
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress(self.total, self.total, "done")
+
+
+def _it_index(maps: SentenceMaps) -> int:
+    """The row of " it" (the last token of the word "it" after "because")."""
+    return word_span(maps.labels, "it", after=word_span(maps.labels, "because")[1])[1] - 1
+
+
+def _period_index(maps: SentenceMaps) -> int:
+    """The row of the last "." (an encoder may add [SEP] after it)."""
+    dots = [i for i, x in enumerate(maps.labels) if _norm_label(x) == "."]
+    if not dots:
+        raise ValueError(f"the sentence must end with '.' as its own token, received labels {maps.labels}")
+    return dots[-1]
+
+
+def _resolution_scores(score: Callable[[str, str], float], sentences: dict[str, str],
+                       say: Callable[[str], None]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """``(log_probs, substitution)`` of :class:`Comparison`: each sentence's log p of each resolution after
+    :data:`RESOLUTION_PROMPT`, and of the sentence with "it" replaced by each candidate."""
+    log_probs: dict[str, dict[str, float]] = {}
+    for k in ("big", "small"):
+        log_probs[k] = {}
+        for res, cont in RESOLUTIONS.items():
+            say(f"log p({cont!r} | 'too {k}')")
+            log_probs[k][res] = float(score(sentences[k] + RESOLUTION_PROMPT, cont))
+    substitution: dict[str, dict[str, float]] = {}
+    for k in ("big", "small"):
+        prefix, rests = substitutions(sentences[k])
+        substitution[k] = {}
+        for res, rest in rests.items():
+            say(f"log p('{prefix.split()[-1]}{rest}' | ...) ('too {k}', it -> the {res})")
+            substitution[k][res] = float(score(prefix, rest))
+    return log_probs, substitution
 
 
 def _why_it_row(c: Comparison) -> str:
@@ -400,6 +418,20 @@ def _why_it_row(c: Comparison) -> str:
         f"{c.model} is bidirectional: ' it' (token {c.it_index}) also sees the adjective at token "
         f"{c.first_difference}, so its row may change between the sentences."
     )
+
+
+def _verdict_lines(scores: dict[str, dict[str, float]], label: Callable[[str, str], str]) -> list[str]:
+    """One verdict of :func:`render_part4`: per sentence, each candidate's log p (``label(sentence, candidate)``
+    names it) and the one preferred; then whether both sentences are resolved the right way."""
+    lines = []
+    for k in ("big", "small"):
+        lp = scores[k]
+        pick = max(lp, key=lp.get)
+        lines.append(f"  too {k:<5}: {label(k, 'trophy')} {lp['trophy']:8.3f}  {label(k, 'suitcase')} "
+                     f"{lp['suitcase']:8.3f}  -> prefers 'the {pick}' (by {abs(lp['trophy'] - lp['suitcase']):.3f})")
+    right = scores["big"]["trophy"] > scores["big"]["suitcase"] and scores["small"]["suitcase"] > scores["small"]["trophy"]
+    lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
+    return lines
 
 
 def render_part4(c: Comparison, *, top: int = 5) -> str:
@@ -442,25 +474,11 @@ def render_part4(c: Comparison, *, top: int = 5) -> str:
     if c.log_probs is not None:
         lines.append(f"\nwhere it looks (attention, above) beside what it concludes (prediction): {c.model}'s "
                      f"log p(continuation | sentence + {RESOLUTION_PROMPT!r}), nats")
-        for k in ("big", "small"):
-            lp = c.log_probs[k]
-            pick = max(lp, key=lp.get)
-            lines.append(f"  too {k:<5}: trophy {lp['trophy']:8.3f}  suitcase {lp['suitcase']:8.3f}  -> prefers "
-                         f"'the {pick}' (by {abs(lp['trophy'] - lp['suitcase']):.3f})")
-        right = (c.log_probs["big"]["trophy"] > c.log_probs["big"]["suitcase"]
-                 and c.log_probs["small"]["suitcase"] > c.log_probs["small"]["trophy"])
-        lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
+        lines += _verdict_lines(c.log_probs, lambda k, res: res)
     if c.substitution is not None:
-        lines.append(f"\nits verdict by substitution (Trinh & Le 2018): log p of the sentence with 'it' replaced by "
-                     f"each candidate, nats")
-        for k in ("big", "small"):
-            lp = c.substitution[k]
-            pick = max(lp, key=lp.get)
-            lines.append(f"  too {k:<5}: 'the trophy was too {k}' {lp['trophy']:8.3f}  'the suitcase was too {k}' "
-                         f"{lp['suitcase']:8.3f}  -> prefers 'the {pick}' (by {abs(lp['trophy'] - lp['suitcase']):.3f})")
-        right = (c.substitution["big"]["trophy"] > c.substitution["big"]["suitcase"]
-                 and c.substitution["small"]["suitcase"] > c.substitution["small"]["trophy"])
-        lines.append(f"  both resolutions right: {'yes' if right else 'no'}")
+        lines.append("\nits verdict by substitution (Trinh & Le 2018): log p of the sentence with 'it' replaced by "
+                     "each candidate, nats")
+        lines += _verdict_lines(c.substitution, lambda k, res: f"'the {res} was too {k}'")
     else:
         lines.append(f"\nwhat it concludes (prediction): not reported. {c.model} has no scorer (no language-model "
                      f"head), so it gives no probability to 'the trophy' vs 'the suitcase'; only where it looks "

@@ -88,7 +88,7 @@ def qk_spectral_norm(w_q: Float[ArrayLike, "D H"], w_k: Float[ArrayLike, "D H"],
     """The σ of :func:`entropy_lower_bound`: ``‖[W_Q; b_qᵀ] W_Kᵀ‖₂``, the largest singular value of the
     head's bilinear form (``[D+1, D]``); under ``rotary``, ``‖[W_Q; b_qᵀ]‖₂ ‖[W_K; b_kᵀ]‖₂``."""
     rotary = check_flag(rotary, "rotary")
-    w_q, w_k = _weights(w_q, w_k, b_q)
+    w_q, w_k = _projections(w_q, w_k, b_q)
     if rotary:
         return jnp.linalg.norm(w_q, ord=2) * jnp.linalg.norm(_augment(w_k, b_k, "b_k"), ord=2)
     return jnp.linalg.norm(w_q @ w_k.T, ord=2)
@@ -110,7 +110,8 @@ def _augment(w: Array, b: Any, name: str) -> Array:
     return w if b is None else jnp.concatenate([w, b[None]], axis=0)
 
 
-def _weights(w_q: Any, w_k: Any, b_q: Any) -> tuple[Array, Array]:
+def _projections(w_q: Any, w_k: Any, b_q: Any) -> tuple[Array, Array]:
+    """The checked query and key projections in float32: ``[W_Q; b_qᵀ]`` (``[D(+1), H]``) and ``W_K`` ``[D, H]``."""
     w_q = as_float_array(w_q, "w_q")
     w_k = as_float_array(w_k, "w_k")
     check_rank(w_q, 2, "w_q", "[D, H]")
@@ -148,19 +149,24 @@ def logit_spread_bound(
     """
     x = as_float_array(x, "x").astype(jnp.float32)
     check_rank(x, 2, "x", "[T, D]")
-    wq, wk = _weights(w_q, w_k, b_q)
+    wq, wk = _projections(w_q, w_k, b_q)
     if x.shape[1] != wk.shape[0]:
         raise ValueError(f"x must be [T, D] with D = {wk.shape[0]} (the rows of w_k), received {tuple(x.shape)}")
     rotary = check_flag(rotary, "rotary")
     T, H = x.shape[0], wk.shape[1]
     s = jnp.float32(1.0 / H**0.5) if scale is None else jnp.asarray(scale, jnp.float32)
-    if mask is None:
-        keep = jnp.ones((T, T), bool)
-    else:
-        keep = as_bool_array(mask, "mask")
-        if keep.shape != (T, T):
-            raise ValueError(f"mask must have shape [T, T] = ({T}, {T}), received {tuple(keep.shape)}")
+    keep = _keep_mask(mask, T)
     return _spread(x, wq, wk, _bias(b_k, "b_k", H), s, keep, rotary, b_q is not None)
+
+
+def _keep_mask(mask: Any, T: int) -> Array:
+    """The checked keep-mask ``[T, T]`` (row i sees key j); all True for None."""
+    if mask is None:
+        return jnp.ones((T, T), bool)
+    keep = as_bool_array(mask, "mask")
+    if keep.shape != (T, T):
+        raise ValueError(f"mask must have shape [T, T] = ({T}, {T}), received {tuple(keep.shape)}")
+    return keep
 
 
 @functools.partial(jax.jit, static_argnames=("rotary", "has_b_q"))
@@ -203,5 +209,4 @@ def entropy_lower_bound(
     """
     beta = logit_spread_bound(x, w_q, w_k, b_q=b_q, b_k=b_k, scale=scale, mask=mask, rotary=rotary)  # [T]
     T = beta.shape[0]
-    keep = jnp.ones((T, T), bool) if mask is None else jnp.asarray(mask)
-    return entropy_floor(beta, jnp.sum(keep, axis=1), max_keys=T)
+    return entropy_floor(beta, jnp.sum(_keep_mask(mask, T), axis=1), max_keys=T)

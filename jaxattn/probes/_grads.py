@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxattn._attention import _validate_single, attention
-from jaxattn._checks import as_float_array, check_flag, softmax_dtype
+from jaxattn._attention import attention
+from jaxattn._checks import as_float_array, check_attention_inputs, check_flag, softmax_dtype
 from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
@@ -43,7 +43,7 @@ def attention_grads(
     """
     # q, k, v, mask and scale get the core's own checks (ranks, matching H and S, mask shape, scale)
     # first, so that a wrong q is blamed on q; only then is the cotangent checked against them.
-    q, k, v, _, _, _ = _validate_single(q, k, v, mask, None, scale)
+    q, k, v, _, _, _ = check_attention_inputs(q, k, v, mask, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     cotangent = as_float_array(cotangent, "cotangent")
     T, S, V = q.shape[0], k.shape[0], v.shape[1]

@@ -91,6 +91,18 @@ def _entropy_of_numbers(p: Array, ulp: float | None) -> Array:
     return plain + jax.lax.stop_gradient(exact - plain)
 
 
+def _normalized(h: Array, n: Array) -> Array:
+    """Entropy ``h`` over its maximum ``log n`` (``n`` kept keys); 0 for rows with fewer than 2 keys."""
+    return jnp.where(n > 1, h / jnp.log(jnp.where(n > 1, n, 2.0)), 0.0)
+
+
+def _max_kept(p: Array, keep: Array | None) -> Array:
+    """Each row's largest weight at a kept key; 0 for a row with none."""
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    return jnp.max(p, axis=-1, initial=0.0)
+
+
 def _num_keys(p: Array, keep: Array | None) -> Array:
     if keep is None:
         return jnp.full(p.shape[:-1], p.shape[-1], p.dtype)
@@ -133,9 +145,7 @@ def normalized_entropy(
     """
     p, ulp = _weights(weights)
     keep = _keep(mask, p.shape)
-    n = _num_keys(p, keep)
-    log_n = jnp.log(jnp.where(n > 1, n, 2.0))
-    return jnp.where(n > 1, _entropy(p, keep, ulp) / log_n, 0.0)
+    return _normalized(_entropy(p, keep, ulp), _num_keys(p, keep))
 
 
 def max_weight(
@@ -151,10 +161,7 @@ def max_weight(
       ``[...]``; 0 for a fully masked row.
     """
     p = _rows(weights, "weights", "[..., S]")
-    keep = _keep(mask, p.shape)
-    if keep is not None:
-        p = jnp.where(keep, p, 0.0)
-    return jnp.max(p, axis=-1, initial=0.0)
+    return _max_kept(p, _keep(mask, p.shape))
 
 
 def effective_support(
@@ -191,11 +198,10 @@ def row_stats(
     keep = _keep(mask, p.shape)
     n = _num_keys(p, keep)
     h = _entropy(p, keep, ulp)
-    masked = p if keep is None else jnp.where(keep, p, 0.0)
     return {
         "entropy": h,
-        "normalized_entropy": jnp.where(n > 1, h / jnp.log(jnp.where(n > 1, n, 2.0)), 0.0),
-        "max_weight": jnp.max(masked, axis=-1, initial=0.0),
+        "normalized_entropy": _normalized(h, n),
+        "max_weight": _max_kept(p, keep),
         "effective_support": jnp.where(n > 0, jnp.exp(h), 0.0),
         "num_keys": n,
     }
@@ -227,7 +233,7 @@ def head_entropy(
     n = _num_keys(p, keep)
     h = _entropy(p, keep, ulp)
     if normalized:
-        h = jnp.where(n > 1, h / jnp.log(jnp.where(n > 1, n, 2.0)), 0.0)
+        h = _normalized(h, n)
     rows = (n > 0).astype(h.dtype)
     return jnp.sum(h * rows, axis=-1) / jnp.maximum(jnp.sum(rows, axis=-1), 1.0)
 

@@ -11,7 +11,7 @@
 Axis alphabet: L layers, N heads, T queries, S keys.
 """
 
-from jaxattn.viz._html import LEVELS, check_maps, head_entropy, html, page_data
+from jaxattn.viz._html import LEVELS, check_maps, html, page_data
 from jaxattn.viz._png import MAX_NAMED_TOKENS, grid_figure, grid_png, merged_labels, pair_figure, pair_png
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "check_maps",
     "grid_figure",
     "grid_png",
-    "head_entropy",
     "html",
     "merged_labels",
     "page_data",

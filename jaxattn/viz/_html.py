@@ -95,8 +95,11 @@ def decode_weights(text: str, shape: tuple[int, int, int, int]) -> np.ndarray:
     return np.where(codes == 0, 0.0, (codes.astype(np.float64) - 1) / LEVELS)
 
 
-def head_entropy(maps: np.ndarray) -> np.ndarray:
-    """Mean row entropy (nats) of each head, ``[L, N]``; rows whose weights are all 0 are left out."""
+def _mean_row_entropy(maps: np.ndarray) -> np.ndarray:
+    """Mean row entropy (nats) of each head, ``[L, N]``, in float64; rows whose weights are all 0 are left out.
+
+    The page's overview, computed with NumPy alone (:func:`jaxattn.probes.head_entropy` is the probe).
+    """
     p = np.asarray(maps, np.float64)
     h = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)  # [L, N, T]
     live = p.sum(-1) > 0  # [L, N, T]
@@ -109,7 +112,7 @@ def _run(maps: np.ndarray, queries: list[str], keys: list[str], name: str) -> di
     return {
         "name": name, "L": L, "N": N, "T": T, "S": S, "queries": queries, "keys": keys, "causal": causal,
         "weights": encode_weights(maps),
-        "entropy": np.round(head_entropy(maps), 5).tolist(),
+        "entropy": np.round(_mean_row_entropy(maps), 5).tolist(),
     }
 
 

@@ -1,0 +1,111 @@
+"""The logits of one head, and the logit-shaped arrays the dense and the blockwise cores both use.
+
+- :func:`scaled_logits`: ``scale · q kᵀ + bias``, the one logits function of the package;
+- :func:`kept_nonfinite`: which outputs keep a key whose value is non-finite, without a ``[T, S]`` buffer;
+- :func:`compact_mask`: a keep-mask broadcastable to ``[T, S]`` as ``[t, s]``, not broadcast;
+- :func:`per_head`, :func:`group_query_heads`: masks, biases and queries laid out per key/value head.
+
+Every function takes validated arrays (see :mod:`jaxattn._checks`). Axis alphabet as in
+:mod:`jaxattn._attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxattn._checks import softmax_dtype
+
+Array = jax.Array
+
+
+def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any) -> Array:
+    """``scale * q kᵀ + bias`` in at least float32: ``[T, S]``.
+
+    The product is accumulated in float32 (or wider) and only then scaled, in that dtype, so the scale is
+    never rounded to a bf16/fp16 input dtype. A query (key) row holding a non-finite entry gives NaN on
+    its whole logit row (column): the product runs on that row zeroed and NaN is put back by a ``where``
+    (a double ``where``), so a NaN/Inf at a masked position cannot reach ``dq = dl k`` or ``dk = dlᵀ q``
+    through ``0 · NaN``, while a kept one makes its row NaN in the softmax.
+    """
+    acc = softmax_dtype(jnp.result_type(q, k))
+    q_ok, k_ok = jnp.isfinite(q), jnp.isfinite(k)  # [T, H], [S, H]
+    q0, k0 = jnp.where(q_ok, q, 0), jnp.where(k_ok, k, 0)  # [T, H], [S, H]
+    logits = jnp.einsum("TH,SH->TS", q0, k0, preferred_element_type=acc)  # [T, S]
+    logits = logits * jnp.asarray(scale, acc)  # [T, S], the 1/sqrt(d_k) step
+    bad = jnp.logical_or(~jnp.all(q_ok, axis=1)[:, None], ~jnp.all(k_ok, axis=1)[None, :])  # [T, S]
+    logits = jnp.where(bad, jnp.nan, logits)  # [T, S]
+    if bias is not None:
+        logits = logits + bias.astype(acc)  # [T, S]
+    return logits
+
+
+def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: Array) -> Array:
+    """``hit[t, c] = any_s keep[t, s] & bad[s, c]``, broadcastable to ``[T, C]``: a kept bad entry reaches it.
+
+    ``mask``: ``[t, s]`` (``t in {1, T}``, ``s in {1, S}``, see :func:`compact_mask`) or None, combined
+    with the causal diagonal (``causal``: key ``j`` visible to query ``i`` iff ``j <= i + causal``; None:
+    no causal mask); ``bad [S, C]`` bool. O(S·C) when the keep-mask has a rank-one structure (no mask,
+    causal, a key-padding mask ``[S]``, a query mask ``[T, 1]``, each with or without causal). A general
+    ``[T, S]`` mask adds a loop over the keys that hold a bad entry, 32 at a time (a ``[T, 32] @ [32, C]``
+    product each): nothing when every value is finite, and no ``[T, S]`` buffer.
+    """
+    t, s = (1, 1) if mask is None else mask.shape
+    if t > 1 and s > 1:  # a general mask
+        B = min(32, S)
+        key_bad = jnp.any(bad, axis=1)  # [S]
+        n_bad = jnp.sum(key_bad, dtype=jnp.int32)  # []
+        ids = jnp.argsort(~key_bad, stable=True)  # [S], the keys holding a bad entry first
+        ids = jnp.pad(ids, (0, -S % B))  # [whole chunks of B]
+
+        def chunk(i, hit):
+            idx = jax.lax.dynamic_slice_in_dim(ids, i * B, B)  # [B]
+            cols = jnp.logical_and(mask[:, idx], (i * B + jnp.arange(B) < n_bad)[None, :])  # [T, B]
+            if causal is not None:
+                cols = jnp.logical_and(cols, idx[None, :] <= jnp.arange(T)[:, None] + causal)  # [T, B]
+            count = jnp.einsum("TB,BC->TC", cols.astype(jnp.float32), bad[idx].astype(jnp.float32))  # [T, C]
+            return jnp.logical_or(hit, count > 0.0)
+
+        return jax.lax.fori_loop(0, (n_bad + B - 1) // B, chunk, jnp.zeros((T, bad.shape[1]), bool))
+    if mask is not None and s > 1:  # [1, S]: the same keys for every query
+        bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
+    if causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
+        none = T + S + abs(causal)  # past every query: a column without a bad key is never hit
+        first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]
+        hit = first[None, :] <= jnp.arange(T)[:, None] + causal  # [T, C]
+    else:
+        hit = jnp.any(bad, axis=0, keepdims=True)  # [1, C]
+    if mask is not None and s == 1:  # [t, 1]: whole query rows kept or masked
+        hit = jnp.logical_and(hit, mask)  # [T or 1, C]
+    return hit
+
+
+def compact_mask(mask: Array | None) -> Array | None:
+    """A keep-mask broadcastable to ``[T, S]`` as ``[t, s]`` with ``t in {1, T}``, ``s in {1, S}``.
+
+    The broadcast is NOT materialised: a padding mask ``[S]`` becomes ``[1, S]``, O(S) memory.
+    """
+    if mask is None:
+        return None
+    return mask.reshape((1,) * (2 - mask.ndim) + tuple(mask.shape))  # [t, s]
+
+
+def per_head(x: Array | None, N: int, K: int) -> tuple[Array | None, int | None]:
+    """A mask/bias broadcastable to ``[N, T, S]`` as ``[K, G, t, s]`` (vmapped) or ``[t, s]`` (shared).
+
+    Returns ``(x, axis)``: the axis to map over (0, or None for a shared or absent ``x``).
+    """
+    if x is None:
+        return None, None
+    x = x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))  # [n, t, s], n in {1, N}
+    if x.shape[0] == 1:
+        return x[0], None
+    return x.reshape((K, N // K) + tuple(x.shape[1:])), 0
+
+
+def group_query_heads(x: Array, K: int) -> Array:
+    """``[T, N, X]`` -> ``[K, G, T, X]``: query head ``n = κ·G + g`` reads key/value head ``κ``."""
+    T, N, X = x.shape
+    return x.reshape(T, K, N // K, X).transpose(1, 2, 0, 3)  # [K, G, T, X]

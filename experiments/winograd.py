@@ -1,21 +1,29 @@
-"""Winograd schemas (WSC273 pairs, bundled) scored three ways, with 95% intervals; chance is 50%.
+"""WSC273 (all 273 problems, bundled) scored three ways, with 95% intervals; chance is 50%.
 
     python experiments/winograd.py                   # SmolLM2-135M (bundled): substitution, max attention, best head
     python experiments/winograd.py --model minilm    # all-MiniLM-L6-v2: the attention scorers (it has no LM head)
     python experiments/winograd.py --model gpt2      # GPT-2 from the hub or a local directory (fails offline)
 
-Scorers: substitution (Trinh & Le 2018: the pronoun replaced by each candidate, full-sentence and partial
+The data is WSC273 as published (Levesque, Davis & Morgenstern 2012; CC BY 4.0), converted from the
+collection's WSCollection.xml by tools/convert_wsc273.py: 273 problems in 136 schemas. Scorers:
+substitution (Trinh & Le 2018: the pronoun replaced by each candidate, full-sentence and partial
 log-probability); maximum attention (Klein & Nabi 2019: heads vote with the pronoun's attention to each
-candidate); the single best head (selected on a seeded half of the pairs, scored on the other half, both
+candidate); the single best head (selected on a seeded half of the schemas, scored on the other half, both
 ways round). Writes winograd.json and winograd.md into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
+
+import jax
 
 from jaxattn import bert, gpt2, interventions, llama
 from jaxattn.checkpoint import CheckpointError
@@ -32,15 +40,15 @@ def load(model):
     return (gpt2, *gpt2.load(model), str(model))
 
 
-def render(result, name, meta):
-    lines = [f"# Winograd schemas: {name}", "",
-             f"{result['pairs']} pairs ({result['sentences']} sentences) from WSC273. Source: {meta['source']} "
-             f"License: {meta['license']}.", "",
+def render(result, name, meta, machine):
+    lines = [f"# WSC273: {name}", "",
+             f"{result['sentences']} problems in {result['groups']} schemas: {meta['name']}. Source: {meta['source']} "
+             f"License: {meta['license']}", "", f"Machine: {machine}.", "",
              "| method | accuracy | correct / total | 95% interval (Wilson) |", "|---|---|---|---|"]
     names = {"substitution_full": "substitution, full sentence (Trinh & Le 2018)",
              "substitution_partial": "substitution, partial: the words after the candidate",
              "max_attention": "maximum attention from the pronoun (Klein & Nabi 2019)",
-             "best_head": "single best head, selected on the other half of the pairs"}
+             "best_head": "single best head, selected on the other half of the schemas"}
     for key, label in names.items():
         if key in result:
             r = result[key]
@@ -50,15 +58,20 @@ def render(result, name, meta):
         for f in result["best_head"]["folds"]:
             lines.append(f"\nbest head selected on one half: layer {f['head'][0]}, head {f['head'][1]} "
                          f"({100 * f['select_accuracy']:.1f}% there), {f['correct']} / {f['total']} on the other half")
-    lines.append(f"\npairs whose sentences first differ after the pronoun: {result['special_after_pronoun']} of "
-                 f"{result['pairs']} (a causal model's pronoun row is the same in both sentences of these)")
+    lines.append(f"\nschemas whose sentences are the same up to and with the pronoun: "
+                 f"{result['special_after_pronoun']} of {result['groups']} (a causal model's pronoun row is the same "
+                 f"in all their sentences)")
     return "\n".join(lines)
+
+
+def _cpus():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, gpt2 or a GPT-2 directory")
-    parser.add_argument("--seed", type=int, default=0, help="the split of the pairs for the best head")
+    parser.add_argument("--seed", type=int, default=0, help="the split of the schemas for the best head")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/winograd/<model>)")
     args = parser.parse_args(argv)
     out = Path(args.out or f"lab-output/winograd/{Path(args.model).name}")
@@ -75,18 +88,21 @@ def main(argv=None) -> int:
         print("(offline: --model smollm2 or --model minilm run on bundled weights)", file=sys.stderr)
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
-    pairs = interventions.load_pairs()
+    schemas = interventions.to_schemas(interventions.load_wsc273())
     causal = hasattr(module, "log_prob")
     score = interventions.lm_scorer(module, params, config, tok) if causal else None
     if not causal:
         print(f"{name} has no language-model head: substitution scoring skipped, attention scorers only")
     t0 = time.perf_counter()
-    result = interventions.evaluate(pairs, score=score, maps=interventions.model_maps(module, params, config, tok),
-                                    seed=args.seed)
-    text = render(result, name, interventions.load_metadata())
+    result = interventions.evaluate_sentences(schemas, score=score, seed=args.seed,
+                                              maps=interventions.model_maps(module, params, config, tok))
+    seconds = time.perf_counter() - t0
+    machine = (f"{platform.machine()}, {jax.devices()[0].platform.upper()} ({jax.device_count()} device), "
+               f"{_cpus()} CPU cores, Python {platform.python_version()}, jax {jax.__version__}; "
+               f"scoring took {seconds:.0f} s")
+    text = render(result, name, interventions.load_metadata(), machine)
     print(text)
-    print(f"({time.perf_counter() - t0:.0f} s)")
-    write_json(out / "winograd.json", {"model": name, "seed": args.seed, **result})
+    write_json(out / "winograd.json", {"model": name, "seed": args.seed, "machine": machine, **result})
     atomic_write(out / "winograd.md", text + "\n")
     print(f"wrote winograd.json, winograd.md to {out}/")
     return 0

@@ -45,7 +45,8 @@ from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
 __all__ = [
-    "CAUSAL", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm", "forward",
+    "CAUSAL", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm",
+    "final_norm_linear", "forward",
     "generate", "head_projections", "init_params", "load", "load_tokenizer", "log_prob", "param_shapes",
     "params_from_msgpack", "params_from_safetensors", "qk_weights", "random_model", "read_gpt2_config", "save", "sizes",
     "unembed",
@@ -372,6 +373,17 @@ def _mlp(p: dict, config: GPT2Config, x: Array) -> Array:
 def final_norm(params: dict, config: GPT2Config, x: Array) -> Array:
     """``ln_f(x)``, ``x [..., D]``: the final LayerNorm, between the last block and :func:`unembed`."""
     return layer_norm(x, **params["transformer"]["ln_f"], eps=config.layer_norm_epsilon)
+
+
+def final_norm_linear(params: dict, config: GPT2Config, x: Array, v: Array) -> Array:
+    """``ln_f`` linearised at the stream ``x [..., D]`` and applied to a part ``v [..., D]`` of it, without
+    its bias: ``(v - mean(v)) / sqrt(var(x) + eps) · scale``, the standard deviation frozen at ``x``'s.
+
+    Linear in ``v``; the parts of ``x`` add up to ``final_norm(x) - bias`` (direct logit attribution)."""
+    ln = params["transformer"]["ln_f"]
+    lead = (1,) * (x.ndim - 1)
+    inv = jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + config.layer_norm_epsilon)  # [..., 1], frozen
+    return (v - jnp.mean(v, axis=-1, keepdims=True)) * inv * ln["scale"].reshape(lead + ln["scale"].shape)
 
 
 def unembed(params: dict, config: GPT2Config, x: Array) -> Array:

@@ -60,7 +60,7 @@ from jaxattn.models import QKWeights, Sizes
 __all__ = [
     "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
     "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
-    "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
+    "final_norm_linear", "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
     "param_shapes", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights", "read_llama_config",
     "read_weights", "save", "sizes", "unembed",
 ]
@@ -579,11 +579,11 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
 # ----------------------------------------------------------------------------------------------------
 
 
-def _rms_norm(x: Array, weight: Array, config: LlamaConfig) -> Array:
-    """``w · x / sqrt(mean(x²) + eps)`` over the last axis of ``x [..., D]``, the statistic in float32;
-    Gemma scales by ``1 + w`` instead of ``w``."""
-    x32 = x.astype(jnp.float32)
-    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)  # [..., 1]
+def _rms_norm(x: Array, weight: Array, config: LlamaConfig, *, stream: Array | None = None) -> Array:
+    """``w · x / sqrt(mean(s²) + eps)`` over the last axis of ``x [..., D]``, the statistic in float32 from
+    ``s = stream`` (``x`` itself when None); Gemma scales by ``1 + w`` instead of ``w``."""
+    x32, s32 = x.astype(jnp.float32), (x if stream is None else stream).astype(jnp.float32)
+    var = jnp.mean(s32 * s32, axis=-1, keepdims=True)  # [..., 1]
     w = (1 + weight if config.norm_plus_one else weight).reshape((1,) * (x.ndim - 1) + weight.shape)  # [..., D]
     return w * (x32 / jnp.sqrt(var + config.rms_norm_eps)).astype(x.dtype)  # [..., D], as Hugging Face divides
 
@@ -644,6 +644,14 @@ def _mlp(p: dict, config: LlamaConfig, x: Array) -> Array:
 def final_norm(params: dict, config: LlamaConfig, x: Array) -> Array:
     """The final RMSNorm (``model/norm``), ``x [..., D]``: between the last block and :func:`unembed`."""
     return _rms_norm(x, params["model"]["norm"]["weight"], config)
+
+
+def final_norm_linear(params: dict, config: LlamaConfig, x: Array, v: Array) -> Array:
+    """The final RMSNorm linearised at the stream ``x [..., D]`` and applied to a part ``v [..., D]`` of it:
+    ``w · v / sqrt(mean(x²) + eps)``, the root mean square frozen at ``x``'s.
+
+    Linear in ``v``; the parts of ``x`` add up to ``final_norm(x)`` (direct logit attribution)."""
+    return _rms_norm(v, params["model"]["norm"]["weight"], config, stream=x)
 
 
 def unembed(params: dict, config: LlamaConfig, x: Array) -> Array:

@@ -9,6 +9,9 @@ its name:
 - ``sizes(config) -> Sizes``: layers, heads, key/value heads, head dim, width, vocabulary, longest input;
 - ``final_norm(params, config, x [..., D])`` and ``unembed(params, config, x [..., D]) -> [..., V]``, so
   that ``unembed(final_norm(out.captured["resid_post"][-1])) == out.logits`` (a logit lens is one line);
+- ``final_norm_linear(params, config, x [..., D], v [..., D])``: the final norm linearised at the stream
+  ``x`` (its statistics frozen at ``x``'s) applied to a part ``v`` of it, without its bias, so that the
+  parts of the stream add up through it (direct logit attribution); causal language models only;
 - ``attention_input(params, config, layer, x [T, D])``: what layer ``layer``'s q, k, v are projected from
   (its pre-norm of the residual stream; the stream itself for a post-norm encoder);
 - ``head_projections(params, config) -> [L, N, H, D]``: each head's slice of the output projection, so

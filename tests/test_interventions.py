@@ -263,7 +263,7 @@ def test_bad_input_raises_before_tracing(tiny):
     with pytest.raises(ValueError, match="metric must return a scalar"):
         interventions.gate_gradients(bound, lambda out: out.logits[0, -1])
     with pytest.raises(ValueError, match="name must be a tensor with a head axis"):
-        interventions.patching_effects(bound, metric, jnp.zeros((2, 1, 32)), name="resid_pre")
+        interventions.patching_effects(bound, metric, jnp.zeros((2, 1, 32)), name="logits")
     with pytest.raises(ValueError, match="where must have 4 axes"):
         bound(patch={"z": (jnp.zeros((2, 1, 4, 8)), jnp.ones((2, 2, 1, 4, 1), bool))})
     with pytest.raises(ValueError, match="positions must be boolean"):

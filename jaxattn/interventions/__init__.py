@@ -9,13 +9,20 @@ effect of every head is one compiled program over a batch of masks or patches: n
   :func:`patching_effects` (activation patching; mean-ablation with :func:`reference_mean`),
   :func:`gate_gradients`, :func:`attribution_patching`, :func:`attention_gradient`,
   :func:`layer_gradients`, :func:`metric_value`, and the masks they run, :func:`head_masks`,
-  :func:`head_where`;
+  :func:`head_where`; residual-stream and block-output sites (:data:`POSITION_SITES`) patched by layer
+  and position, ``[L, T]``;
+- the direct effect on the logits (``_lens``): :func:`logit_lens` (every layer's stream read through
+  the final norm and the unembedding), :func:`logit_attribution` (each head's, MLP's and the
+  embedding's share of a logit difference through the frozen final norm);
+- head types from attention maps (``_scores``): :func:`head_scores` (previous-token, duplicate-token,
+  induction and sink scores, :data:`HEAD_KINDS`);
 - metrics (``_metrics``): :func:`span_log_prob`, :func:`choice_metric` (a causal LM's log-probability
   difference between two continuations), :func:`similarity_metric` (an encoder's, no LM head);
 - tokens of a text (``_text``): :func:`encode_with_offsets`, :func:`char_span_to_tokens`,
   :func:`find_span`, :func:`encode_choices`;
 - statistics (``_stats``): :func:`spearman`, :func:`wilson_interval`;
-- Winograd schemas (``_winograd``): :func:`load_pairs` (the bundled WSC273 subset), :class:`Schema`,
+- Winograd schemas (``_winograd``): :func:`load_wsc273` (WSC273 as published, :class:`Problem` records),
+  :func:`to_schemas`, :func:`evaluate_sentences`, :func:`load_pairs` (its pairs), :class:`Schema`,
   :func:`substitution_scores`, :func:`pronoun_attention`, :func:`max_attention_predictions`,
   :func:`best_head`, :func:`accuracy`, :func:`model_maps`, :func:`lm_scorer`, :func:`evaluate` (all of
   them on a model), :func:`special_after_pronoun`;
@@ -34,6 +41,7 @@ require("models", "jaxattn.interventions", "safetensors", "tokenizers", "hugging
 
 from jaxattn.interventions._effects import (  # noqa: E402
     HEAD_SITES,
+    POSITION_SITES,
     ablation_effects,
     attention_gradient,
     attribution_patching,
@@ -46,6 +54,7 @@ from jaxattn.interventions._effects import (  # noqa: E402
     reference_mean,
 )
 from jaxattn.interventions._heads import attention_inputs, entropy_bounds, qk_weights  # noqa: E402
+from jaxattn.interventions._lens import logit_attribution, logit_lens  # noqa: E402
 from jaxattn.interventions._metrics import choice_metric, similarity_metric, span_log_prob  # noqa: E402
 from jaxattn.interventions._model import Bound, bind  # noqa: E402
 from jaxattn.interventions._report import (  # noqa: E402
@@ -62,31 +71,41 @@ from jaxattn.interventions._report import (  # noqa: E402
     render_top,
     top_heads,
 )
+from jaxattn.interventions._scores import HEAD_KINDS, head_scores  # noqa: E402
 from jaxattn.interventions._stats import spearman, wilson_interval  # noqa: E402
 from jaxattn.interventions._text import char_span_to_tokens, encode_choices, encode_with_offsets, find_span  # noqa: E402
 from jaxattn.interventions._winograd import (  # noqa: E402
+    Problem,
     Schema,
     accuracy,
     best_head,
     evaluate,
+    evaluate_sentences,
     flatten_pairs,
     head_predictions,
     lm_scorer,
     load_metadata,
     load_pairs,
+    load_wsc273,
     max_attention_predictions,
     model_maps,
     parse_pairs,
+    parse_wsc273,
     pronoun_attention,
     special_after_pronoun,
     split_pairs,
     substitution_scores,
+    to_schemas,
+    wsc273_pairs,
 )
 
 __all__ = [
+    "HEAD_KINDS",
     "HEAD_SITES",
     "METHODS",
+    "POSITION_SITES",
     "Bound",
+    "Problem",
     "Schema",
     "ablation_effects",
     "accuracy",
@@ -106,11 +125,13 @@ __all__ = [
     "encode_with_offsets",
     "entropy_bounds",
     "evaluate",
+    "evaluate_sentences",
     "find_span",
     "flatten_pairs",
     "gate_gradients",
     "head_masks",
     "head_predictions",
+    "head_scores",
     "head_tables",
     "head_where",
     "heatmaps_png",
@@ -118,10 +139,14 @@ __all__ = [
     "lm_scorer",
     "load_metadata",
     "load_pairs",
+    "load_wsc273",
+    "logit_attribution",
+    "logit_lens",
     "max_attention_predictions",
     "metric_value",
     "model_maps",
     "parse_pairs",
+    "parse_wsc273",
     "patching_effects",
     "pronoun_attention",
     "qk_weights",
@@ -136,5 +161,7 @@ __all__ = [
     "split_pairs",
     "substitution_scores",
     "top_heads",
+    "to_schemas",
     "wilson_interval",
+    "wsc273_pairs",
 ]

@@ -9,6 +9,8 @@ Each table is ``[L, N]``:
 - :func:`ablation_effects`: ``metric(head (l, n) zeroed) - metric(clean)``, through ``head_mask``;
 - :func:`patching_effects`: ``metric(head (l, n)'s tensor replaced by value) - metric(clean)``, through
   ``patch``: activation patching from another input's run, or mean-ablation with :func:`reference_mean`;
+  for a residual-stream or block-output site (:data:`POSITION_SITES`) the table is by layer and
+  position, ``[L, T]``;
 - :func:`gate_gradients`: ``∂metric/∂head_mask`` at ones;
 - :func:`attribution_patching`: ``Σ (value - clean) · ∂metric/∂tensor`` over the head's entries, the
   first-order estimate of :func:`patching_effects`;
@@ -16,7 +18,7 @@ Each table is ``[L, N]``:
   attention × gradient attribution of that query;
 - :func:`layer_gradients`: the total derivative of the metric with respect to any captured tensor.
 
-The L·N interventions of a table run as ``jax.lax.map`` over the stacked masks or patches with
+The L·N (or L·T) interventions of a table run as ``jax.lax.map`` over the stacked masks or patches with
 ``batch_size=chunk``: ``jax.vmap`` over ``chunk`` of them at a time, so at most ``chunk`` copies of the
 activations are alive at once, in one ``jax.jit`` program that takes the weights as arguments.
 
@@ -40,6 +42,8 @@ Metric = Callable[[Any], Array]
 
 # The captured tensors a head owns (their head axis is N, or K for keys and values), which can be patched per head.
 HEAD_SITES = ("q", "k", "v", "attn_weights", "z")
+# The residual stream and the blocks' outputs ([L, T, D]), which can be patched per layer and position.
+POSITION_SITES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 
 
 def _check_bound(bound: Any) -> Bound:
@@ -182,6 +186,19 @@ def _patch_fn(apply: Callable[..., Any], metric: Metric, name: str) -> Callable[
     return lambda args_value, where: _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}))
 
 
+@functools.lru_cache(maxsize=64)
+def _position_patch_fn(apply: Callable[..., Any], metric: Metric, name: str, L: int,
+                       T: int) -> Callable[[Any, Any], Array]:
+    """Patch ``name`` at one ``(layer, position)`` pair (``[2]`` ints; ``(-1, -1)`` patches nothing): the
+    ``where [L, T, 1]`` is made inside the program from the pair, not stored for all L·T of them."""
+
+    def fn(args_value, at):
+        where = (jnp.arange(L)[:, None, None] == at[0]) & (jnp.arange(T)[None, :, None] == at[1])  # [L, T, 1]
+        return _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}))
+
+    return fn
+
+
 def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, value: float = 0.0,
                      loop: bool = False) -> Array:
     """``[L, N]``: ``metric(head (l, n) multiplied by value) - metric(clean)``; ``value=0`` ablates.
@@ -238,9 +255,12 @@ def _value_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
     return tuple(value.shape)
 
 
-def _check_value(name: str, value: Any) -> Array:
-    if name not in HEAD_SITES:
-        raise ValueError(f"name must be a tensor with a head axis, one of {HEAD_SITES}, received {name!r}")
+def _check_value(name: str, value: Any, sites: tuple[str, ...] = HEAD_SITES) -> Array:
+    if name not in sites:
+        if sites == HEAD_SITES:
+            raise ValueError(f"name must be a tensor with a head axis, one of {HEAD_SITES}, received {name!r}")
+        raise ValueError(f"name must be a tensor with a head axis, one of {HEAD_SITES}, or a residual-stream or "
+                         f"block-output site, one of {POSITION_SITES}, received {name!r}")
     dtype = getattr(value, "dtype", None) or np.asarray(value).dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"value must be a float array (a captured {name}), received dtype {np.dtype(dtype).name}")
@@ -256,9 +276,26 @@ def _where_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
     return tuple(out.shape[1:]) if bound.batch is not None else tuple(out.shape)
 
 
+def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
+    """``([1 + L·P, 2] (layer, position) pairs, P)``: row 0 patches nothing, then layer-major, position-minor."""
+    if positions is None:
+        cols = np.arange(T)
+    else:
+        pos = np.asarray(positions)
+        if pos.dtype != np.bool_ or pos.shape != (T,):
+            raise ValueError(f"positions must be boolean [T] = ({T},), received dtype {pos.dtype.name} shape {pos.shape}")
+        cols = np.flatnonzero(pos)
+        if cols.size == 0:
+            raise ValueError(f"positions must select at least one of the T = {T} positions, received none")
+    layers, where = np.meshgrid(np.arange(L), cols, indexing="ij")  # [L, P] each
+    pairs = np.concatenate([[[-1, -1]], np.stack([layers.ravel(), where.ravel()], axis=1)]).astype(np.int32)
+    return pairs, int(cols.size)
+
+
 def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
                      chunk: int | None = 16, loop: bool = False) -> Array:
-    """``[L, N]``: ``metric(head (l, n)'s name replaced by value) - metric(clean)`` (activation patching).
+    """``[L, N]``: ``metric(head (l, n)'s name replaced by value) - metric(clean)`` (activation patching);
+    ``[L, T]`` by layer and position for a residual-stream or block-output site.
 
     Args:
       bound: the model on the input patched into (e.g. "... too big").
@@ -270,13 +307,28 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         otherwise).
       name: ``z`` (each head's output, default), ``attn_weights`` (its attention pattern, applied to the
         clean values), ``q``; or ``k``/``v`` (under grouped-query attention a key/value head is shared by
-        N/K query heads, so patching one replaces it for all of them: the table is then ``[L, K]``).
-      positions: optional boolean ``[T]``, the query positions to patch (all when ``None``).
+        N/K query heads, so patching one replaces it for all of them: the table is then ``[L, K]``). Or
+        a site of :data:`POSITION_SITES`: ``resid_pre``, ``resid_mid``, ``resid_post`` (the residual
+        stream entering the block, after its attention, leaving it), ``attn_out``, ``mlp_out`` (what the
+        attention and the MLP add to it); entry ``[l, t]`` then patches the ``D`` features of layer
+        ``l`` at position ``t`` alone, and everything after it recomputes from the patched stream.
+      positions: optional boolean ``[T]``: for a head site, the query positions patched (all of them
+        together, in every head's intervention); for a position site, the positions patched one at a
+        time: the table is then ``[L, P]``, one column per selected position in increasing order (``P``
+        is the number selected; all ``T`` when ``None``).
       chunk, loop: as in :func:`ablation_effects`.
+
+    Raises:
+      TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name``, ``positions`` or ``chunk``.
     """
     _check_bound(bound), _check_metric(metric)
-    value = _check_value(name, value)
+    value = _check_value(name, value, HEAD_SITES + POSITION_SITES)
     shape = _where_shape(bound, name, value)
+    if name in POSITION_SITES:  # [L, T, D]: one (layer, position) pair per intervention, row 0 the clean run
+        L, T = shape[0], shape[1]
+        pairs, P = _position_pairs(L, T, positions)
+        fn = _position_patch_fn(bound.apply, metric, name, L, T)
+        return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, loop).reshape(L, P)
     where = head_where(name, shape, positions=positions)  # [L·N, L, ...]
     where = jnp.concatenate([jnp.zeros_like(where[:1]), where])  # row 0: nothing patched (the clean run)
     effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop)

@@ -1,8 +1,11 @@
 """Winograd schemas, scored three ways: language-model substitution, pronoun attention, one selected head.
 
-The bundled data (``jaxattn/data/wsc273_pairs.json``) holds pairs of sentences from WSC273 (Levesque,
-Davis & Morgenstern 2012; CC BY 4.0) that differ in one special word, which flips which candidate the
-pronoun refers to. Each sentence is a :class:`Schema`. The scorers:
+The bundled data (``jaxattn/data/wsc273.json``) is WSC273 as published: the first 273 problems of the
+collection of Levesque, Davis & Morgenstern (2012; CC BY 4.0), in the collection's order, converted from
+its ``WSCollection.xml`` by ``tools/convert_wsc273.py``. :func:`load_wsc273` returns them as
+:class:`Problem` records (136 schemas: 135 of two sentences, one of three); :func:`to_schemas` makes each a
+scorable :class:`Schema`; :func:`load_pairs` pairs the sentences of each schema whose answers differ
+(136 pairs: the three-sentence schema gives one). The scorers:
 
 - **substitution** (Trinh & Le 2018): replace the pronoun by each candidate and compare the language
   model's log-probability of the full sentence, or of the part after the candidate ("partial");
@@ -34,7 +37,7 @@ from jaxattn.interventions._metrics import span_log_prob
 from jaxattn.interventions._stats import wilson_interval
 from jaxattn.interventions._text import char_span_to_tokens, encode_with_offsets, find_span
 
-DATA_FILE = "wsc273_pairs.json"
+DATA_FILE = "wsc273.json"  # written by tools/convert_wsc273.py from the collection's WSCollection.xml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +45,12 @@ class Schema:
     """One Winograd sentence.
 
     Attributes:
-      pair: the index of its pair (the two sentences of a pair share it).
+      pair: the index of its pair (the two sentences of a pair share it); from :func:`to_schemas`, the
+        index of its schema (the sentences of a schema share it).
       text: the sentence.
       pronoun: ``(start, end)`` characters of the pronoun.
-      candidates: two ``(start, end)`` character spans, each candidate's mention before the pronoun.
+      candidates: two ``(start, end)`` character spans, each candidate's mention before the pronoun (or,
+        from :func:`to_schemas`, after it where the sentence names the candidates there).
       substitutions: the sentence with the pronoun replaced by candidate 0, and by candidate 1.
       substitute_ends: where each substitute ends in its substitution (characters): "partial"
         scoring scores what follows.
@@ -86,7 +91,9 @@ def _mention(m: Any, where: str, field: str) -> tuple[str, int]:
 
 
 def _schema(pair: int, raw: str, mentions: Sequence[tuple[str, int]], subs: Sequence[str], answer: int,
-            where: str, field: str) -> Schema:
+            where: str, field: str, *, anywhere: bool = False, mention_field: str = "'candidates'") -> Schema:
+    """A :class:`Schema` from a marked text; ``anywhere``: mention k is the k-th whole-word occurrence counted
+    from the start of the text (before or after the pronoun), else the k-th before the pronoun."""
     if raw.count("[") != 1 or raw.count("]") != 1 or raw.index("[") > raw.index("]"):
         raise ValueError(f"{where}: the text must mark the pronoun with one [bracket] pair, received {field} = {raw!r}")
     start = raw.index("[")
@@ -97,10 +104,14 @@ def _schema(pair: int, raw: str, mentions: Sequence[tuple[str, int]], subs: Sequ
     spans = []
     for j, (phrase, k) in enumerate(mentions):
         try:
-            spans.append(find_span(text, phrase, occurrence=k, before=start))
+            spans.append(find_span(text, phrase, occurrence=k, before=None if anywhere else start))
         except ValueError:
-            raise ValueError(f"{where}: 'candidates'[{j}] {phrase!r} (occurrence {k}) must occur as a whole word "
-                             f"before the pronoun of {field}, received the text {text!r}") from None
+            place = "in" if anywhere else "before the pronoun of"
+            raise ValueError(f"{where}: {mention_field}[{j}] {phrase!r} (occurrence {k}) must occur as a whole word "
+                             f"{place} {field}, received the text {text!r}") from None
+        if anywhere and spans[-1][0] < end and start < spans[-1][1]:
+            raise ValueError(f"{where}: {mention_field}[{j}] {phrase!r} (occurrence {k}) is the pronoun of {field}, "
+                             f"received the text {text!r}")
     if spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]:
         raise ValueError(f"{where}: the candidates' mentions overlap in {field}: {[m for m, _ in mentions]!r}")
     substitutions, ends = [], []
@@ -151,22 +162,148 @@ def parse_pairs(data: Any) -> list[tuple[Schema, Schema]]:
     return out
 
 
-def load_pairs(path: str | Path | None = None) -> list[tuple[Schema, Schema]]:
-    """The Winograd pairs of a JSON file; ``None``: the bundled WSC273 subset (``jaxattn/data``)."""
+def _read_data(path: str | Path | None) -> Any:
     if path is None:
         text = resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8")
     else:
         text = Path(path).read_text(encoding="utf-8")
-    return parse_pairs(json.loads(text))
+    return json.loads(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One WSC273 problem, as the collection gives it, with what scoring it needs.
+
+    Attributes:
+      index: its position in the collection (0-272).
+      schema: the index of its schema (0-135), shared by the schema's sentences: 135 schemas of two
+        sentences and one of three (problems 252-254). In two schemas (problems 172-173, a minnow or a shark
+        below a duck; 265-266, a butterfly wing or a heavy book on a table) a candidate changes between
+        the sentences.
+      text: the sentence with the pronoun marked once with ``[brackets]``, e.g.
+        ``"The trophy doesn't fit into the brown suitcase because [it] is too large."``.
+      pronoun: the pronoun as written (``"it"``, ``"He"``, ``"his"``).
+      candidates: the collection's two answers, as it words them (``"the suitcase"`` for "the brown
+        suitcase", ``"The son"`` for "his son").
+      answer: 0 or 1, the index of the correct candidate.
+      source: the collection's credit for the problem (its author, or where it is adapted from).
+      mentions: each candidate's words in the sentence, ``(phrase, k)``: the k-th whole-word occurrence
+        of ``phrase`` in the text without brackets (before the pronoun, except in problems 232-233, which
+        name the candidates after it).
+      substitutes: what replaces the pronoun for each candidate in the substitution form (Trinh & Le
+        2018): lowercase, capitalised by :func:`to_schemas` where the pronoun starts a sentence.
+    """
+
+    index: int
+    schema: int
+    text: str
+    pronoun: str
+    candidates: tuple[str, str]
+    answer: int
+    source: str
+    mentions: tuple[tuple[str, int], tuple[str, int]]
+    substitutes: tuple[str, str]
+
+    def to_schema(self) -> Schema:
+        """The problem as a scorable :class:`Schema` (``pair``: the index of its schema)."""
+        return _schema(self.schema, self.text, self.mentions, self.substitutes, self.answer,
+                       f"problem {self.index}", "'text'", anywhere=True, mention_field="'mentions'")
+
+
+def parse_wsc273(data: Any) -> list[Problem]:
+    """The problems of a data dict in the WSC273 layout (``{"problems": [...]}``, what
+    ``tools/convert_wsc273.py`` writes; see :class:`Problem` for the fields).
+
+    Raises:
+      ValueError: naming the problem (its index) and the field that is malformed.
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("problems"), list):
+        raise ValueError("data must be a dict with a list under 'problems'")
+    out: list[Problem] = []
+    for i, p in enumerate(data["problems"]):
+        where = f"problem {i}"
+        if not isinstance(p, dict):
+            raise ValueError(f"{where} must be a dict, received {type(p).__name__}")
+        for key in ("index", "schema", "answer"):
+            v = p.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: '{key}' must be an int >= 0, received {v!r}")
+        if p["index"] != i:
+            raise ValueError(f"{where}: 'index' must be its position in the list, {i}, received {p['index']}")
+        if p["answer"] not in (0, 1):
+            raise ValueError(f"{where}: 'answer' must be 0 or 1, received {p['answer']!r}")
+        previous = out[-1].schema if out else -1
+        if p["schema"] not in (previous, previous + 1):
+            raise ValueError(f"{where}: 'schema' must be the previous problem's ({previous}) or the next one, "
+                             f"received {p['schema']}")
+        for key in ("text", "pronoun", "source"):
+            if not isinstance(p.get(key), str):
+                raise ValueError(f"{where}: '{key}' must be a string, received {p.get(key)!r}")
+        for key in ("candidates", "mentions", "substitutes"):
+            if not isinstance(p.get(key), list) or len(p[key]) != 2:
+                raise ValueError(f"{where}: '{key}' must be a list of two entries, received {p.get(key)!r}")
+        candidates = tuple(_phrase(c, where, f"'candidates'[{j}]") for j, c in enumerate(p["candidates"]))
+        mentions = tuple(_mention(m, where, f"'mentions'[{j}]") for j, m in enumerate(p["mentions"]))
+        subs = tuple(_phrase(x, where, f"'substitutes'[{j}]") for j, x in enumerate(p["substitutes"]))
+        problem = Problem(i, p["schema"], p["text"], p["pronoun"], candidates, p["answer"], p["source"],
+                          mentions, subs)  # type: ignore[arg-type]
+        schema = problem.to_schema()  # checks the marking and the mentions
+        if schema.span_text(schema.pronoun) != problem.pronoun:
+            raise ValueError(f"{where}: 'pronoun' must be the marked word {schema.span_text(schema.pronoun)!r}, "
+                             f"received {problem.pronoun!r}")
+        out.append(problem)
+    return out
+
+
+def load_wsc273(path: str | Path | None = None) -> list[Problem]:
+    """All 273 WSC273 problems in the collection's order (``None``: the bundled ``jaxattn/data/wsc273.json``;
+    else a JSON file in its layout, e.g. one ``tools/convert_wsc273.py`` wrote)."""
+    return parse_wsc273(_read_data(path))
+
+
+def to_schemas(problems: Sequence[Problem]) -> list[Schema]:
+    """Each problem as a scorable :class:`Schema`, ``pair`` being its schema's index (for
+    :func:`evaluate_sentences`)."""
+    return [p.to_schema() for p in problems]
+
+
+def wsc273_pairs(problems: Sequence[Problem]) -> list[tuple[Schema, Schema]]:
+    """Pairs of sentences of one schema with different answers, in the collection's order.
+
+    Each sentence is in at most one pair: a schema's first sentence is paired with its next sentence of the
+    other answer. WSC273 gives 136 pairs (272 sentences): every two-sentence schema one, and the
+    three-sentence schema (answers 0, 1, 0) one, of its first two sentences; its third is left out. The
+    ``pair`` of each :class:`Schema` is the index of its pair.
+    """
+    groups: dict[int, list[Problem]] = {}
+    for p in problems:
+        groups.setdefault(p.schema, []).append(p)
+    out: list[tuple[Schema, Schema]] = []
+    for members in groups.values():
+        left = list(members)
+        while left:
+            first = left.pop(0)
+            other = next((q for q in left if q.answer != first.answer), None)
+            if other is None:
+                continue
+            left.remove(other)
+            a, b = (dataclasses.replace(q.to_schema(), pair=len(out)) for q in (first, other))
+            out.append((a, b))
+    return out
+
+
+def load_pairs(path: str | Path | None = None) -> list[tuple[Schema, Schema]]:
+    """Winograd pairs: ``None``, the pairs of the bundled WSC273 (:func:`wsc273_pairs`, 136 pairs); else a
+    JSON file in the WSC273 layout (paired the same way) or in :func:`parse_pairs`'s layout."""
+    data = _read_data(path)
+    if isinstance(data, dict) and "problems" in data:
+        return wsc273_pairs(parse_wsc273(data))
+    return parse_pairs(data)
 
 
 def load_metadata(path: str | Path | None = None) -> dict[str, str]:
     """The data file's ``name``, ``source``, ``license`` and ``note`` (its citation)."""
-    if path is None:
-        text = resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8")
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    data = json.loads(text)
+    data = _read_data(path)
     return {k: data.get(k, "") for k in ("name", "source", "license", "note")}
 
 
@@ -420,10 +557,49 @@ def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = N
     if maps is not None and len(pairs) < 2:
         raise ValueError(f"pairs must hold at least 2 pairs when maps is given (the best head is selected on "
                          f"one half of the pairs and scored on the other), received {len(pairs)}")
-    schemas = flatten_pairs(pairs)
-    answers = np.array([s.answer for s in schemas])
-    out: dict[str, Any] = {"sentences": len(schemas), "pairs": len(pairs),
+    out: dict[str, Any] = {"sentences": 2 * len(pairs), "pairs": len(pairs),
                            "special_after_pronoun": int(sum(special_after_pronoun(p) for p in pairs))}
+    return {**out, **_scored(flatten_pairs(pairs), score, maps, seed)}
+
+
+def evaluate_sentences(schemas: Sequence[Schema], *, score: Scorer | None = None, maps: MapsFn | None = None,
+                       seed: int = 0) -> dict[str, Any]:
+    """Every scorer the model allows on sentences grouped by ``Schema.pair``, e.g. all of WSC273:
+    ``evaluate_sentences(to_schemas(load_wsc273()), ...)`` (groups: the schemas).
+
+    As :func:`evaluate`, with the best head's halves made of groups (a schema's sentences are on one
+    side); ``"groups"`` counts them, and ``"special_after_pronoun"`` counts the groups of two or more
+    sentences that are the same up to and with the pronoun (a causal model's pronoun row is then the same
+    in all of them, so its attention picks the same candidate for each).
+
+    Raises:
+      TypeError: ``schemas`` is not a sequence of :class:`Schema`, or ``score`` returns something that is
+        not a real number.
+      ValueError: ``schemas`` is empty (or all in one group when ``maps`` is given), or ``score`` returns NaN.
+    """
+    if isinstance(schemas, (str, bytes, dict)) or not isinstance(schemas, Sequence):
+        raise TypeError(f"schemas must be a sequence of Schema (e.g. to_schemas(load_wsc273())), received "
+                        f"{type(schemas).__name__}")
+    if len(schemas) == 0:
+        raise ValueError("schemas must hold at least one sentence, received none")
+    for i, x in enumerate(schemas):
+        if not isinstance(x, Schema):
+            raise TypeError(f"schemas[{i}] must be a Schema (e.g. from to_schemas), received {x!r}")
+    groups: dict[int, list[Schema]] = {}
+    for x in schemas:
+        groups.setdefault(x.pair, []).append(x)
+    if maps is not None and len(groups) < 2:
+        raise ValueError(f"schemas must hold at least 2 groups (Schema.pair) when maps is given (the best head is "
+                         f"selected on one half of the groups and scored on the other), received {len(groups)}")
+    same = sum(len(g) > 1 and all(special_after_pronoun((g[0], x)) for x in g[1:]) for g in groups.values())
+    out: dict[str, Any] = {"sentences": len(schemas), "groups": len(groups), "special_after_pronoun": int(same)}
+    return {**out, **_scored(schemas, score, maps, seed)}
+
+
+def _scored(schemas: Sequence[Schema], score: Scorer | None, maps: MapsFn | None, seed: int) -> dict[str, Any]:
+    """The scorers' accuracies on the sentences (the best head split by ``Schema.pair``)."""
+    answers = np.array([s.answer for s in schemas])
+    out: dict[str, Any] = {}
     if score is not None:
         scores = substitution_scores(schemas, score)
         for mode in ("full", "partial"):

@@ -1,0 +1,213 @@
+"""What the residual stream says about the next token: the logit lens and direct logit attribution.
+
+- :func:`logit_lens`: the logits the stream entering every layer would give, read through the model's
+  own final norm and unembedding;
+- :func:`logit_attribution`: how much each head, MLP and the embedding add to ``logit[a] - logit[b]``
+  through the final norm with its statistics frozen at the clean run (direct logit attribution).
+
+Both read the model through its protocol (:mod:`jaxattn.models`): ``final_norm``, ``unembed``,
+``head_projections`` and ``final_norm_linear``, from the module :func:`bind` keeps in the
+:class:`Bound`; each is one compiled program that takes the weights as arguments.
+
+Axis alphabet: B inputs of a batch, L layers, N heads, T tokens, P positions read, H head dim, D width,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.interventions._model import Bound
+
+Array = jax.Array
+
+
+def _module(bound: Any, what: str, needs: tuple[str, ...]) -> Any:
+    if not isinstance(bound, Bound):
+        raise TypeError(f"bound must be a jaxattn.interventions.Bound (from bind), received {type(bound).__name__}")
+    module = getattr(bound, "module", None)
+    if module is None:
+        raise ValueError(f"bound must carry its model module ({what} reads the model protocol): make it with "
+                         f"interventions.bind(module, ...), received a Bound with module=None")
+    name = getattr(module, "__name__", repr(module))
+    missing = [f for f in needs if not callable(getattr(module, f, None))]
+    if missing:
+        raise ValueError(f"{what} needs the model protocol's {', '.join(missing)} (jaxattn.models); the model "
+                         f"{name} has no {', '.join(missing)}")
+    params, config = bound.args["params"], bound.config
+    D = int(module.sizes(config).width)
+    try:  # an encoder without a language-model head refuses here, before anything is traced
+        jax.eval_shape(lambda p: module.unembed(p, config, jnp.zeros((D,), jnp.float32)), params)
+    except ValueError as e:
+        raise ValueError(f"{what} needs logits: the model {name} has no unembedding (no language-model head): "
+                         f"{e}") from None
+    return module
+
+
+def _index(x: Any, name: str, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int ({what}), received {type(x).__name__}")
+    return int(x)
+
+
+def _positions(positions: Any, T: int) -> np.ndarray:
+    if isinstance(positions, (int, np.integer)) and not isinstance(positions, bool):
+        positions = [positions]
+    pos = np.asarray(positions)
+    if pos.ndim != 1 or pos.shape[0] == 0 or not np.issubdtype(pos.dtype, np.integer):
+        raise ValueError(f"positions must be a non-empty sequence of int token positions [P] (or one int), "
+                         f"received dtype {pos.dtype.name} shape {pos.shape}")
+    if np.any(pos < -T) or np.any(pos >= T):
+        raise ValueError(f"positions must lie in [-T, T) = [-{T}, {T}) (the bound's input columns), received "
+                         f"{pos.tolist()}")
+    return (pos % T).astype(np.int32)
+
+
+def _length(bound: Bound) -> int:
+    return int(bound.args["ids"].shape[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _lens_program(apply: Callable[..., Any], final_norm: Callable[..., Any], unembed: Callable[..., Any],
+                  config: Any, batched: bool) -> Callable[..., Array]:
+    def one(params, resid_pre, logits, pos):  # [L, T, D], [T, V], [P]
+        rows = unembed(params, config, final_norm(params, config, resid_pre[:, pos]))  # [L, P, V]
+        return jnp.concatenate([rows.astype(logits.dtype), logits[pos][None]])  # [L + 1, P, V]
+
+    def run(args, pos):
+        out = apply(args, capture=("resid_pre",))
+        read = lambda r, l: one(args["params"], r, l, pos)  # noqa: E731
+        return jax.vmap(read)(out.captured["resid_pre"], out.logits) if batched else read(
+            out.captured["resid_pre"], out.logits)
+
+    return jax.jit(run)
+
+
+def logit_lens(bound: Bound, *, positions: Any) -> Array:
+    """``[L + 1, P, V]``: the logits the residual stream entering each layer would give, at ``positions``.
+
+    Row ``l < L`` is ``unembed(final_norm(resid_pre[l]))``: the stream entering block ``l`` (row 0 is the
+    embedding) read through the model's own final norm and unembedding, as if the blocks from ``l`` on
+    were skipped. Row ``L`` is the model's own logits (``unembed(final_norm(resid_post[L - 1]))``).
+
+    Args:
+      bound: a causal language model on its inputs (:func:`bind`); a batched bound gives ``[B, L + 1, P, V]``.
+      positions: the token positions read, ints in ``[-T, T)`` (``[P]``; one int is ``P = 1``), indexing
+        the bound's (padded) input columns: under left padding ``-1`` is every sequence's last token.
+
+    Raises:
+      TypeError, ValueError: naming ``bound`` (not a Bound; no model module; a model without an
+        unembedding, such as BERT, named) or ``positions``.
+    """
+    module = _module(bound, "logit_lens", ("final_norm", "unembed"))
+    pos = _positions(positions, _length(bound))
+    program = _lens_program(bound.apply, module.final_norm, module.unembed, bound.config, bound.batch is not None)
+    return program(bound.args, jnp.asarray(pos))
+
+
+_DLA_CAPTURE = ("attn_out", "mlp_out", "resid_post", "resid_pre", "z")
+
+
+@functools.lru_cache(maxsize=64)
+def _dla_program(apply: Callable[..., Any], final_norm: Callable[..., Any], final_norm_linear: Callable[..., Any],
+                 unembed: Callable[..., Any], head_projections: Callable[..., Any], config: Any, L: int, D: int,
+                 batched: bool) -> Callable[..., dict[str, Array]]:
+    def one(params, c, bias, logits, w, pos, a, b):
+        """One sequence: its captured tensors ``c`` ([L, T, ...]) and output-projection biases ``[L, T, D]``."""
+        f32 = jnp.float32
+        x0 = c["resid_post"][-1, pos]  # [D], the stream the final norm reads
+        zero = jnp.zeros((D,), x0.dtype)
+
+        def diff(h):  # logit[a] - logit[b] of a final-norm output h [D]: affine in h
+            y = unembed(params, config, h)
+            return (y[a] - y[b]).astype(f32)
+
+        r = jax.grad(diff)(zero.astype(f32))  # [D], the direction of the difference
+        _, pull = jax.vjp(lambda v: final_norm_linear(params, config, x0, v).astype(f32), zero.astype(f32))
+        (u,) = pull(r)  # [D]: a component v of the stream adds u · v through the frozen norm
+        dot = lambda v: jnp.sum(v.astype(f32) * u[(None,) * (v.ndim - 1)], axis=-1)  # noqa: E731
+        z = c["z"][:, pos].astype(f32)  # [L, N, H]
+        wu = jnp.einsum("lnhd,d->lnh", w.astype(f32), u)  # [L, N, H]
+        norm_bias = final_norm(params, config, zero)  # [D], the norm's bias (0 for RMSNorm)
+        unembed_bias = diff(zero)  # the unembedding's own constant term (0 without a bias)
+        parts = {
+            "embed": dot(c["resid_pre"][0, pos]),
+            "heads": jnp.einsum("lnh,lnh->ln", z, wu),
+            "mlps": dot(c["mlp_out"][:, pos]),
+            "attn_bias": dot(bias[:, pos]),
+            "final_norm_bias": jnp.sum(r * norm_bias.astype(f32)),
+            "unembed_bias": unembed_bias,
+            "total": (logits[pos, a] - logits[pos, b]).astype(f32),
+        }
+        present = {"attn_bias": jnp.any(bias != 0), "final_norm_bias": jnp.any(norm_bias != 0),
+                   "unembed_bias": jnp.any(unembed(params, config, zero) != 0)}
+        return parts, present
+
+    def run(args, pos, a, b):
+        params = args["params"]
+        out = apply(args, capture=_DLA_CAPTURE)
+        nothing = jnp.zeros((L, 1, 1, 1), jnp.float32)
+        everywhere = jnp.ones((L, 1, 1, 1), bool)
+        bias = apply(args, patch={"z": (nothing, everywhere)}, capture=("attn_out",)).captured["attn_out"]
+        w = head_projections(params, config)  # [L, N, H, D]
+        read = lambda c, s, l: one(params, c, s, l, w, pos, a, b)  # noqa: E731
+        if batched:
+            parts, present = jax.vmap(read)(out.captured, bias, out.logits)
+            return parts, jax.tree.map(jnp.any, present)
+        return read(out.captured, bias, out.logits)
+
+    return jax.jit(run)
+
+
+def logit_attribution(bound: Bound, pair: Any, *, position: int = -1) -> dict[str, Array]:
+    """Direct logit attribution: each part of the residual stream's share of ``logit[a] - logit[b]``.
+
+    The stream the final norm reads at ``position`` is a sum of parts: the embedding (``resid_pre`` of
+    block 0), every head's output ``z[l, n] @ W[l, n]`` (``head_projections``), every output projection's
+    bias, every MLP's output. The final norm is linearised at the clean stream ``x``: its statistics
+    (LayerNorm's mean and standard deviation, RMSNorm's root mean square) are those of ``x``, frozen
+    (the protocol's ``final_norm_linear``), so it is linear in the stream plus its constant bias, and each
+    part's share is the logit difference of that part alone through the frozen norm and the unembedding.
+    The shares add up to ``total``, the clean ``logit[a] - logit[b]``, up to float rounding.
+
+    Args:
+      bound: a causal language model on its inputs (:func:`bind`), run clean (no head mask, no patch).
+      pair: ``(a, b)``, two token ids in ``[0, V)``.
+      position: the token position read, an int in ``[-T, T)`` indexing the bound's input columns (under
+        left padding ``-1`` is every sequence's last token).
+
+    Returns:
+      float32 arrays (with a leading B axis for a batched bound): ``"embed"`` (scalar), ``"heads"``
+      ``[L, N]``, ``"mlps"`` ``[L]``, ``"total"`` (scalar), and, only where the model has the bias
+      (nonzero in its weights): ``"attn_bias"`` ``[L]`` (each output projection's bias),
+      ``"final_norm_bias"`` (the final norm's bias, e.g. GPT-2's ``ln_f``; RMSNorm has none) and
+      ``"unembed_bias"`` (a language-model head's bias). The presence of a bias is read from the weights
+      (concrete values), so this function runs eagerly, not under ``jax.jit``.
+
+    Raises:
+      TypeError, ValueError: naming ``bound`` (not a Bound; no model module; a model without an
+        unembedding or without ``final_norm_linear``, named), ``pair`` or ``position``.
+    """
+    module = _module(bound, "logit_attribution", ("final_norm", "unembed", "final_norm_linear",
+                                                  "head_projections"))
+    sizes = module.sizes(bound.config)
+    V, T = int(sizes.vocab), _length(bound)
+    if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(f"pair must be (a, b), two token ids in [0, {V}), received {pair!r}")
+    a, b = (_index(x, "pair", f"a token id in [0, {V})") for x in pair)
+    if not (0 <= a < V and 0 <= b < V):
+        raise ValueError(f"pair must be (a, b), two token ids in [0, {V}), received {pair!r}")
+    position = _index(position, "position", f"a token position in [-{T}, {T})")
+    if not -T <= position < T:
+        raise ValueError(f"position must lie in [-T, T) = [-{T}, {T}) (the bound's input columns), received {position}")
+    program = _dla_program(bound.apply, module.final_norm, module.final_norm_linear, module.unembed,
+                           module.head_projections, bound.config, int(sizes.layers), int(sizes.width),
+                           bound.batch is not None)
+    parts, present = program(bound.args, jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32),
+                             jnp.asarray(b, jnp.int32))
+    return {k: v for k, v in parts.items() if bool(present.get(k, True))}

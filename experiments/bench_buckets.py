@@ -14,7 +14,11 @@ positions equal the exact ones.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
 import jax
 import numpy as np

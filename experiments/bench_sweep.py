@@ -11,7 +11,11 @@ compiled before timing (compile times are printed apart); times are the best of 
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""The chapter's lab (§7): part 1, the attention map in numbers; part 2, the collapse without √d_k;
+"""The lab: part 1, the attention map in numbers; part 2, the collapse without √d_k;
 parts 3-4, real attention on the trophy sentence and "too big" vs "too small" (experiments/trophy.py).
 
 Every run prints its seed and the output folder, and writes its numbers (JSON), pictures (PNG) and the
@@ -16,6 +16,9 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
 from jaxattn import gpt2, lab, probes
 from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, use_compilation_cache, write_json

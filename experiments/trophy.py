@@ -1,4 +1,4 @@
-"""The chapter's lab, parts 3-4: real attention on the trophy sentence, and "too big" vs "too small".
+"""The lab, parts 3-4: real attention on the trophy sentence, and "too big" vs "too small".
 
     python experiments/trophy.py                       # the hub's gpt2; if the hub cannot be reached and
                                                        # nothing is cached: the bundled SmolLM2, said so
@@ -23,6 +23,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
 from jaxattn import bert, gpt2, llama
 from jaxattn import lab as trophy

@@ -438,6 +438,8 @@ def zero_fractions(sweep_data: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_zero_fractions(zeros: dict[str, Any], head_dims: Sequence[int]) -> str:
+    """:func:`zero_fractions` as a text table: per dtype, the measured and predicted fraction of unscaled
+    rows whose logit gradient is exactly zero at each head dimension, then the scaled rows' largest."""
     lines = ["fraction of unscaled rows with exactly-zero ∂L/∂logits (measured / predicted P(√d_k·D > g)):"]
     lines.append("  dtype      g     " + " ".join(f"{d:>13d}" for d in head_dims))
     for name, z in zeros.items():

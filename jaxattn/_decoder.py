@@ -19,6 +19,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxattn import _sharding
 from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._nn import attention_mask as attention_mask_
@@ -104,6 +105,43 @@ def _key_mask(keep: Array, pos: Array, window: int | None) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------------
+# The family's pieces whose sharding a mesh with Explicit axes cannot type by itself (a lookup by token
+# ids split over the data axis, a sum over heads or hidden units split over the model axis): run through
+# _sharding.auto, which is the plain call without such a mesh.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _embed(family: Family, config: Any, params: Any, ids: Array, pos: Array) -> Array:
+    return _sharding.auto(lambda params, ids, pos: family.embed(params, config, ids, pos))(params, ids, pos)
+
+
+def _rotation(family: Family, config: Any, pos: Array, size: int) -> Any:
+    return _sharding.auto(lambda pos: family.rotation(config, pos, size))(pos)
+
+
+def _attn_out(family: Family, config: Any, p: Any, z: Array) -> Array:
+    return _sharding.auto(lambda p, z: family.attn_out(p, config, z))(p, z)
+
+
+def _mlp(family: Family, config: Any, p: Any, x: Array) -> Array:
+    return _sharding.auto(lambda p, x: family.mlp(p, config, x))(p, x)
+
+
+def _logits(q: Array, k: Array, scale: Array, group: int) -> Array:
+    """``[N, T, S]``: each query head's logits against its key head (``group = N / K`` query heads each)."""
+
+    def logits(q, k, scale):
+        k_rep = jnp.repeat(k, group, axis=1)  # [T, N, H]
+        return jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep)
+
+    return _sharding.auto(logits, lambda mesh: _sharding.heads_split(q)(mesh)[1])(q, k, scale)
+
+
+def _unembed(family: Family, config: Any, params: Any, h: Array) -> Array:
+    return _sharding.auto(lambda params, h: family.unembed(params, config, h))(params, h)
+
+
+# ----------------------------------------------------------------------------------------------------
 # The forward
 # ----------------------------------------------------------------------------------------------------
 
@@ -114,8 +152,8 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
     L, N, K, T = s.layers, s.heads, s.kv_heads, ids.shape[0]
     sites = Sites(capture, patch)
     pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
-    x = family.embed(params, config, ids, pos)  # [T, D]
-    rot = family.rotation(config, pos, T)
+    x = _embed(family, config, params, ids, pos)  # [T, D]
+    rot = _rotation(family, config, pos, T)
     mask = _key_mask(keep, pos, s.window)  # [S] or [T, S]
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
     for i in range(L):
@@ -124,15 +162,14 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
         q, k, v = (sites(name, i, a) for name, a in zip("qkv", family.qkv(p, config, x, rot)))  # [T, N|K, H]
         z, weights = causal_layer(q, k, v, mask, scale, weights, i, L, sites)  # [T, N, H], [L, N, T, T]
         if "attn_logits" in capture:  # per query head, against its key head: the softmax's own input
-            k_rep = jnp.repeat(k, N // K, axis=1)  # [T, N, H]
-            sites("attn_logits", i, jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep))
+            sites("attn_logits", i, _logits(q, k, scale, N // K))  # [N, T, T]
         z = sites("z", i, z) * heads[i][None, :, None].astype(z.dtype)  # [T, N, H], each head times its gate
-        a = sites("attn_out", i, family.attn_out(p, config, z))  # [T, D]
+        a = sites("attn_out", i, _attn_out(family, config, p, z))  # [T, D]
         x = sites("resid_mid", i, x + a)  # [T, D]
-        m = sites("mlp_out", i, family.mlp(p, config, x))  # [T, D]
+        m = sites("mlp_out", i, _mlp(family, config, p, x))  # [T, D]
         x = sites("resid_post", i, x + m)  # [T, D]
     h = family.final_norm(params, config, x)  # [T, D]
-    return ModelOutput(logits=family.unembed(params, config, h), last_hidden_state=h, attentions=weights,
+    return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights,
                        captured=sites.captured())
 
 
@@ -165,7 +202,7 @@ def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, 
     end = check_span(start, end, ids.shape[0])
     keep = _keep(attention_mask, ids.shape[0])
     out = _checked_forward(family, params, config, ids, attention_mask=keep, scale=scale)
-    return span_log_prob(out.logits, ids, keep, start, end)
+    return _sharding.auto(span_log_prob)(out.logits, ids, keep, start, end)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -210,16 +247,18 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         visible = (jnp.arange(total)[None, :] <= rows[:, None]) & key_keep[None, :]  # [w, total]
         if window is not None:
             visible &= q_pos[:, None] - key_pos[None, :] < window
-        z, _ = multi_head_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask=visible, scale=scale)
+        attend = _sharding.auto(lambda q, k, v, mask, scale: multi_head_attention(q, k, v, mask=mask, scale=scale),
+                                _sharding.heads_split(q))
+        z, _ = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), visible, scale)  # [w, N, H]
         z = z * gate[None, :, None].astype(z.dtype)  # [w, N, H]
-        x = x + family.attn_out(p, config, z)
-        return x + family.mlp(p, config, x), k_all, v_all  # [w, D]
+        x = x + _attn_out(family, config, p, z)
+        return x + _mlp(family, config, p, x), k_all, v_all  # [w, D]
 
     # The prompt, at once: each layer's keys and values become the cache's first T slots.
-    x = family.embed(params, config, prompt, pos)  # [T, D]
-    rot = family.rotation(config, pos, total)
-    dtype = jax.eval_shape(lambda: family.qkv(family.layer(params, 0), config, x, rot))[1].dtype
-    empty = jnp.zeros((total, s.kv_heads, s.head_dim), dtype)  # [total, K, H]
+    x = _embed(family, config, params, prompt, pos)  # [T, D]
+    rot = _rotation(family, config, pos, total)
+    k0 = jax.eval_shape(lambda: family.qkv(family.layer(params, 0), config, x, rot))[1]  # [T, K, H]
+    empty = _sharding.zeros((total, s.kv_heads, s.head_dim), k0.dtype, k0)  # [total, K, H], split like k
 
     def prompt_layer(x, layer):
         p, gate = layer
@@ -228,7 +267,8 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
 
     x, (cache_k, cache_v) = jax.lax.scan(prompt_layer, x, (blocks, heads))  # [T, D], 2 x [L, total, K, H]
     last = jnp.max(jnp.where(keep, jnp.arange(T), -1))  # the last real token: it predicts the first new one
-    logits0 = family.unembed(params, config, family.final_norm(params, config, x[last]))  # [V]
+    logits0 = _sharding.auto(lambda params, x, last: family.unembed(params, config, family.final_norm(
+        params, config, x[last])))(params, x, last)  # [V]
     keys = jax.random.split(key, new)
     first = _pick(logits0, keys[0], temperature, greedy)
 
@@ -236,8 +276,8 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         token, cache_k, cache_v = carry
         at = T + i
         q_pos = (next_pos + i)[None]  # [1]
-        x = family.embed(params, config, token[None], q_pos)  # [1, D]
-        rot = family.rotation(config, q_pos, total)
+        x = _embed(family, config, params, token[None], q_pos)  # [1, D]
+        rot = _rotation(family, config, q_pos, total)
 
         def layer_step(c, layer):
             x, cache_k, cache_v = c
@@ -246,7 +286,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
             return (x, cache_k.at[l].set(k_l), cache_v.at[l].set(v_l)), None
 
         (x, cache_k, cache_v), _ = jax.lax.scan(layer_step, (x, cache_k, cache_v), (blocks, heads, jnp.arange(s.layers)))
-        logits = family.unembed(params, config, family.final_norm(params, config, x[0]))  # [V]
+        logits = _unembed(family, config, params, family.final_norm(params, config, x[0]))  # [V]
         return (_pick(logits, keys[i + 1], temperature, greedy), cache_k, cache_v), (token, logits)
 
     (final, _, _), (tokens, step_logits) = jax.lax.scan(token_step, (first, cache_k, cache_v), jnp.arange(new - 1))

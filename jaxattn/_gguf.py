@@ -18,6 +18,7 @@ llama.cpp's RoPE rotates ADJACENT pairs ``(x[2j], x[2j+1])``, Hugging Face's rot
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import struct
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxattn.checkpoint import CheckpointError, TextTokenizer
+from jaxattn.checkpoint import CheckpointError, LazyArray, TextTokenizer
 
 # Tensor types read (names of ``gguf.GGMLQuantizationType``): floats and llama.cpp's block quantizations,
 # each dequantized by ``gguf.quants.dequantize``. Others (integer tensors, the IQ/TQ/FP4 families) are refused.
@@ -389,9 +390,10 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, out // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any) -> dict[str, np.ndarray]:
+def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any, *, lazy: bool = False) -> dict[str, Any]:
     """Every weight of a llama GGUF as float32 ``{Hugging Face name: array}`` in PyTorch orientation
-    (``[out, in]``), q and k un-permuted (:func:`unpermute`).
+    (``[out, in]``), q and k un-permuted (:func:`unpermute`). With ``lazy``, every name and shape is
+    checked and each value is a :class:`~jaxattn.checkpoint.LazyArray` dequantized when it is read.
 
     Raises:
       CheckpointError: a layer count other than the file's number of ``blk.N`` groups, a tensor type
@@ -424,13 +426,19 @@ def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any) -> dic
             )
     N, K = config.num_attention_heads, config.num_key_value_heads
 
-    def one(name: str) -> tuple[str, np.ndarray]:
+    def read(name: str) -> np.ndarray:
         t = tensors[name]
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(expected[name][::-1])  # [out, in]
         if name.split(".")[-2] in ("attn_q", "attn_k"):
             w = unpermute(w, N if ".attn_q." in name else K)
-        return torch_name(name), w
+        return w
 
+    def one(name: str) -> tuple[str, np.ndarray]:
+        return torch_name(name), read(name)
+
+    if lazy:
+        return {torch_name(name): LazyArray(expected[name][::-1], np.float32, functools.partial(read, name))
+                for name in tensors}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NumPy releases the GIL on large arrays
         return dict(pool.map(one, sorted(tensors, key=lambda n: -int(tensors[n].n_bytes))))
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import _sharding
 from jaxattn._attention import multi_head_attention
 from jaxattn._checks import as_key
 from jaxattn._sites import Sites, mix
@@ -54,15 +55,17 @@ def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weight
     """One layer's causal attention in a model forward: ``(z [T, N, H], weights [L, N, T, T])``.
 
     The layer's map passes the ``attn_weights`` site and is written in place into ``weights``, the zeroed
-    ``[L, N, T, T]`` buffer (made at the first layer, where ``weights`` is None), so that the maps are
-    never copied into a stack at the end. With an ``attn_weights`` patch, ``z`` is remade from the patched
-    weights. ``q [T, N, H]``, ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
+    ``[L, N, T, T]`` buffer (made at the first layer, where ``weights`` is None, split like the map under
+    Explicit mesh axes), so that the maps are never copied into a stack at the end. With an
+    ``attn_weights`` patch, ``z`` is remade from the patched weights. ``q [T, N, H]``, ``k, v [T, K, H]``;
+    ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
     """
-    T, N = q.shape[:2]
-    if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
-        weights = jax.lax.optimization_barrier(jnp.zeros((num_layers, N, T, T), q.dtype))  # [L, N, T, T]
-    z, w = multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
+    attend = _sharding.auto(lambda q, k, v, mask, scale: multi_head_attention(q, k, v, mask=mask, scale=scale,
+                                                                              is_causal=True), _sharding.heads_split(q))
+    z, w = attend(q, k, v, mask, scale)  # [T, N, H], [N, T, T]
     w = sites("attn_weights", layer, w)  # [N, T, T]
+    if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
+        weights = jax.lax.optimization_barrier(_sharding.zeros((num_layers, *w.shape), q.dtype, w))  # [L, N, T, T]
     if sites.patches("attn_weights"):
         z = mix(w, v)  # [T, N, H] from the patched weights
     return z, weights.at[layer].set(w)  # [L, N, T, T], written in place

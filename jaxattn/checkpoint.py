@@ -29,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "ConfigSchema",
     "HubUnavailableError",
+    "LazyArray",
     "ResolvedFiles",
     "TextTokenizer",
     "cast_params",
@@ -168,21 +169,80 @@ def read_config(path: str | os.PathLike, schema: ConfigSchema) -> dict[str, Any]
 # ----------------------------------------------------------------------------------------------------
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of a ``.safetensors`` file as NumPy arrays (no PyTorch), ``{name: array}``.
+class LazyArray:
+    """A tensor of a weight file, read only when ``np.asarray`` asks for it (each time: nothing is kept).
+
+    ``shape`` and ``dtype`` come from the file's header, so shapes are checked before any tensor is read,
+    and a loader can read, convert and place one tensor at a time (``load(..., mesh=)``): a model is then
+    never whole on the host.
+    """
+
+    __slots__ = ("shape", "_dtype", "_read")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Any):
+        self.shape, self._dtype, self._read = tuple(int(d) for d in shape), dtype, read
+
+    @property
+    def ndim(self) -> int:
+        """The number of dims."""
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The file's dtype (read from a tensor only for a dtype the header's names do not cover)."""
+        return np.asarray(self._read()).dtype if self._dtype is None else np.dtype(self._dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = np.asarray(self._read())
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def __repr__(self) -> str:
+        return f"LazyArray(shape={self.shape}, dtype={self._dtype})"
+
+
+def _safetensors_dtypes() -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path: str | os.PathLike, *, lazy: bool = False) -> dict[str, Any]:
+    """All tensors of a ``.safetensors`` file as NumPy arrays (no PyTorch), ``{name: array}``; with
+    ``lazy=True`` as :class:`LazyArray` s, each read when it is used.
 
     Raises:
       CheckpointError: the file is missing, truncated or not a safetensors file (the message names it).
     """
+    from safetensors import safe_open
     from safetensors.numpy import load_file
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: weight file not found")
+
+    def failed(e: Exception) -> CheckpointError:
+        return CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? ({e})")
+
     try:
-        return dict(load_file(str(path)))
+        if not lazy:
+            return dict(load_file(str(path)))
+        handle = safe_open(str(path), framework="numpy")
+        dtypes = _safetensors_dtypes()
+        out = {}
+        for name in handle.keys():
+            info = handle.get_slice(name)
+
+            def read(name: str = name) -> np.ndarray:
+                try:
+                    return handle.get_tensor(name)
+                except Exception as e:  # as above
+                    raise failed(e) from None
+
+            out[name] = LazyArray(info.get_shape(), dtypes.get(info.get_dtype()), read)
+        return out
     except Exception as e:  # safetensors raises its own SafetensorError (not exported stably) or OSError
-        raise CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? ({e})") from None
+        raise failed(e) from None
 
 
 _MAX_SAFETENSORS_HEADER = 100_000_000  # bytes; the limit the safetensors library itself enforces

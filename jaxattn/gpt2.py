@@ -32,14 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import _decoder
+from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
 from jaxattn._checks import check_int
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._typing import Array
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
     check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
@@ -48,7 +48,8 @@ __all__ = [
     "CAUSAL", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm",
     "final_norm_linear", "forward",
     "generate", "head_projections", "init_params", "load", "load_tokenizer", "log_prob", "param_shapes",
-    "params_from_msgpack", "params_from_safetensors", "qk_weights", "random_model", "read_gpt2_config", "save", "sizes",
+    "param_shardings", "params_from_msgpack", "params_from_safetensors", "qk_weights", "random_model",
+    "read_gpt2_config", "save", "shard", "sizes",
     "unembed",
 ]
 
@@ -245,9 +246,14 @@ def params_from_safetensors(path: str | Path, config: GPT2Config) -> dict:
 
     Keys may carry a ``transformer.`` prefix (saved from ``GPT2LMHeadModel``) or not (``GPT2Model``);
     the causal-mask buffers ``h.{i}.attn.bias``/``masked_bias`` are skipped; an ``lm_head.weight`` must
-    equal ``wte`` (GPT-2's head is tied).
+    equal ``wte`` (GPT-2's head is tied). Float32.
     """
-    raw = read_safetensors(path)
+    return _from_safetensors(path, config, _sharding.placer(jnp.float32))
+
+
+def _from_safetensors(path: str | Path, config: GPT2Config, place: Any) -> dict:
+    """:func:`params_from_safetensors`, read one tensor at a time, each handed to ``place(key, float32 array)``."""
+    raw = read_safetensors(path, lazy=True)
     arrays: dict[str, np.ndarray] = {}
     lm_head = None
     for key, value in raw.items():
@@ -271,24 +277,32 @@ def params_from_safetensors(path: str | Path, config: GPT2Config) -> dict:
     flat = {}
     for flax_key, (t, transposed) in table.items():
         a = np.asarray(arrays[t], np.float32)
-        flat[flax_key] = np.ascontiguousarray(a.T) if transposed else a
-    check_finite(flat, path)
-    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+        a = np.ascontiguousarray(a.T) if transposed else a
+        check_finite({flax_key: a}, path)
+        flat[flax_key] = place(flax_key, a)
+    return unflatten(flat)
 
 
 def params_from_msgpack(path: str | Path, config: GPT2Config) -> dict:
     """Params from a Hugging Face Flax ``flax_model.msgpack`` (kernels ``(out, in)``), every shape checked.
 
-    A file saved from ``FlaxGPT2Model`` (no ``transformer`` level) is accepted too.
+    A file saved from ``FlaxGPT2Model`` (no ``transformer`` level) is accepted too. Float32.
     """
+    return _from_msgpack(path, config, _sharding.placer(jnp.float32))
+
+
+def _from_msgpack(path: str | Path, config: GPT2Config, place: Any) -> dict:
     tree = read_msgpack(path)
     if "transformer" not in tree and "wte" in tree:
         tree = {"transformer": tree}
     flat = flatten(tree)
     check_shapes(flat, param_shapes(config), path, kernel_layout="(out, in) (Hugging Face Flax)")
-    flat = {k: np.asarray(v, np.float32) for k, v in flat.items()}
-    check_finite(flat, path)
-    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    out = {}
+    for key, value in flat.items():  # the file is read whole; converted and placed one tensor at a time
+        a = np.asarray(value, np.float32)
+        check_finite({key: a}, path)
+        out[key] = place(key, a)
+    return unflatten(out)
 
 
 def load_tokenizer(files: dict[str, Path], config: GPT2Config) -> TextTokenizer:
@@ -307,7 +321,8 @@ def load_tokenizer(files: dict[str, Path], config: GPT2Config) -> TextTokenizer:
     return tok
 
 
-def load(name_or_path: str | Path, *, dtype: Any = jnp.float32) -> tuple[dict, GPT2Config, TextTokenizer]:
+def load(name_or_path: str | Path, *, dtype: Any = jnp.float32, mesh: Any = None, model_axis: str | None = "model",
+         split_vocab: bool = False) -> tuple[dict, GPT2Config, TextTokenizer]:
     """Load a GPT-2 checkpoint: ``(params, config, tokenizer)``.
 
     Args:
@@ -315,8 +330,11 @@ def load(name_or_path: str | Path, *, dtype: Any = jnp.float32) -> tuple[dict, G
         ``openai-community/gpt2-large``) fetched through ``huggingface_hub`` (progress bar, cache). The
         directory needs ``config.json``, ``model.safetensors`` (preferred) or ``flax_model.msgpack``,
         and ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``. No PyTorch, no transformers.
-      dtype: the params' dtype, float32 by default whatever the file holds
-        (:func:`jaxattn.checkpoint.cast_params`).
+      dtype: the params' dtype, float32 by default whatever the file holds (each weight is checked in
+        float32, then cast, as :func:`jaxattn.checkpoint.cast_params` casts).
+      mesh: a ``jax.sharding.Mesh``: each weight goes straight to its shards of :func:`shard` as it is read
+        (safetensors one tensor at a time; a msgpack file is read whole first). ``None``: the default device.
+      model_axis, split_vocab: as in :func:`shard`, with ``mesh``.
 
     Returns:
       ``(params, config, tokenizer)``: params in the Flax layout (``dtype``), a :class:`GPT2Config`, and
@@ -326,18 +344,21 @@ def load(name_or_path: str | Path, *, dtype: Any = jnp.float32) -> tuple[dict, G
       CheckpointError (a ``ValueError``): naming the file and the key at fault; offline with nothing
         cached, one message saying how to point at a local directory.
     """
+    _sharding.placer(dtype)  # a dtype it cannot cast to is refused before any file is read
     files = resolve(
         name_or_path,
         required=["config.json"],
         any_of=[["model.safetensors", "flax_model.msgpack"], ["tokenizer.json", ("vocab.json", "merges.txt")]],
     ).files
     config = read_gpt2_config(files["config.json"])
+    place = _sharding.placer(dtype, None if mesh is None else _layout(
+        config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.gpt2.load"))
     if "model.safetensors" in files:
-        params = params_from_safetensors(files["model.safetensors"], config)
+        params = _from_safetensors(files["model.safetensors"], config, place)
     else:
-        params = params_from_msgpack(files["flax_model.msgpack"], config)
+        params = _from_msgpack(files["flax_model.msgpack"], config, place)
     tokenizer = load_tokenizer(files, config)
-    return cast_params(params, dtype), config, tokenizer
+    return params, config, tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -434,6 +455,33 @@ def qk_weights(params: dict, config: GPT2Config) -> QKWeights:
     b = c_attn["bias"].reshape(L, 3, N, H)
     w_q, w_k = (jnp.transpose(w[:, :, j], (0, 2, 1, 3)) for j in (0, 1))  # 2 x [L, N, D, H]
     return QKWeights(w_q, b[:, 0], w_k, False, float(config.head_dim) ** -0.5, b[:, 1])
+
+
+# Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.
+# Kernels are (out, in). c_attn's rows are q, k, v one after the other, so a device's block of rows is
+# not whole heads of all three; the forward regroups them into heads (jnp.split of the fused output).
+_SPLITS = {
+    "attn/c_attn/kernel": (_sharding.HEADS, None), "attn/c_attn/bias": (_sharding.HEADS,),
+    "attn/c_proj/kernel": (None, _sharding.HEADS),
+    "mlp/c_fc/kernel": (_sharding.MLP, None), "mlp/c_fc/bias": (_sharding.MLP,),
+    "mlp/c_proj/kernel": (None, _sharding.MLP),
+    "wte/embedding": (_sharding.VOCAB, None),
+}
+
+
+def _split_counts(config: GPT2Config) -> dict[str, tuple[str, int]]:
+    return {_sharding.HEADS: ("n_head", config.n_head), _sharding.MLP: ("n_inner", config.n_inner),
+            _sharding.VOCAB: ("vocab_size", config.vocab_size)}
+
+
+shard, param_shardings, _layout = _sharding.public_api(
+    "jaxattn.gpt2", param_shapes=lambda c: param_shapes(c), check_params=lambda p, c: check_params(p, c),
+    rules=_SPLITS, counts=_split_counts,
+    what="``c_attn`` (q, k, v) and ``c_fc`` are split over ``model_axis`` by output rows (column-parallel), the "
+         "attention's and the MLP's ``c_proj`` by input columns (row-parallel), so ``model_axis``'s size must "
+         "divide ``n_head`` and ``n_inner``. ``c_attn`` stores q, k and v one after the other: a device's block "
+         "of its rows is not whole heads of all three, and the forward regroups them into heads.",
+)
 
 
 def check_params(params: Any, config: GPT2Config) -> None:

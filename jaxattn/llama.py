@@ -45,14 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import _decoder
+from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
 from jaxattn._checks import check_int
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes
 from jaxattn._typing import Array
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, cast_params, check_finite,
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
     check_layer_count, check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
@@ -61,8 +61,8 @@ __all__ = [
     "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
     "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
     "final_norm_linear", "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
-    "param_shapes", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights", "read_llama_config",
-    "read_weights", "save", "sizes", "unembed",
+    "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights", "read_llama_config",
+    "read_weights", "save", "shard", "sizes", "unembed",
 ]
 
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
@@ -376,13 +376,22 @@ def _inv_freq(config: LlamaConfig) -> np.ndarray:
     return 1.0 / config.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
 
 
+_WORKERS = 4  # tensors converted at once while loading: the host holds about this many in float32
+
+
 def params_from_torch(arrays: Mapping[str, np.ndarray], config: LlamaConfig, source: str | Path) -> dict:
     """Params (Flax layout) from PyTorch-named arrays (``model.layers.0.self_attn.q_proj.weight [out, in]``).
 
     A tied model's ``lm_head.weight``, if stored, must equal the embedding; old checkpoints'
     ``rotary_emb.inv_freq`` buffers must hold this config's frequencies; every other name and shape
-    must be exactly the config's.
+    must be exactly the config's. Float32; arrays may be :class:`~jaxattn.checkpoint.LazyArray` s, read
+    one at a time.
     """
+    return _from_torch(arrays, config, source, _sharding.placer(jnp.float32))
+
+
+def _from_torch(arrays: Mapping[str, Any], config: LlamaConfig, source: str | Path, place: Any) -> dict:
+    """:func:`params_from_torch`, each converted weight handed to ``place(key, float32 array)``."""
     arrays = dict(arrays)
     for key in [k for k in arrays if _INV_FREQ.match(k)]:
         if not np.allclose(np.asarray(arrays.pop(key), np.float64), _inv_freq(config), rtol=1e-5, atol=0):
@@ -404,9 +413,10 @@ def params_from_torch(arrays: Mapping[str, np.ndarray], config: LlamaConfig, sou
         a = np.asarray(arrays[t], np.float32)
         a = np.ascontiguousarray(a.T) if transposed else a
         check_finite({flax_key: a}, source)
-        return flax_key, jnp.asarray(a)
+        return flax_key, place(flax_key, a)
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # transposes and checks, off the GIL
+    # Reads (lazy tensors: dequantizes), transposes and checks off the GIL, a few tensors in flight at a time.
+    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, _WORKERS)) as pool:
         return unflatten(dict(pool.map(convert, table)))
 
 
@@ -428,6 +438,10 @@ def params_from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str |
     Transformers' Flax Llama stores an ``lm_head/kernel`` even for a tied model: it must then equal the
     embedding transposed, and is dropped.
     """
+    return _from_flax(flat, config, source, _sharding.placer(jnp.float32))
+
+
+def _from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str | Path, place: Any) -> dict:
     flat = dict(flat)
     if config.tie_word_embeddings and "lm_head/kernel" in flat:
         head, embed = flat.pop("lm_head/kernel"), flat.get("model/embed_tokens/embedding")
@@ -435,31 +449,40 @@ def params_from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str |
             raise CheckpointError(f"{source}: weight 'lm_head/kernel' differs from 'model/embed_tokens/embedding' "
                                   "transposed but tie_word_embeddings is true")
     check_shapes(flat, param_shapes(config), source, kernel_layout="(in, out) (Hugging Face Flax)")
-    flat = {k: np.asarray(v, np.float32) for k, v in flat.items()}
-    check_finite(flat, source)
-    return unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+    out = {}
+    for key, value in flat.items():  # one tensor at a time: read, checked, placed
+        a = np.asarray(value, np.float32)
+        check_finite({key: a}, source)
+        out[key] = place(key, a)
+    return unflatten(out)
 
 
 def params_from_arrays(arrays: Mapping[str, np.ndarray], config: LlamaConfig, source: str | Path) -> dict:
     """Params from a safetensors file's arrays in either layout of :data:`LAYOUTS` (PyTorch or Flax names)."""
+    return _from_arrays(arrays, config, source, _sharding.placer(jnp.float32))
+
+
+def _from_arrays(arrays: Mapping[str, Any], config: LlamaConfig, source: str | Path, place: Any) -> dict:
     if "model.embed_tokens.embedding" in arrays:
-        return params_from_flax({k.replace(".", "/"): v for k, v in arrays.items()}, config, source)
+        return _from_flax({k.replace(".", "/"): v for k, v in arrays.items()}, config, source, place)
     if "model.embed_tokens.weight" not in arrays:
         known = "; ".join(f"{layout} with '{key}'" for key, layout in LAYOUTS.items())
         raise CheckpointError(f"{source}: not a weight layout this loader knows (it knows {known})")
-    return params_from_torch(arrays, config, source)
+    return _from_torch(arrays, config, source, place)
 
 
-def read_weights(files: Mapping[str, Path], name_or_path: Any = None) -> dict[str, np.ndarray]:
+def read_weights(files: Mapping[str, Path], name_or_path: Any = None, *, lazy: bool = False) -> dict[str, Any]:
     """``{name: array}`` from ``model.safetensors``, ``flax_model.msgpack`` (keys ``a/b/c``), or from the shards
     a ``model.safetensors.index.json`` or ``flax_model.msgpack.index.json`` lists (each tensor must be in the
-    shard its index names, and no tensor may appear twice)."""
+    shard its index names, and no tensor may appear twice). ``lazy``: safetensors tensors as
+    :class:`~jaxattn.checkpoint.LazyArray` s, read when used (a msgpack file is read whole)."""
     if "model.safetensors" in files:
-        return read_safetensors(files["model.safetensors"])
+        return read_safetensors(files["model.safetensors"], lazy=lazy)
     if "flax_model.msgpack" in files:
         return flatten(read_msgpack(files["flax_model.msgpack"]))
     name = "model.safetensors.index.json" if "model.safetensors.index.json" in files else "flax_model.msgpack.index.json"
-    read = read_safetensors if name.startswith("model.") else (lambda path: flatten(read_msgpack(path)))
+    read = ((lambda path: read_safetensors(path, lazy=lazy)) if name.startswith("model.")
+            else (lambda path: flatten(read_msgpack(path))))
     index_path = files[name]
     try:
         weight_map = json.loads(Path(index_path).read_text(encoding="utf-8"))["weight_map"]
@@ -511,6 +534,11 @@ def bundled_path() -> Path:
 
 def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
     """``(params, config, tokenizer)`` from a llama GGUF file, float32 (see :func:`load`)."""
+    return _load_gguf(path, lambda config: _sharding.placer(jnp.float32))
+
+
+def _load_gguf(path: str | Path, placer: Any) -> tuple[dict, LlamaConfig, TextTokenizer]:
+    """:func:`load_gguf`, each weight handed to ``placer(config)(key, float32 array)`` as it is dequantized."""
     path = Path(path)
     reader = _gguf.open_gguf(path)
     try:
@@ -519,13 +547,15 @@ def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{path}: {e}") from None
-    arrays = _gguf.read_llama_tensors(reader, path, config)
+    place = placer(config)
+    arrays = _gguf.read_llama_tensors(reader, path, config, lazy=True)
     tokenizer = _gguf.read_tokenizer(reader, path)
     _check_vocab(tokenizer, config, path)
-    return params_from_torch(arrays, config, path), config, tokenizer
+    return _from_torch(arrays, config, path, place), config, tokenizer
 
 
-def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) -> tuple[dict, LlamaConfig, TextTokenizer]:
+def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, mesh: Any = None,
+         model_axis: str | None = "model", split_vocab: bool = False) -> tuple[dict, LlamaConfig, TextTokenizer]:
     """Load a Llama-architecture checkpoint: ``(params, config, tokenizer)``. No PyTorch, no transformers.
 
     Args:
@@ -540,8 +570,12 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
           shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its
           ``flax_model.msgpack.index.json`` and shards (what ``FlaxLlamaForCausalLM.save_pretrained``
           writes), and ``tokenizer.json``.
-      dtype: the params' dtype, float32 by default whatever the file holds
-        (:func:`jaxattn.checkpoint.cast_params`).
+      dtype: the params' dtype, float32 by default whatever the file holds (each weight is checked in
+        float32, then cast, as :func:`jaxattn.checkpoint.cast_params` casts).
+      mesh: a ``jax.sharding.Mesh``: each weight goes straight to its shards of :func:`shard` as it is read
+        (GGUF and safetensors tensors one at a time, so the model is never whole on the host, in float32
+        or at all; a msgpack file is read whole first). ``None``: the default device.
+      model_axis, split_vocab: as in :func:`shard`, with ``mesh``.
 
     Returns:
       ``(params, config, tokenizer)``: params in the Flax layout (module docstring), a :class:`LlamaConfig`
@@ -551,27 +585,32 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32) ->
       CheckpointError (a ``ValueError``): naming the file and the key, tensor or field at fault; the
         bundled model not installed gives one message with the install command.
     """
+    _sharding.placer(dtype)  # a dtype it cannot cast to is refused before any file is read
+
+    def placer(config: LlamaConfig) -> Any:
+        return _sharding.placer(dtype, None if mesh is None else _layout(
+            config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.llama.load"))
+
     if name_or_path is None:
-        params, config, tokenizer = load_gguf(bundled_path())
-    elif str(name_or_path).endswith(".gguf"):
-        params, config, tokenizer = load_gguf(name_or_path)
+        return _load_gguf(bundled_path(), placer)
+    if str(name_or_path).endswith(".gguf"):
+        return _load_gguf(name_or_path, placer)
+    files = resolve(
+        name_or_path,
+        required=["config.json"],
+        any_of=[list(WEIGHT_FILES), ["tokenizer.json"]],
+    ).files
+    source = next(files[f] for f in WEIGHT_FILES if f in files)
+    # before the config is read: a claimed depth the weights do not have must not size any table
+    check_layer_count(files["config.json"], source, pattern=r"model[./]layers[./](\d+)[./]")
+    config = read_llama_config(files["config.json"])
+    place = placer(config)
+    arrays = read_weights(files, name_or_path, lazy=True)
+    if source.name.startswith("flax_model"):
+        params = _from_flax(arrays, config, source, place)
     else:
-        files = resolve(
-            name_or_path,
-            required=["config.json"],
-            any_of=[list(WEIGHT_FILES), ["tokenizer.json"]],
-        ).files
-        source = next(files[f] for f in WEIGHT_FILES if f in files)
-        # before the config is read: a claimed depth the weights do not have must not size any table
-        check_layer_count(files["config.json"], source, pattern=r"model[./]layers[./](\d+)[./]")
-        config = read_llama_config(files["config.json"])
-        arrays = read_weights(files, name_or_path)
-        if source.name.startswith("flax_model"):
-            params = params_from_flax(arrays, config, source)
-        else:
-            params = params_from_arrays(arrays, config, source)
-        tokenizer = load_tokenizer(files["tokenizer.json"], config)
-    return cast_params(params, dtype), config, tokenizer
+        params = _from_arrays(arrays, config, source, place)
+    return params, config, load_tokenizer(files["tokenizer.json"], config)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -711,6 +750,35 @@ def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
     b_k = a["k_proj"]["bias"].reshape(L, K, H) if config.qkv_bias else None
     return QKWeights(heads(a["q_proj"]["kernel"], N), b_q, heads(a["k_proj"]["kernel"], K), True,
                      float(H) ** -0.5, b_k, qk_norm=config.qk_norm)
+
+
+# Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.
+_SPLITS = {
+    "self_attn/q_proj/kernel": (None, _sharding.HEADS), "self_attn/q_proj/bias": (_sharding.HEADS,),
+    "self_attn/k_proj/kernel": (None, _sharding.KV_HEADS), "self_attn/k_proj/bias": (_sharding.KV_HEADS,),
+    "self_attn/v_proj/kernel": (None, _sharding.KV_HEADS), "self_attn/v_proj/bias": (_sharding.KV_HEADS,),
+    "self_attn/o_proj/kernel": (_sharding.HEADS, None),
+    "mlp/gate_proj/kernel": (None, _sharding.MLP), "mlp/up_proj/kernel": (None, _sharding.MLP),
+    "mlp/down_proj/kernel": (_sharding.MLP, None),
+    "embed_tokens/embedding": (_sharding.VOCAB, None), "lm_head/kernel": (None, _sharding.VOCAB),
+}
+
+
+def _split_counts(config: LlamaConfig) -> dict[str, tuple[str, int]]:
+    return {_sharding.HEADS: ("num_attention_heads", config.num_attention_heads),
+            _sharding.KV_HEADS: ("num_key_value_heads", config.num_key_value_heads),
+            _sharding.MLP: ("intermediate_size", config.intermediate_size),
+            _sharding.VOCAB: ("vocab_size", config.vocab_size)}
+
+
+shard, param_shardings, _layout = _sharding.public_api(
+    "jaxattn.llama", param_shapes=lambda c: param_shapes(c), check_params=lambda p, c: check_params(p, c),
+    rules=_SPLITS, counts=_split_counts,
+    what="``q_proj``, ``k_proj``, ``v_proj`` (and their biases) are split by heads and ``gate_proj``, ``up_proj`` "
+         "by hidden unit over ``model_axis`` (column-parallel), ``o_proj`` by heads and ``down_proj`` by hidden "
+         "unit (row-parallel), so ``model_axis``'s size must divide the query heads, the key/value heads and "
+         "``intermediate_size``; a device's query heads read its own key/value heads.",
+)
 
 
 def check_params(params: Any, config: LlamaConfig) -> None:

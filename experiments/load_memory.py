@@ -1,0 +1,114 @@
+"""Peak host memory of loading a Llama-family checkpoint onto a mesh of host devices, each way in a fresh process.
+
+Ways (each in its own subprocess, so one's peak cannot hide another's):
+  * ``mesh``: ``llama.load(path, dtype=bfloat16, mesh=mesh)``, each tensor read, cast and sent to its shards;
+  * ``whole``: the whole float32 model first (``llama.load(path)``), then cast to bfloat16 and
+    ``llama.shard(...)``: what placing a model by hand after loading costs.
+
+Each process reads its resident memory from ``/proc/self/status``: ``VmRSS`` once the JAX runtime is up
+(the mesh made, nothing loaded: the baseline), ``VmHWM`` (the peak) after loading, and the peak of
+``RssAnon`` (memory that is not a mapped file) sampled every millisecond while loading. The devices of a
+host mesh live in host memory, so the params' own shards (``device bytes``: every shard on every device,
+replicas included) are part of that peak; ``transient`` is what the load held beyond them:
+``peak - baseline - device bytes``. ``bf16 size`` is the model's bfloat16 size (one copy).
+
+    python experiments/load_memory.py                 # the bundled SmolLM2-135M (Q4_1 GGUF), 2 x 3 mesh
+    python experiments/load_memory.py --mesh 1x1 --ways mesh
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _status() -> dict[str, int]:
+    """``/proc/self/status``'s memory lines in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _child(way: str, path: str | None, shape: tuple[int, int]) -> dict:  # runs in the subprocess
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxattn import llama
+    from jaxattn.checkpoint import cast_params
+
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    jax.device_put(np.zeros(4, np.float32)).block_until_ready()
+    base = _status()
+    peak_anon = [base["RssAnon"]]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak_anon[0] = max(peak_anon[0], _status()["RssAnon"])
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    if way == "mesh":
+        params, config, _ = llama.load(path, dtype=jnp.bfloat16, mesh=mesh)
+    else:
+        params, config, _ = llama.load(path)
+        params = llama.shard(cast_params(params, jnp.bfloat16), config, mesh)
+    jax.block_until_ready(params)
+    seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    end = _status()
+    leaves = jax.tree.leaves(params)
+    device_bytes = sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards)
+    bf16_bytes = sum(leaf.size for leaf in leaves) * 2
+    return dict(way=way, mesh="x".join(map(str, shape)), devices=len(jax.devices()), seconds=round(seconds, 1),
+                baseline=base["VmRSS"], peak=end["VmHWM"], peak_anon=peak_anon[0], base_anon=base["RssAnon"],
+                device_bytes=device_bytes, bf16_bytes=bf16_bytes, end_rss=end["VmRSS"], end_file=end["RssFile"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", default=None, help="a .gguf file or checkpoint directory (default: the bundled SmolLM2)")
+    parser.add_argument("--mesh", default="2x3", help="data x model host devices (default 2x3)")
+    parser.add_argument("--ways", nargs="+", default=["mesh", "whole"], choices=["mesh", "whole"])
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shape = tuple(int(n) for n in args.mesh.split("x"))
+    if args.child:
+        print(json.dumps(_child(args.child, args.path, shape)))
+        return
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={shape[0] * shape[1]}").strip()
+    mib = 2**20
+    print(f"{'way':6} {'mesh':5} {'baseline':>9} {'peak':>9} {'peak-base':>10} {'device':>9} {'transient':>10} "
+          f"{'bf16 size':>10} {'transient/bf16':>15} {'(peak-base)/bf16':>17} {'seconds':>8}")
+    for way in args.ways:
+        cmd = [sys.executable, __file__, "--child", way, "--mesh", args.mesh] + (["--path", args.path] if args.path else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{way}: the load failed:\n{proc.stderr[-3000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        rise = r["peak"] - r["baseline"]
+        transient = rise - r["device_bytes"]
+        print(f"{way:6} {r['mesh']:5} {r['baseline'] / mib:8.0f}M {r['peak'] / mib:8.0f}M {rise / mib:9.0f}M "
+              f"{r['device_bytes'] / mib:8.0f}M {transient / mib:9.0f}M {r['bf16_bytes'] / mib:9.0f}M "
+              f"{transient / r['bf16_bytes']:15.2f} {rise / r['bf16_bytes']:17.2f} {r['seconds']:8.1f}")
+        print("       raw: " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,12 +12,16 @@
 #   * bench_attention.py against cuDNN: bf16 forward+backward, causal and not, T = 4k, 8k, 16k, 32k with
 #     16 heads of 64: blockwise and pallas (jaxattn's implementation switch) against
 #     jax.nn.dot_product_attention(implementation='cudnn'): the time ratio and each one's share of the
-#     H200's bf16 dense peak (989 TFLOP/s), in vs_cudnn/bench_attention.md.
+#     H200's bf16 dense peak (989 TFLOP/s), in vs_cudnn/bench_attention.md;
+#   * bench_mesh.py: a random 1B-parameter Llama's batched forward and a head-ablation table on a mesh of
+#     every GPU (llama.shard, the batch and the table's heads split over "data") against one GPU, median
+#     times and speed-ups in mesh.txt and bench_mesh.json; with one GPU it says so and skips the comparison.
 # It needs only jax (with CUDA) and numpy, which the device image has: jaxattn is used from the tree.
 #   bash experiments/device_check.sh OUT
 # SMOKE=1 checks the script itself on a CPU in about 2 minutes: the steps that can run there (devices,
 # conformance --quick with xla, blockwise and cudnn, which reports cudnn unsupported; the benchmark table
-# with xla and blockwise at T = 512, 1024), at toy sizes; the steps that need a GPU are skipped.
+# with xla and blockwise at T = 512, 1024; the mesh step on 4 host devices with a tiny model), at toy
+# sizes; the steps that need a GPU are skipped.
 # Exit status: 0 only if every step succeeded; each step's status is in status.txt.
 set -uo pipefail
 out=${1:-device-output}
@@ -49,5 +53,11 @@ step conformance 400 python experiments/conformance.py --out "$out" ${conformanc
 step vs_cudnn 300 python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
   --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config 2 --max-rounds 5 \
   --out "$out/vs_cudnn"
+if [ "${SMOKE:-0}" = 1 ]; then
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4" step mesh 300 python experiments/bench_mesh.py \
+    --model tiny --batch 4 --T 32 --table-T 8 --repeats 3 --json "$out/bench_mesh.json"
+else
+  step mesh 300 python experiments/bench_mesh.py --json "$out/bench_mesh.json"
+fi
 cat "$out/status.txt"
 exit "$failed"

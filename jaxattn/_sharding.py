@@ -5,22 +5,22 @@ LOGICAL axis split over the mesh's model axis (:data:`HEADS`, :data:`KV_HEADS` o
 style: q, k, v column-split by heads, the output projection row-split by heads, the MLP's first matrices
 column-split and its last row-split by hidden unit, so that each device computes whole heads and a slice
 of the MLP, and each sublayer's output is one sum over the model axis. Every other weight (norms,
-embeddings, biases of the residual stream) is replicated. :func:`param_shardings` turns a declaration
-into ``NamedSharding``s, refusing a logical size the model axis does not divide, and :func:`place` puts
-arrays there (``jax.device_put``, also one tensor at a time while loading).
+embeddings, biases of the residual stream) is replicated (the embedding's rows may be split too,
+:data:`VOCAB`). :func:`layout` turns a declaration into ``NamedSharding``s (a :class:`Layout`), refusing a logical size the model axis does not divide, and
+:func:`put` sends arrays there (also one tensor at a time while loading: :func:`placer`).
 
 The forward under Explicit axes (``jax.make_mesh``'s default). Sharding in types follows the params
 through q, k, v, the attention maps and ``z`` (heads split over the model axis, a batch vmapped over
 the data axis). Where a type cannot be decided locally (a sum over heads or hidden units split over the
-model axis, a row lookup by token ids split over the data axis) the model runs that piece through
-:func:`auto`: inside it the mesh's axes are Auto (XLA's partitioner places it, as under Auto axes), its
-outputs leave replicated over the per-example dims (a vmapped batch axis keeps its split). Without a
+model axis, a row lookup by token ids split over the data axis, the attention's bookkeeping of
+non-finite values) the model runs that piece through :func:`auto`: inside it the mesh's axes are Auto
+(XLA's partitioner places it, as under Auto axes), and its outputs leave with the shardings it is given:
+replicated over the per-example dims, or split by heads like ``q`` (a vmapped batch axis keeps its split). Without a
 mesh, or under Auto axes, :func:`auto` and :func:`zeros` add nothing to the program.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -134,9 +134,19 @@ def placer(dtype: Any, where: Layout | None = None) -> Callable[[str, Any], Arra
 
     def place(key: str, a: Any) -> Array:
         a = np.asarray(a, dtype)
-        return jax.device_put(a, where.sharding(key, a.shape))
+        return put(a, where.sharding(key, a.shape))
 
     return place
+
+
+def put(value: Any, sharding: NamedSharding) -> Array:
+    """``value`` on its shards: a ``jax.Array`` through ``jax.device_put``; a host array through
+    ``jax.make_array_from_callback``, so that each process (one, or several under
+    ``jax.distributed.initialize()``) sends only the slices its own devices hold."""
+    if isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    a = np.asarray(value)
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
 
 _SHARD_DOC = """``params`` placed on ``mesh``: ``jax.device_put`` of each weight with a ``NamedSharding``, Megatron style.
@@ -189,23 +199,13 @@ def public_api(name: str, *, param_shapes: Callable[[Any], Mapping[str, tuple[in
               split_vocab: bool = False) -> dict:
         check_params(params, config)
         where = layout_of(config, mesh, model_axis=model_axis, split_vocab=split_vocab, where=f"{name}.shard")
-        return unflatten({key: jax.device_put(value, where.sharding(key, np.shape(value)))
-                          for key, value in flatten(params).items()})
+        return unflatten({key: put(value, where.sharding(key, np.shape(value))) for key, value in flatten(params).items()})
 
     shard.__doc__ = _SHARD_DOC.format(what=what)
     param_shardings.__doc__ = _SHARDINGS_DOC
     for fn in (shard, param_shardings):
         fn.__module__, fn.__qualname__ = name, fn.__name__
     return shard, param_shardings, layout_of
-
-
-def shard_bytes(params: Any) -> dict[Any, int]:
-    """``{device: bytes}`` the params' shards take on each device (replicas counted on every device)."""
-    total: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(params):
-        for s in leaf.addressable_shards:
-            total[s.device] = total.get(s.device, 0) + s.data.nbytes
-    return total
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -262,8 +262,3 @@ def zeros(shape: tuple[int, ...], dtype: Any, like: Any) -> Array:
     spec = tuple(sharding.spec) + (None,) * (len(like.shape) - len(sharding.spec))
     return jnp.zeros(shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(
         *(None,) * (len(shape) - like.ndim), *spec)))
-
-
-def nbytes(shapes: Mapping[str, tuple[int, ...]], dtype: Any) -> int:
-    """The bytes of weights of these shapes in ``dtype``."""
-    return sum(math.prod(s) for s in shapes.values()) * np.dtype(dtype).itemsize

@@ -16,7 +16,12 @@ its name:
   (its pre-norm of the residual stream; the stream itself for a post-norm encoder);
 - ``head_projections(params, config) -> [L, N, H, D]``: each head's slice of the output projection, so
   that ``attn_out[l] = Σ_n z[l, :, n] @ W[l, n] (+ bias)``;
-- ``qk_weights(params, config) -> QKWeights``: the query-key weights the entropy bound needs.
+- ``qk_weights(params, config) -> QKWeights``: the query-key weights the entropy bound needs;
+- ``shard(params, config, mesh, *, model_axis="model", split_vocab=False)``: the params placed on a
+  ``jax.sharding`` mesh (heads and MLP units split over ``model_axis``, Megatron style), on which
+  ``forward`` (and ``log_prob``, ``generate``) run as on one device, a batch split over the mesh's data
+  axis through ``jax.vmap``; ``param_shardings(config, mesh)`` says where without moving anything
+  (``docs/scaling.md``).
 
 Axis alphabet: L layers, T tokens, S keys, N query heads, K key/value heads, H head dim, D width, V vocabulary.
 """

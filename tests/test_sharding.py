@@ -84,6 +84,20 @@ def test_slow_mesh_check(slow_results, check):
     _assert_check(slow_results, check)
 
 
+@pytest.mark.slow  # two processes joined by jax.distributed.initialize() (gloo) on this host's CPU: about 20 s
+def test_two_processes_under_jax_distributed_equal_one_device():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "experiments" / "multihost.py"), "--model", "tiny",
+                           "--processes", "2", "--devices-per-process", "2", "--mesh", "2x2", "--timeout", "300"],
+                          capture_output=True, text=True, cwd=root)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and len(lines) == 1, proc.stderr[-4000:]
+    record = json.loads(lines[0])
+    assert (record["processes"], record["devices"], record["local_devices"]) == (2, 4, 2)
+    assert record["output_specs"] == ["P('data', None, None)", "P('data',)", "P('data', None)"]
+    assert record["logits_rel_err"] <= 1e-5 and record["log_prob_rel_err"] <= 1e-5 and record["tokens_equal"], record
+
+
 # ----------------------------------------------------------------------------------------------------
 # shard's argument checks on the main process's one device
 # ----------------------------------------------------------------------------------------------------
@@ -334,16 +348,19 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         for name in capture:
             errs[name] = rel(out.captured[name], ref.captured[name], name)
         explicit = m.axis_types[0] == AxisType.Explicit
-        if explicit:  # the documented output shardings
+        if explicit:  # the documented output shardings (docs/scaling.md)
             if causal:
                 expect_spec(out.logits, ("data", None, None), "logits")
             expect_spec(out.last_hidden_state, ("data", None, None), "last_hidden_state")
             expect_spec(out.attentions, ("data", None, "model", None, None), "attentions")
-            if "z" in capture:
-                expect_spec(out.captured["z"], ("data", None, None, "model", None), "captured z")
-        else:  # Auto axes: XLA's propagation keeps the batch split over data
-            if causal:
-                assert out.logits.sharding.spec[0] == "data", out.logits.sharding
+            for name in capture:
+                heads = ("data", None, None, "model", None) if name in ("q", "k", "v", "z") else (
+                    ("data", None, "model", None, None) if name in ("attn_logits", "attn_weights") else ("data",) + (None,) * 3)
+                expect_spec(out.captured[name], heads, f"captured {name}")
+        else:  # Auto axes: XLA's propagation keeps the batch split over data (and the maps' heads over model)
+            for name in ("logits", "last_hidden_state") if causal else ("last_hidden_state",):
+                assert getattr(out, name).sharding.spec[0] == "data", (name, getattr(out, name).sharding)
+            assert tuple(out.attentions.sharding.spec)[:3] == ("data", None, "model"), out.attentions.sharding
         return sharded, errs
 
     def compare_log_prob(module, params, sharded, config, m, ids, mask):
@@ -432,7 +449,8 @@ def _main(group):  # pragma: no cover - runs in the subprocess
             params, config = tiny_llama(**kw)
             m = mesh((2, 2), AxisType.Explicit)
             ids, mask = batch(2, 9, config.vocab_size)
-            _, e = compare_forward(llama, params, config, m, ids, mask, N=4, capture=("q", "k", "attn_logits"))
+            _, e = compare_forward(llama, params, config, m, ids, mask, N=4,
+                                   capture=("q", "k", "v", "attn_logits", "attn_weights", "resid_mid", "mlp_out"))
             errs[kw["model_type"]] = e
         return errs
 

@@ -105,9 +105,9 @@ def _key_mask(keep: Array, pos: Array, window: int | None) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The family's pieces whose sharding a mesh with Explicit axes cannot type by itself (a lookup by token
-# ids split over the data axis, a sum over heads or hidden units split over the model axis): run through
-# _sharding.auto, which is the plain call without such a mesh.
+# The pieces whose sharding a mesh with Explicit axes cannot type by itself (a lookup by token ids split
+# over the data axis, a sum over heads or hidden units split over the model axis, the attention's
+# bookkeeping): run through _sharding.auto, which is the plain call without such a mesh.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -127,14 +127,22 @@ def _mlp(family: Family, config: Any, p: Any, x: Array) -> Array:
     return _sharding.auto(lambda p, x: family.mlp(p, config, x))(p, x)
 
 
-def _logits(q: Array, k: Array, scale: Array, group: int) -> Array:
+def _attn_logits(q: Array, k: Array, scale: Array, group: int) -> Array:
     """``[N, T, S]``: each query head's logits against its key head (``group = N / K`` query heads each)."""
 
     def logits(q, k, scale):
         k_rep = jnp.repeat(k, group, axis=1)  # [T, N, H]
         return jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep)
 
-    return _sharding.auto(logits, lambda mesh: _sharding.heads_split(q)(mesh)[1])(q, k, scale)
+    return _sharding.auto(logits, _sharding.head_specs(q)[1])(q, k, scale)
+
+
+def _attend(q: Array, k: Array, v: Array, mask: Array, scale: Array) -> Array:
+    """``z [w, N, H]`` of :func:`jaxattn.multi_head_attention` (non-causal: ``mask`` says what is visible)."""
+    def attend(q, k, v, mask, scale):
+        return multi_head_attention(q, k, v, mask=mask, scale=scale)
+
+    return _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)[0]
 
 
 def _unembed(family: Family, config: Any, params: Any, h: Array) -> Array:
@@ -162,7 +170,7 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
         q, k, v = (sites(name, i, a) for name, a in zip("qkv", family.qkv(p, config, x, rot)))  # [T, N|K, H]
         z, weights = causal_layer(q, k, v, mask, scale, weights, i, L, sites)  # [T, N, H], [L, N, T, T]
         if "attn_logits" in capture:  # per query head, against its key head: the softmax's own input
-            sites("attn_logits", i, _logits(q, k, scale, N // K))  # [N, T, T]
+            sites("attn_logits", i, _attn_logits(q, k, scale, N // K))  # [N, T, T]
         z = sites("z", i, z) * heads[i][None, :, None].astype(z.dtype)  # [T, N, H], each head times its gate
         a = sites("attn_out", i, _attn_out(family, config, p, z))  # [T, D]
         x = sites("resid_mid", i, x + a)  # [T, D]
@@ -247,9 +255,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         visible = (jnp.arange(total)[None, :] <= rows[:, None]) & key_keep[None, :]  # [w, total]
         if window is not None:
             visible &= q_pos[:, None] - key_pos[None, :] < window
-        attend = _sharding.auto(lambda q, k, v, mask, scale: multi_head_attention(q, k, v, mask=mask, scale=scale),
-                                _sharding.heads_split(q))
-        z, _ = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), visible, scale)  # [w, N, H]
+        z = _attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), visible, scale)  # [w, N, H]
         z = z * gate[None, :, None].astype(z.dtype)  # [w, N, H]
         x = x + _attn_out(family, config, p, z)
         return x + _mlp(family, config, p, x), k_all, v_all  # [w, D]
@@ -268,7 +274,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     x, (cache_k, cache_v) = jax.lax.scan(prompt_layer, x, (blocks, heads))  # [T, D], 2 x [L, total, K, H]
     last = jnp.max(jnp.where(keep, jnp.arange(T), -1))  # the last real token: it predicts the first new one
     logits0 = _sharding.auto(lambda params, x, last: family.unembed(params, config, family.final_norm(
-        params, config, x[last])))(params, x, last)  # [V]
+        params, config, x[last])))(params, x, last)  # [V], from the last real token's row
     keys = jax.random.split(key, new)
     first = _pick(logits0, keys[0], temperature, greedy)
 

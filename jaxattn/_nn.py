@@ -60,9 +60,10 @@ def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weight
     ``attn_weights`` patch, ``z`` is remade from the patched weights. ``q [T, N, H]``, ``k, v [T, K, H]``;
     ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
     """
-    attend = _sharding.auto(lambda q, k, v, mask, scale: multi_head_attention(q, k, v, mask=mask, scale=scale,
-                                                                              is_causal=True), _sharding.heads_split(q))
-    z, w = attend(q, k, v, mask, scale)  # [T, N, H], [N, T, T]
+    def attend(q, k, v, mask, scale):
+        return multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)
+
+    z, w = _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)  # [T, N, H], [N, T, T]
     w = sites("attn_weights", layer, w)  # [N, T, T]
     if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
         weights = jax.lax.optimization_barrier(_sharding.zeros((num_layers, *w.shape), q.dtype, w))  # [L, N, T, T]

@@ -226,17 +226,17 @@ def explicit_mesh(*trees: Any) -> Any:
     return None
 
 
-def auto(fn: Callable[..., Any], out_sharding: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
+def auto(fn: Callable[..., Any], out_specs: Any = None) -> Callable[..., Any]:
     """``fn``, or, when its array arguments carry Explicit mesh axes, ``fn`` run with the mesh's axes Auto
-    (``jax.sharding.auto_axes``) and its outputs placed by ``out_sharding(mesh)`` (a ``PartitionSpec`` or a
-    pytree prefix of them; ``None``: every output replicated over its own dims). A vmapped batch axis keeps
-    its split. Arguments that are not arrays (configs) must be closed over."""
+    (``jax.sharding.auto_axes``) and its outputs placed by ``out_specs`` (a ``PartitionSpec`` or a pytree
+    prefix of them; ``None``: every output replicated over its own dims). A vmapped batch axis keeps its
+    split. Arguments that are not arrays (configs) must be closed over."""
 
     def run(*args: Any) -> Any:
         mesh = explicit_mesh(args)
         if mesh is None:
             return fn(*args)
-        specs = PartitionSpec() if out_sharding is None else out_sharding(mesh)
+        specs = PartitionSpec() if out_specs is None else out_specs
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
         return jax.sharding.auto_axes(fn, out_sharding=shardings)(*args)
@@ -244,11 +244,11 @@ def auto(fn: Callable[..., Any], out_sharding: Callable[[Any], Any] | None = Non
     return run
 
 
-def heads_split(q: Array) -> Callable[[Any], tuple[PartitionSpec, PartitionSpec]]:
-    """``out_sharding`` for :func:`auto` of an attention ``(z [T, N, V], weights [N, T, S])``: split over
-    the mesh axes of the heads of ``q [T, N, H]``."""
-    spec = tuple(jax.typeof(q).sharding.spec) + (None,) * 3
-    return lambda mesh: (PartitionSpec(spec[0], spec[1], None), PartitionSpec(spec[1], spec[0], None))
+def head_specs(q: Array) -> tuple[PartitionSpec, PartitionSpec]:
+    """``out_specs`` for :func:`auto` of an attention ``(z [T, N, V], weights [N, T, S])``: split over the
+    mesh axes of the tokens and heads of ``q [T, N, H]``."""
+    t, n = (tuple(jax.typeof(q).sharding.spec) + (None, None))[:2]
+    return PartitionSpec(t, n, None), PartitionSpec(n, t, None)
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, like: Any) -> Array:

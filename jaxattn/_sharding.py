@@ -124,17 +124,17 @@ def layout(rules: Mapping[str, tuple[str | None, ...]], counts: Mapping[str, tup
     return Layout(mesh, rules, assign, where)
 
 
-def placer(dtype: Any, where: Layout | None = None) -> Callable[[str, Any], Array]:
+def placer(dtype: Any, at: Layout | None = None) -> Callable[[str, Any], Array]:
     """``place(key, array)``: a NumPy array (or anything ``np.asarray`` reads) as a param of ``dtype``, on
-    the default device (``where=None``: ``jnp.asarray``) or sent straight to its shards of ``where``: the
-    loaders' one tensor at a time, so a model is never whole on the host in float32."""
+    the default device (``at=None``: ``jnp.asarray``) or sent straight to its shards of the layout ``at``:
+    the loaders' one tensor at a time, so a model is never whole on the host in float32."""
     dtype = check_float_dtype(dtype)
-    if where is None:
+    if at is None:
         return lambda key, a: jnp.asarray(a, dtype)
 
     def place(key: str, a: Any) -> Array:
         a = np.asarray(a, dtype)
-        return put(a, where.sharding(key, a.shape))
+        return put(a, at.sharding(key, a.shape))
 
     return place
 
@@ -227,10 +227,11 @@ def explicit_mesh(*trees: Any) -> Any:
 
 
 def auto(fn: Callable[..., Any], out_specs: Any = None) -> Callable[..., Any]:
-    """``fn``, or, when its array arguments carry Explicit mesh axes, ``fn`` run with the mesh's axes Auto
-    (``jax.sharding.auto_axes``) and its outputs placed by ``out_specs`` (a ``PartitionSpec`` or a pytree
-    prefix of them; ``None``: every output replicated over its own dims). A vmapped batch axis keeps its
-    split. Arguments that are not arrays (configs) must be closed over."""
+    """``fn``, or, when its array arguments carry Explicit mesh axes, ``fn`` run with those axes Auto
+    (``jax.sharding.auto_axes``; the Manual axes of a ``shard_map`` stay Manual) and its outputs placed by
+    ``out_specs`` (a ``PartitionSpec`` or a pytree prefix of them; ``None``: every output replicated over
+    its own dims). A vmapped batch axis keeps its split. Arguments that are not arrays (configs) must be
+    closed over."""
 
     def run(*args: Any) -> Any:
         mesh = explicit_mesh(args)
@@ -239,7 +240,7 @@ def auto(fn: Callable[..., Any], out_specs: Any = None) -> Callable[..., Any]:
         specs = PartitionSpec() if out_specs is None else out_specs
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
-        return jax.sharding.auto_axes(fn, out_sharding=shardings)(*args)
+        return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=shardings)(*args)
 
     return run
 

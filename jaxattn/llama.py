@@ -61,8 +61,8 @@ __all__ = [
     "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
     "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
     "final_norm_linear", "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
-    "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights", "read_llama_config",
-    "read_weights", "save", "shard", "sizes", "unembed",
+    "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights",
+    "read_llama_config", "read_weights", "save", "shard", "sizes", "unembed",
 ]
 
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")

@@ -523,6 +523,14 @@ def special_after_pronoun(pair: tuple[Schema, Schema]) -> bool:
     return first >= pair[0].pronoun[1]
 
 
+def _check_sequence(x: Any, name: str, of: str, least: str) -> None:
+    """``x`` a non-empty sequence (not a str, bytes or dict): ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(x, (str, bytes, dict)) or not isinstance(x, Sequence):
+        raise TypeError(f"{name} must be a sequence of {of}, received {type(x).__name__}")
+    if len(x) == 0:
+        raise ValueError(f"{name} must hold at least {least}, received none")
+
+
 def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = None, maps: MapsFn | None = None,
              seed: int = 0) -> dict[str, Any]:
     """Every scorer the model allows on the pairs: ``{method: accuracy dict}`` plus the details.
@@ -546,20 +554,15 @@ def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = N
       TypeError: an entry of ``pairs`` is not two :class:`Schema`, or ``score`` returns something that is
         not a real number.
     """
-    if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
-        raise TypeError(f"pairs must be a sequence of (Schema, Schema) from load_pairs, received "
-                        f"{type(pairs).__name__}")
-    if len(pairs) == 0:
-        raise ValueError("pairs must hold at least one pair (from load_pairs or parse_pairs), received none")
+    _check_sequence(pairs, "pairs", "(Schema, Schema) from load_pairs", "one pair (from load_pairs or parse_pairs)")
     for i, p in enumerate(pairs):
         if not isinstance(p, (tuple, list)) or len(p) != 2 or not all(isinstance(x, Schema) for x in p):
             raise TypeError(f"pairs[{i}] must be two Schema (a pair from load_pairs), received {p!r}")
     if maps is not None and len(pairs) < 2:
         raise ValueError(f"pairs must hold at least 2 pairs when maps is given (the best head is selected on "
                          f"one half of the pairs and scored on the other), received {len(pairs)}")
-    out: dict[str, Any] = {"sentences": 2 * len(pairs), "pairs": len(pairs),
-                           "special_after_pronoun": int(sum(special_after_pronoun(p) for p in pairs))}
-    return {**out, **_scored(flatten_pairs(pairs), score, maps, seed)}
+    result = evaluate_sentences(flatten_pairs(pairs), score=score, maps=maps, seed=seed)  # groups: the pairs
+    return {"pairs": result.pop("groups"), **result}
 
 
 def evaluate_sentences(schemas: Sequence[Schema], *, score: Scorer | None = None, maps: MapsFn | None = None,
@@ -577,11 +580,7 @@ def evaluate_sentences(schemas: Sequence[Schema], *, score: Scorer | None = None
         not a real number.
       ValueError: ``schemas`` is empty (or all in one group when ``maps`` is given), or ``score`` returns NaN.
     """
-    if isinstance(schemas, (str, bytes, dict)) or not isinstance(schemas, Sequence):
-        raise TypeError(f"schemas must be a sequence of Schema (e.g. to_schemas(load_wsc273())), received "
-                        f"{type(schemas).__name__}")
-    if len(schemas) == 0:
-        raise ValueError("schemas must hold at least one sentence, received none")
+    _check_sequence(schemas, "schemas", "Schema (e.g. to_schemas(load_wsc273()))", "one sentence")
     for i, x in enumerate(schemas):
         if not isinstance(x, Schema):
             raise TypeError(f"schemas[{i}] must be a Schema (e.g. from to_schemas), received {x!r}")

@@ -94,6 +94,25 @@ def test_page_of_bidirectional_maps_and_of_unequal_shapes():
     assert data["runs"][0]["queries"] == ["q0", "q1"] and data["runs"][0]["keys"] == ["k0", "k1", "k2"]
 
 
+def test_page_holds_the_tables_exactly_in_their_order(pair):
+    import jax.numpy as jnp
+
+    big, _ = pair
+    L, N = big.shape[:2]
+    rng = np.random.default_rng(4)
+    effect = rng.standard_normal((L, N))
+    effect[1, 2] = np.nan  # a head without a value
+    scores = jnp.asarray(rng.random((L, N)), jnp.bfloat16)  # JAX, bfloat16: kept as its float64 values
+    name = "logit attribution </script>&<b>"
+    page = viz.html(big, BIG, tables={"ablation effect": effect, name: scores, "h\udc80": np.zeros((L, N))})
+    assert page.count("</script>") == 2 and "<b>" not in page
+    tables = viz.page_data(page)["tables"]
+    assert list(tables) == ["ablation effect", name, "h\ufffd"]  # a lone surrogate becomes U+FFFD
+    np.testing.assert_array_equal(tables["ablation effect"], effect)  # NaN where NaN, every other value exact
+    np.testing.assert_array_equal(tables[name], np.asarray(scores, np.float64))
+    assert viz.page_data(viz.html(big, BIG))["tables"] == {}
+
+
 @pytest.mark.parametrize(
     "maps, tokens, kwargs, error, message",
     [
@@ -108,6 +127,26 @@ def test_page_of_bidirectional_maps_and_of_unequal_shapes():
         (np.full((1, 1, 2, 2), 0.5), list("ab"), {"names": ("a",)}, ValueError, r"names: expected two non-empty strings, received \('a',\)"),
         (np.full((1, 1, 2, 2), 0.5), list("ab"), {"other_tokens": list("ab")}, ValueError, r"other_tokens: given without other"),
         (np.full((1, 1, 2, 2), 0.5), list("ab"), {"other": np.ones((1, 2, 2))}, ValueError, r"other: expected shape \[L, N, T, S\]"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": [np.zeros((2, 3))]}, TypeError,
+         r"tables: expected a mapping from table names \(str\) to \[L, N\] arrays, received list"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {3: np.zeros((2, 3))}}, TypeError,
+         r"tables: expected table names that are str, received a key of type int"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"": np.zeros((2, 3))}}, ValueError,
+         r"tables: expected non-empty table names, received ''"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"x\udc80": np.zeros((2, 3)), "x\udc81": np.zeros((2, 3))}},
+         ValueError, r"tables: two table names read 'x\ufffd' once lone surrogates become U\+FFFD"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros((3, 2))}}, ValueError,
+         r"tables\['effect'\]: expected shape \[L, N\] = \(2, 3\) \(the layers and heads of maps\), received shape \(3, 2\)"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros(6)}}, ValueError,
+         r"tables\['effect'\]: expected shape \[L, N\] = \(2, 3\) .* received shape \(6,\)"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros((2, 3), np.int64)}}, TypeError,
+         r"tables\['effect'\]: expected a real floating-point array \[L, N\] = \(2, 3\), received dtype int64"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros((2, 3), np.complex64)}}, TypeError,
+         r"tables\['effect'\]: expected a real floating-point array .* received dtype complex64"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": [["a"] * 3] * 2}}, TypeError,
+         r"tables\['effect'\]: expected a real floating-point array .* received dtype <U1"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.array([[0, np.inf, 0], [0, 0, -np.inf]])}},
+         ValueError, r"tables\['effect'\]: expected finite values or NaN \(no value\), received 2 infinite"),
     ],
 )
 def test_page_rejects_bad_input_naming_the_argument(maps, tokens, kwargs, error, message):

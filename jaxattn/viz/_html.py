@@ -229,8 +229,8 @@ def html(
     becomes U+FFFD, so the page always encodes as UTF-8.
 
     Returns:
-      The page. About 2.7 bytes per weight plus 25 KB: 30 layers x 9 heads x 15 x 15 tokens, two
-      sentences, is about 0.35 MB.
+      The page: about 2.7 bytes per weight and 20 per table value, plus its script and style
+      (docs/viz.md has sizes).
 
     Raises:
       TypeError, ValueError: naming the argument, with the expected and the received shape or type.

@@ -295,6 +295,7 @@ def test_experiment_falls_back_to_the_bundled_smollm2_in_one_line_with_the_encod
     assert [r["causal"] for r in page["runs"]] == [True, True]
 
 
+@pytest.mark.slow  # the whole experiment on the real encoder; make test runs it on a tiny local checkpoint
 def test_experiment_on_the_bundled_encoder(script_main, tmp_path, capsys):
     assert script_main(["--model", "minilm", "--out", str(tmp_path / "out"), "--no-cache"]) == 0
     captured = capsys.readouterr()

@@ -171,15 +171,9 @@ def normalized_entropy(
 def max_weight(
     weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
 ) -> Float[Array, "*rows"]:
-    """The largest weight of each row, ``max_s p_s`` (1 for one-hot, ``1/S`` for uniform).
-
-    Args:
-      weights: ``[..., S]``.
-      mask: optional boolean keep-mask broadcastable to ``weights``.
-
-    Returns:
-      ``[...]``; 0 for a fully masked row.
-    """
+    """The largest weight of each row, ``max_s p_s`` (1 for one-hot, ``1/S`` for uniform), over the keys
+    ``mask`` keeps (weights ``[..., S]`` and mask as in the module docstring); ``[...]``, 0 for a fully
+    masked row."""
     p, ulp = _weights(weights)
     return _stats(p, _keep(mask, p.shape), ulp, ("max_weight",))["max_weight"]
 
@@ -187,15 +181,8 @@ def max_weight(
 def effective_support(
     weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
 ) -> Float[Array, "*rows"]:
-    """``exp(entropy)``: the number of keys a row effectively attends to (1 one-hot, S uniform).
-
-    Args:
-      weights: ``[..., S]``.
-      mask: optional boolean keep-mask broadcastable to ``weights``.
-
-    Returns:
-      ``[...]``; 0 for a row with no unmasked key.
-    """
+    """``exp(entropy)``: the number of keys a row effectively attends to (1 one-hot, S uniform), with
+    weights ``[..., S]`` and mask as in the module docstring; ``[...]``, 0 for a row with no unmasked key."""
     p, ulp = _weights(weights)
     return _stats(p, _keep(mask, p.shape), ulp, ("effective_support",))["effective_support"]
 

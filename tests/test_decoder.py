@@ -192,6 +192,31 @@ def test_a_config_nested_too_deeply_is_a_checkpoint_error(tmp_path):
         gpt2.read_gpt2_config(path)
 
 
+_NESTED = "[" * 100_000 + "]" * 100_000
+_DEEP_FILES = [  # (module, the files of the folder, what the error says); "" is an empty placeholder
+    ("llama", {"config.json": _NESTED, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+    ("llama", {"config.json": '{"a": ' * 100_000 + "1" + "}" * 100_000, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+    ("llama", {"config.json": None, "model.safetensors.index.json": _NESTED, "tokenizer.json": ""},
+     r"model\.safetensors\.index\.json: cannot read the shard index \(RecursionError"),
+    ("gpt2", {"config.json": _NESTED, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+    ("bert", {"config.json": _NESTED, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+]
+
+
+@pytest.mark.parametrize("module, files, says", _DEEP_FILES, ids=["llama", "llama-object", "llama-index", "gpt2", "bert"])
+def test_load_of_a_folder_with_a_file_nested_too_deeply_is_a_checkpoint_error_naming_it(tmp_path, module, files, says):
+    import json
+
+    for name, text in files.items():  # None: a readable config of the family
+        (tmp_path / name).write_text(json.dumps(llama.config_dict(LLAMA)) if text is None else text)
+    with pytest.raises(CheckpointError, match=says):
+        {"llama": llama, "gpt2": gpt2, "bert": bert}[module].load(tmp_path)
+
+
 # --- the model protocol ---
 
 

@@ -229,13 +229,22 @@ def test_word_span():
         trophy.word_span(labels, "trophy")
 
 
-def test_experiment_script_on_a_local_checkpoint(tiny, comparison, tmp_path, capsys):
+def test_experiment_script_on_a_local_checkpoint_runs_past_an_unusable_cache_folder(tiny, comparison, tmp_path, capsys,
+                                                                                  monkeypatch):
     import runpy
+
+    from jaxattn import io as jio
 
     _, (params, config, tokenizer), _ = tiny
     directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "jaxattn").write_text("a file where the cache folder goes")  # the cache cannot be used
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(jio.NO_CACHE_VARIABLE, raising=False)
     main = runpy.run_path("experiments/trophy.py")["main"]
-    assert main(["--model", str(directory), "--out", str(tmp_path / "out"), "--no-cache"]) == 0
+    with pytest.warns(RuntimeWarning, match=r"compiled programs are not kept across runs") as warned:
+        assert main(["--model", str(directory), "--out", str(tmp_path / "out")]) == 0
+    assert len(warned) == 1  # one warning, and the run goes on
     captured = capsys.readouterr()
     out = captured.out
     assert "== Part 3" in out and "== Part 4" in out and "bit-identical" in out

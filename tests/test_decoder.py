@@ -95,14 +95,14 @@ def test_a_tiny_temperature_picks_the_argmax(model, temperature):
 
 def test_numpy_numbers_are_temperatures_and_bad_ones_are_refused(model):
     module, config, params = model
-    greedy = module.generate(params, config, IDS[:4], max_new_tokens=3)
-    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=3,
+    greedy = module.generate(params, config, IDS[:4], max_new_tokens=4)
+    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=4,
                                                   temperature=np.float32(0)), greedy)
-    a = module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=np.float64(0.7), key=1)
-    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=0.7, key=1), a)
+    a = module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=np.float64(0.7), key=1)
+    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=0.7, key=1), a)
     for bad in (-1.0, float("inf"), float("nan"), "hot", np.ones(2), True):
         with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number > 0"):
-            module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=bad, key=0)
+            module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=bad, key=0)
 
 
 def test_a_key_seed_too_large_names_key(model):

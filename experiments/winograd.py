@@ -40,7 +40,7 @@ def load(model):
     return (gpt2, *gpt2.load(model), str(model))
 
 
-def render(result, name, meta, machine):
+def render(result, name, meta, machine, causal):
     lines = [f"# WSC273: {name}", "",
              f"{result['sentences']} problems in {result['groups']} schemas: {meta['name']}. Source: {meta['source']} "
              f"License: {meta['license']}", "", f"Machine: {machine}.", "",
@@ -58,9 +58,10 @@ def render(result, name, meta, machine):
         for f in result["best_head"]["folds"]:
             lines.append(f"\nbest head selected on one half: layer {f['head'][0]}, head {f['head'][1]} "
                          f"({100 * f['select_accuracy']:.1f}% there), {f['correct']} / {f['total']} on the other half")
-    lines.append(f"\nschemas whose sentences are the same up to and with the pronoun: "
-                 f"{result['special_after_pronoun']} of {result['groups']} (a causal model's pronoun row is the same "
-                 f"in all their sentences)")
+    if causal:  # a bidirectional model's pronoun row also sees the words after the pronoun
+        lines.append(f"\nschemas whose sentences are the same up to and with the pronoun: "
+                     f"{result['special_after_pronoun']} of {result['groups']} (this causal model's pronoun row is "
+                     f"the same in all their sentences)")
     return "\n".join(lines)
 
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
     schemas = interventions.to_schemas(interventions.load_wsc273())
-    causal = hasattr(module, "log_prob")
+    causal = module.CAUSAL
     score = interventions.lm_scorer(module, params, config, tok) if causal else None
     if not causal:
         print(f"{name} has no language-model head: substitution scoring skipped, attention scorers only")
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     machine = (f"{platform.machine()}, {jax.devices()[0].platform.upper()} ({jax.device_count()} device), "
                f"{_cpus()} CPU cores, Python {platform.python_version()}, jax {jax.__version__}; "
                f"scoring took {seconds:.0f} s")
-    text = render(result, name, interventions.load_metadata(), machine)
+    text = render(result, name, interventions.load_metadata(), machine, causal)
     print(text)
     write_json(out / "winograd.json", {"model": name, "seed": args.seed, "machine": machine, **result})
     atomic_write(out / "winograd.md", text + "\n")

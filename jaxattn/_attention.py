@@ -14,6 +14,7 @@ so the weights a probe inspects and the output a model uses come from one comput
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -146,6 +147,19 @@ def _attend(
     return out.astype(out_dtype), weights.astype(jnp.result_type(q, k))
 
 
+# The public functions check their inputs in Python, then run their core as one compiled program: called
+# eagerly on a new shape, one compile instead of one per primitive (several times faster); inside the
+# caller's jit, vmap or grad the inner jit is inlined.
+_attend_jit = jax.jit(_attend, static_argnames=("causal",))
+_logits_jit = jax.jit(scaled_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _weights_core(q: Array, k: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None) -> Array:
+    weights = _masked_softmax(scaled_logits(q, k, bias, scale), _keep(mask, causal, q.shape[0], k.shape[0]))
+    return weights.astype(jnp.result_type(q, k))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Public single-head API.
 # ----------------------------------------------------------------------------------------------------
@@ -174,7 +188,7 @@ def attention_logits(
       ``[T, S]`` in at least float32.
     """
     q, k, _, _, bias, scale = check_attention_inputs(q, k, None, None, bias, scale)
-    return scaled_logits(q, k, bias, scale)
+    return _logits_jit(q, k, bias, scale)
 
 
 def attention_weights(
@@ -204,9 +218,7 @@ def attention_weights(
       ``[T, S]`` in the dtype of ``q``/``k``; each row sums to 1, or is all zeros if fully masked.
     """
     q, k, _, mask, bias, scale = check_attention_inputs(q, k, None, mask, bias, scale)
-    causal = _causal(is_causal, causal_offset)
-    weights = _masked_softmax(scaled_logits(q, k, bias, scale), _keep(mask, causal, q.shape[0], k.shape[0]))
-    return weights.astype(jnp.result_type(q, k))
+    return _weights_core(q, k, mask, bias, scale, _causal(is_causal, causal_offset))
 
 
 def attention(
@@ -271,7 +283,7 @@ def attention(
       of q, k.
     """
     q, k, v, mask, bias, scale = check_attention_inputs(q, k, v, mask, bias, scale, broadcast_mask=False)
-    return _attend(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
+    return _attend_jit(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -310,7 +322,13 @@ def multi_head_attention(
       ``(out [T, N, V], weights [N, T, S])``.
     """
     q, k, v, mask, bias, scale = check_multi_head_inputs(q, k, v, mask, bias, scale)
-    causal = _causal(is_causal, causal_offset)
+    return _multi_head(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _multi_head(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any,
+                causal: int | None) -> tuple[Array, Array]:
+    """:func:`multi_head_attention` of checked inputs: the single-head core vmapped over the heads."""
     T, N, H = q.shape
     S, K, V = v.shape
     qh = group_query_heads(q, K)  # [K, G, T, H]

@@ -480,6 +480,11 @@ def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k):
     return out[:T].astype(out_dtype), lse[:T]
 
 
+# The public functions check their inputs in Python, then run as one compiled program (eagerly on a new
+# shape: one compile instead of one per primitive; inside the caller's jit the inner jit is inlined).
+_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k"))
+
+
 def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, block_q, block_k):
     """One head's ``(dq [T, H], dk [S, H], dv [S, V], dscale)`` given ``out [T, V]``, ``lse [T]``.
 
@@ -587,7 +592,7 @@ def _blockwise_attention(q, k, v, *, mask, is_causal, scale, block_q, block_k, i
                                    block_q=block_q, block_k=block_k, interpret=interpret)  # [T, 1, V], [1, T]
         return out[:, 0], lse[0]
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    return _blockwise(q, k, v, compact_mask(mask), _scale_array(scale, acc_dtype), is_causal, block_q, block_k)
+    return _blockwise_jit(q, k, v, compact_mask(mask), _scale_array(scale, acc_dtype), is_causal, block_q, block_k)
 
 
 def multi_head_blockwise_attention(
@@ -656,10 +661,16 @@ def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, 
     if name != "blockwise":
         return _attend_library(name, q, k, v, mask, scale, is_causal, block_q=block_q, block_k=block_k,
                                interpret=interpret)
+    acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
+    return _multi_head_flash(q, k, v, mask, _scale_array(scale, acc_dtype), is_causal, block_q, block_k,
+                             _heads_side_by_side(q, k))
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "block_q", "block_k", "side_by_side"))
+def _multi_head_flash(q, k, v, mask, scale, is_causal, block_q, block_k, side_by_side):
+    """:func:`multi_head_blockwise_attention`'s blockwise path on checked inputs, one compiled program."""
     T, N, H = q.shape
     S, K, V = v.shape
-    acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    scale = _scale_array(scale, acc_dtype)
     qh = group_query_heads(q, K)  # [K, G, T, H]
     kh, vh = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [K, S, H], [K, S, V]
     m, m_axis = per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
@@ -668,7 +679,7 @@ def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, 
         (q1,), (k1, v1) = qs, kvs
         return _blockwise(q1, k1, v1, compact_mask(m1), scale, is_causal, block_q, block_k)
 
-    out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, _heads_side_by_side(q, k))
+    out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, side_by_side)
     out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V], from [K, G, T, V]
     return out, lse.reshape(N, T)
 

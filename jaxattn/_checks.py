@@ -121,6 +121,17 @@ def check_int(value: Any, name: str, minimum: int = 1, *, what: str = "") -> int
     return int(value)
 
 
+def check_positive_float32(value: Any, name: str) -> float:
+    """``value`` as a Python float that is finite and > 0 in float32, the dtype config constants such as a
+    norm's epsilon or RoPE's base are computed in (``1e300`` would be inf there, ``1e-50`` zero); Python
+    and NumPy numbers are accepted, bools are not (``ValueError`` naming ``name``)."""
+    f32 = np.finfo(np.float32)
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer))
+            or not np.isfinite(value) or not float(f32.smallest_subnormal) <= value <= float(f32.max)):
+        raise ValueError(f"{name} must be a finite number > 0 in float32, received {value!r}")
+    return float(value)
+
+
 def as_key(key: Any, name: str = "key") -> jax.Array:
     """A ``jax.random`` key from a key (new-style or raw ``uint32[2]``) or an int seed."""
     if isinstance(key, bool):

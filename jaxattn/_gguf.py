@@ -302,9 +302,11 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
     if _int(meta, "llama.attention.value_length", path, default=H) != H:
         raise CheckpointError(f"{path}: llama.attention.value_length differs from key_length; not supported")
     if _int(meta, "llama.rope.dimension_count", path, default=H) != H:
+        given = ("'llama.attention.key_length'" if "llama.attention.key_length" in meta else
+                 f"'llama.embedding_length' = {D} / 'llama.attention.head_count' = {N}")
         raise CheckpointError(
-            f"{path}: llama.rope.dimension_count = {meta['llama.rope.dimension_count']} but the head dim is {H}; "
-            "partial rotary embeddings are not supported"
+            f"{path}: llama.rope.dimension_count = {meta['llama.rope.dimension_count']} but the head dim is {H} "
+            f"({given}); partial rotary embeddings are not supported, so one of them is wrong"
         )
     names = {t.name for t in reader.tensors}
     if "token_embd.weight" not in names:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import math
 from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -43,7 +42,7 @@ import numpy as np
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import check_scale
+from jaxattn._checks import check_positive_float32, check_scale
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm, token_ids
@@ -51,7 +50,7 @@ from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
-    check_shapes, flatten, read_config, read_safetensors, resolve, unflatten)
+    check_layer_names, check_shapes, flatten, read_config, read_safetensors, resolve, unflatten)
 from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 __all__ = [
@@ -158,8 +157,11 @@ def read_bert_config(path: str | Path) -> BertConfig:
         if raw[key] <= 0:
             raise CheckpointError(f"{path}: field '{key}' must be a positive integer, found {raw[key]!r}")
     eps = raw["layer_norm_eps"]
-    if not (math.isfinite(eps) and eps > 0):
-        raise CheckpointError(f"{path}: field 'layer_norm_eps' must be a positive finite number, found {eps!r}")
+    try:
+        eps = check_positive_float32(eps, "layer_norm_eps")  # the norms run in float32: 1e300 is inf there
+    except ValueError:
+        raise CheckpointError(f"{path}: field 'layer_norm_eps' must be a positive finite number in float32, "
+                              f"found {eps!r}") from None
     pad = raw["pad_token_id"]
     if not 0 <= pad < raw["vocab_size"]:
         raise CheckpointError(
@@ -254,6 +256,8 @@ def params_from_safetensors(path: str | Path, config: BertConfig) -> dict:
 def _from_safetensors(path: str | Path, config: BertConfig, place: Any) -> dict:
     """:func:`params_from_safetensors`, read one tensor at a time, each handed to ``place(key, array)``."""
     tensors = read_safetensors(path, lazy=True)
+    check_layer_names(tensors, config.num_hidden_layers, path, field="num_hidden_layers",
+                      pattern=r"encoder\.layer\.(\d+)\.")  # before the table of every layer's weights
     table = _weight_table(config)
     D = config.hidden_size
     pooler = list(_linear("pooler.dense", ("pooler", "dense"), D, D))

@@ -35,6 +35,7 @@ __all__ = [
     "cast_params",
     "check_finite",
     "check_layer_count",
+    "check_layer_names",
     "check_shapes",
     "flatten",
     "read_config",
@@ -343,12 +344,42 @@ def check_layer_count(
         names = weight_names(weights_path)
     except CheckpointError:
         return  # the weight reader reports it
+    check_layer_names(names, claimed, weights_path, field=field, pattern=pattern, config_path=config_path)
+
+
+def check_layer_names(
+    names: Iterable[str],
+    claimed: int,
+    source: str | os.PathLike,
+    *,
+    field: str,
+    pattern: str,
+    config_path: str | os.PathLike | None = None,
+) -> None:
+    """Check a config's layer count ``claimed`` against the layers among tensor ``names`` read from
+    ``source``, before a table of ``claimed`` entries is built (the check :func:`check_layer_count` makes
+    from the files, for names already read).
+
+    Args:
+      names: the tensor names of the weight file.
+      claimed: the config's layer count.
+      source: the weight file, for the message.
+      field: the config field holding the layer count, for the message.
+      pattern: a regular expression matched at the start of each name; its first group is the layer index.
+      config_path: the ``config.json`` the count comes from, if any, for the message.
+
+    Raises:
+      CheckpointError: ``claimed`` differs from the number of distinct layer indices among ``names``.
+    """
     layer = re.compile(pattern)
     found = {int(m.group(1)) for m in map(layer.match, names) if m is not None}
     if claimed != len(found):
         held = f"{len(found)} layers (indices {min(found)} to {max(found)})" if found else "no layer"
+        if config_path is None:
+            raise CheckpointError(f"{source}: the config's {field} = {claimed}, but the file holds the tensors of "
+                                  f"{held}; the config and the weights do not belong together")
         raise CheckpointError(
-            f"{config_path}: field '{field}' = {claimed}, but {weights_path} holds the tensors of {held}; "
+            f"{config_path}: field '{field}' = {claimed}, but {source} holds the tensors of {held}; "
             "the config and the weights do not belong together"
         )
 

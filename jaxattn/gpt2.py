@@ -34,13 +34,13 @@ import numpy as np
 
 from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import check_int
+from jaxattn._checks import check_int, check_positive_float32
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._typing import Array
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
-    check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
+    check_layer_names, check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
@@ -141,8 +141,9 @@ class GPT2Config(NamedTuple):
             )
         n_inner = 4 * n_embd if n_inner is None else n_inner
         check_int(n_inner, "n_inner")
-        return cls(vocab_size, n_positions, n_embd, n_layer, n_head, n_inner, activation_function,
-                   float(layer_norm_epsilon))
+        eps = check_positive_float32(layer_norm_epsilon, "layer_norm_epsilon")  # 1e300 is inf in float32
+        return cls(int(vocab_size), int(n_positions), int(n_embd), int(n_layer), int(n_head), int(n_inner),
+                   activation_function, eps)
 
 
 def read_gpt2_config(path: str | Path) -> GPT2Config:
@@ -266,6 +267,7 @@ def _from_safetensors(path: str | Path, config: GPT2Config, place: Any) -> dict:
         if name in arrays:
             raise CheckpointError(f"{path}: weight '{name}' appears twice (with and without 'transformer.')")
         arrays[name] = value
+    check_layer_names(arrays, config.n_layer, path, field="n_layer", pattern=r"h\.(\d+)\.")  # before the tables
     table = {flax_key: _torch_name(flax_key) for flax_key in param_shapes(config)}
     expected = {t: (shape[::-1] if transposed else shape)
                 for (flax_key, shape), (t, transposed) in zip(param_shapes(config).items(), table.values())}
@@ -296,6 +298,7 @@ def _from_msgpack(path: str | Path, config: GPT2Config, place: Any) -> dict:
     if "transformer" not in tree and "wte" in tree:
         tree = {"transformer": tree}
     flat = flatten(tree)
+    check_layer_names(flat, config.n_layer, path, field="n_layer", pattern=r"transformer/h/(\d+)/")  # before the table
     check_shapes(flat, param_shapes(config), path, kernel_layout="(out, in) (Hugging Face Flax)")
     out = {}
     for key, value in flat.items():  # the file is read whole; converted and placed one tensor at a time

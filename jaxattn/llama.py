@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import check_int
+from jaxattn._checks import check_int, check_positive_float32
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes
@@ -219,11 +219,7 @@ class LlamaConfig(NamedTuple):
         if head_dim % 2 != 0:
             raise ValueError(f"head_dim={head_dim} must be even: RoPE rotates pairs of features")
         for name, value in (("rope_theta", rope_theta), ("rms_norm_eps", rms_norm_eps)):
-            # finite and > 0 in float32, the dtype they are computed in (1e300 would be inf, 1e-50 zero)
-            f32 = np.finfo(np.float32)
-            if (isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer))
-                    or not np.isfinite(value) or not float(f32.smallest_subnormal) <= value <= float(f32.max)):
-                raise ValueError(f"{name} must be a finite number > 0 in float32, received {value!r}")
+            check_positive_float32(value, name)  # computed in float32: 1e300 would be inf there, 1e-50 zero
         for name, value in (("tie_word_embeddings", tie_word_embeddings), ("qkv_bias", qkv_bias), ("o_bias", o_bias)):
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, received {value!r}")

@@ -129,6 +129,38 @@ def test_evaluate_refuses_empty_and_malformed_pairs():
         interventions.best_head(np.zeros((2, 1, 1, 2)), [0, 1], [0, 0])
 
 
+def test_evaluate_refuses_nan_attention_maps_by_sentence_head_and_candidate():
+    pairs = interventions.parse_pairs({"pairs": [PAIR, PAIR]})
+
+    def maps(text, nan=False):  # one layer, two heads; head 1's pronoun row NaN in the second sentence
+        n = len(text.split())
+        att = np.full((1, 2, n, n), 1.0 / n)
+        if nan and text.endswith("small."):
+            att[0, 1, :, :] = np.nan
+        offsets, at = [], 0
+        for word in text.split():
+            at = text.index(word, at)
+            offsets.append((at, at + len(word)))
+            at += len(word)
+        return att, np.array(offsets)
+
+    assert set(interventions.evaluate(pairs, maps=maps)) >= {"max_attention", "best_head"}  # finite maps score
+    with pytest.raises(ValueError, match=r"maps must return finite attention weights, received nan for sentence 1 "
+                                         r"\(pair 0\), layer 0, head 1, candidate 0"):
+        interventions.evaluate(pairs, maps=lambda text: maps(text, nan=True))
+
+
+@pytest.mark.parametrize("content, says", [("[" * 100_000 + "]" * 100_000, "its JSON nests too deeply to read"),
+                                           ('{"pairs": [', "not UTF-8 JSON"), (b"\xff\xfe", "not UTF-8 JSON")],
+                         ids=["nested", "truncated", "not_utf8"])
+def test_winograd_data_files_that_cannot_be_read_name_the_file(tmp_path, content, says):
+    path = tmp_path / "pairs.json"
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    for load in (interventions.load_pairs, interventions.load_wsc273):
+        with pytest.raises(ValueError, match=rf"pairs\.json: not a Winograd data file: {says}"):
+            load(path)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Winograd data: each malformed field named with its pair.
 # ----------------------------------------------------------------------------------------------------

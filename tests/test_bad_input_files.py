@@ -164,25 +164,83 @@ def test_safetensors_header_size_past_the_files_end_is_refused(hf_dir, tmp_path)
         safetensors_names(path)
 
 
+@pytest.fixture(scope="module")
+def gpt2_model():
+    from jaxattn import gpt2
+
+    return gpt2.random_model("tiny", seed=0)  # 2 layers
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(gpt2_model, tmp_path_factory):
+    from jaxattn import gpt2
+
+    return gpt2.save(tmp_path_factory.mktemp("gpt2") / "ckpt", *gpt2_model)
+
+
+def _bert_dir(folder: Path, **changes) -> Path:
+    """The bundled BERT's files linked into ``folder``, its config.json rewritten with ``changes``."""
+    from jaxattn import bert
+
+    folder.mkdir()
+    for name in bert.FILES:
+        if name != "config.json":
+            (folder / name).symlink_to(bert.bundled_model_dir() / name)
+    config = json.loads((bert.bundled_model_dir() / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "msgpack"])
+def test_gpt2_layer_count_is_checked_against_the_weights_before_the_tables_are_built(gpt2_model, tmp_path, layout):
+    from jaxattn import gpt2
+
+    params, config, _ = gpt2_model
+    directory = gpt2.save(tmp_path / "ckpt", params, config, format=layout)
+    weights = "model.safetensors" if layout == "safetensors" else "flax_model.msgpack"
+    read = gpt2.params_from_safetensors if layout == "safetensors" else gpt2.params_from_msgpack
+    read(directory / weights, config)  # 2 and 2: reads
+    with pytest.raises(CheckpointError, match=rf"ckpt/{re.escape(weights)}: the config's n_layer = 3, but the file holds "
+                                              r"the tensors of 2 layers \(indices 0 to 1\)"):
+        read(directory / weights, config._replace(n_layer=3))
+
+
+def test_bert_layer_count_is_checked_against_the_weights_before_the_table_is_built(tmp_path):
+    from jaxattn import bert
+
+    directory = _bert_dir(tmp_path / "bert", num_hidden_layers=5)
+    with pytest.raises(CheckpointError, match=r"bert/model\.safetensors: the config's num_hidden_layers = 5, but the "
+                                              r"file holds the tensors of 6 layers \(indices 0 to 5\)"):
+        bert.load(directory)
+
+
 _BOUNDED_LOAD = textwrap.dedent("""
-    import resource, sys
+    import importlib, resource, sys
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-    from jaxattn import llama
     from jaxattn.checkpoint import CheckpointError
-    try:
-        llama.load(sys.argv[1])
-    except CheckpointError as e:
-        print("CheckpointError:", e)
+    for module, path in zip(sys.argv[1::2], sys.argv[2::2]):
+        try:
+            importlib.import_module(f"jaxattn.{module}").load(path)
+        except CheckpointError as e:
+            print(module, "CheckpointError:", e)
 """)
 
 
-def test_hugging_face_load_with_a_huge_layer_count_is_refused_within_bounded_memory(hf_dir, tmp_path):
-    directory = Path(shutil.copytree(hf_dir, tmp_path / "ckpt"))
-    edit_config(directory, num_hidden_layers=10**9)
-    proc = subprocess.run([sys.executable, "-c", _BOUNDED_LOAD, str(directory)], capture_output=True, text=True,
+def test_hugging_face_loads_with_a_huge_layer_count_are_refused_within_bounded_memory(hf_dir, gpt2_dir, tmp_path):
+    llama_dir = Path(shutil.copytree(hf_dir, tmp_path / "llama"))
+    edit_config(llama_dir, num_hidden_layers=10**9)
+    gpt2_copy = Path(shutil.copytree(gpt2_dir, tmp_path / "gpt2"))
+    edit_config(gpt2_copy, n_layer=10**9)
+    bert_dir = _bert_dir(tmp_path / "bert", num_hidden_layers=10**9)
+    argv = ["llama", str(llama_dir), "gpt2", str(gpt2_copy), "bert", str(bert_dir)]
+    proc = subprocess.run([sys.executable, "-c", _BOUNDED_LOAD, *argv], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "CheckpointError:" in proc.stdout and "field 'num_hidden_layers' = 1000000000" in proc.stdout, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3, proc.stdout
+    assert lines[0].startswith("llama CheckpointError:") and "field 'num_hidden_layers' = 1000000000" in lines[0]
+    assert lines[1].startswith("gpt2 CheckpointError:") and "the config's n_layer = 1000000000" in lines[1]
+    assert lines[2].startswith("bert CheckpointError:") and "the config's num_hidden_layers = 1000000000" in lines[2]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -230,6 +288,9 @@ BAD_HEADS = [
      r"\(grouped-query attention\), found 0"),
     ("head_count_kv not dividing", {"llama.attention.head_count_kv": 3}, r"metadata key 'llama\.attention\.head_count_kv' must be >= 1 and divide"),
     ("embedding_length 0", {"llama.embedding_length": 0}, r"metadata key 'llama\.embedding_length' must be >= 1, found 0"),
+    ("head_count dividing but wrong", {"llama.attention.head_count": 8, "llama.attention.head_count_kv": 8},
+     r"llama\.rope\.dimension_count = 8 but the head dim is 4 \('llama\.embedding_length' = 32 / "
+     r"'llama\.attention\.head_count' = 8\); .* so one of them is wrong"),
 ]
 
 

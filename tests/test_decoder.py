@@ -95,14 +95,14 @@ def test_a_tiny_temperature_picks_the_argmax(model, temperature):
 
 def test_numpy_numbers_are_temperatures_and_bad_ones_are_refused(model):
     module, config, params = model
-    greedy = module.generate(params, config, IDS[:4], max_new_tokens=3)
-    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=3,
+    greedy = module.generate(params, config, IDS[:4], max_new_tokens=4)
+    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=4,
                                                   temperature=np.float32(0)), greedy)
-    a = module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=np.float64(0.7), key=1)
-    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=0.7, key=1), a)
+    a = module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=np.float64(0.7), key=1)
+    np.testing.assert_array_equal(module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=0.7, key=1), a)
     for bad in (-1.0, float("inf"), float("nan"), "hot", np.ones(2), True):
         with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or a finite number > 0"):
-            module.generate(params, config, IDS[:4], max_new_tokens=3, temperature=bad, key=0)
+            module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=bad, key=0)
 
 
 def test_a_key_seed_too_large_names_key(model):
@@ -140,6 +140,49 @@ def test_a_config_value_infinite_in_float32_is_refused(tmp_path):
         llama.load(directory)
 
 
+# Each family's config, one float field at a time: a value that is inf or 0 in float32 (where it is used).
+_CONFIGS = {
+    "gpt2": (gpt2.read_gpt2_config, dict(model_type="gpt2", vocab_size=23, n_positions=24, n_embd=8, n_layer=2,
+                                         n_head=2, layer_norm_epsilon=1e-5)),
+    "llama": (llama.read_llama_config, dict(llama.config_dict(LLAMA))),
+    "bert": (bert.read_bert_config, dict(model_type="bert", vocab_size=23, hidden_size=8, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=16, max_position_embeddings=8,
+                                         type_vocab_size=2, layer_norm_eps=1e-12)),
+}
+_NOT_FLOAT32 = [
+    ("gpt2", "layer_norm_epsilon", 1e300, r"layer_norm_epsilon must be a finite number > 0 in float32, received 1e\+300"),
+    ("gpt2", "layer_norm_epsilon", 1e-50, r"layer_norm_epsilon must be a finite number > 0 in float32, received 1e-50"),
+    ("llama", "rms_norm_eps", 1e300, r"rms_norm_eps must be a finite number > 0 in float32, received 1e\+300"),
+    ("llama", "rope_theta", 1e39, r"rope_theta must be a finite number > 0 in float32, received 1e\+39"),
+    ("bert", "layer_norm_eps", 1e300, r"field 'layer_norm_eps' must be a positive finite number in float32, found 1e\+300"),
+    ("bert", "layer_norm_eps", 1e-50, r"field 'layer_norm_eps' must be a positive finite number in float32, found 1e-50"),
+]
+
+
+@pytest.mark.parametrize("family, field, value, says", _NOT_FLOAT32, ids=[f"{f}-{k}-{v}" for f, k, v, _ in _NOT_FLOAT32])
+def test_a_config_float_not_finite_and_positive_in_float32_is_refused_by_field(tmp_path, family, field, value, says):
+    import json
+
+    read, fields = _CONFIGS[family]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    read(path)  # the config as given reads
+    path.write_text(json.dumps({**fields, field: value}))
+    with pytest.raises(CheckpointError, match=rf"config\.json: {says}"):
+        read(path)
+
+
+def test_numpy_numbers_make_a_gpt2_config_of_python_numbers(tmp_path):
+    i = np.int64
+    config = gpt2.GPT2Config.make(vocab_size=i(23), n_positions=i(24), n_embd=i(8), n_layer=i(2), n_head=i(2),
+                                  layer_norm_epsilon=np.float64(1e-5))
+    assert config == GPT2 and all(type(getattr(config, f)) is int for f in ("vocab_size", "n_layer", "n_inner"))
+    gpt2.save(tmp_path / "c", gpt2.init_params(0, config), config)  # config.json holds plain numbers
+    assert gpt2.read_gpt2_config(tmp_path / "c" / "config.json") == GPT2
+    with pytest.raises(ValueError, match=r"layer_norm_epsilon must be a finite number > 0 in float32, received True"):
+        gpt2.GPT2Config.make(vocab_size=23, n_positions=24, n_embd=8, n_layer=2, n_head=2, layer_norm_epsilon=True)
+
+
 def test_a_config_nested_too_deeply_is_a_checkpoint_error(tmp_path):
     path = tmp_path / "config.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
@@ -147,6 +190,31 @@ def test_a_config_nested_too_deeply_is_a_checkpoint_error(tmp_path):
         llama.read_llama_config(path)
     with pytest.raises(CheckpointError, match=r"config\.json: not a config: its JSON nests too deeply"):
         gpt2.read_gpt2_config(path)
+
+
+_NESTED = "[" * 100_000 + "]" * 100_000
+_DEEP_FILES = [  # (module, the files of the folder, what the error says); "" is an empty placeholder
+    ("llama", {"config.json": _NESTED, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+    ("llama", {"config.json": '{"a": ' * 100_000 + "1" + "}" * 100_000, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+    ("llama", {"config.json": None, "model.safetensors.index.json": _NESTED, "tokenizer.json": ""},
+     r"model\.safetensors\.index\.json: cannot read the shard index \(RecursionError"),
+    ("gpt2", {"config.json": _NESTED, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+    ("bert", {"config.json": _NESTED, "model.safetensors": "", "tokenizer.json": ""},
+     r"config\.json: not a config: its JSON nests too deeply to read"),
+]
+
+
+@pytest.mark.parametrize("module, files, says", _DEEP_FILES, ids=["llama", "llama-object", "llama-index", "gpt2", "bert"])
+def test_load_of_a_folder_with_a_file_nested_too_deeply_is_a_checkpoint_error_naming_it(tmp_path, module, files, says):
+    import json
+
+    for name, text in files.items():  # None: a readable config of the family
+        (tmp_path / name).write_text(json.dumps(llama.config_dict(LLAMA)) if text is None else text)
+    with pytest.raises(CheckpointError, match=says):
+        {"llama": llama, "gpt2": gpt2, "bert": bert}[module].load(tmp_path)
 
 
 # --- the model protocol ---

@@ -229,13 +229,22 @@ def test_word_span():
         trophy.word_span(labels, "trophy")
 
 
-def test_experiment_script_on_a_local_checkpoint(tiny, comparison, tmp_path, capsys):
+def test_experiment_script_on_a_local_checkpoint_runs_past_an_unusable_cache_folder(tiny, comparison, tmp_path, capsys,
+                                                                                  monkeypatch):
     import runpy
+
+    from jaxattn import io as jio
 
     _, (params, config, tokenizer), _ = tiny
     directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
+    (tmp_path / "xdg").mkdir()
+    (tmp_path / "xdg" / "jaxattn").write_text("a file where the cache folder goes")  # the cache cannot be used
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(jio.NO_CACHE_VARIABLE, raising=False)
     main = runpy.run_path("experiments/trophy.py")["main"]
-    assert main(["--model", str(directory), "--out", str(tmp_path / "out"), "--no-cache"]) == 0
+    with pytest.warns(RuntimeWarning, match=r"compiled programs are not kept across runs") as warned:
+        assert main(["--model", str(directory), "--out", str(tmp_path / "out")]) == 0
+    assert len(warned) == 1  # one warning, and the run goes on
     captured = capsys.readouterr()
     out = captured.out
     assert "== Part 3" in out and "== Part 4" in out and "bit-identical" in out
@@ -295,6 +304,7 @@ def test_experiment_falls_back_to_the_bundled_smollm2_in_one_line_with_the_encod
     assert [r["causal"] for r in page["runs"]] == [True, True]
 
 
+@pytest.mark.slow  # the whole experiment on the real encoder; make test runs it on a tiny local checkpoint
 def test_experiment_on_the_bundled_encoder(script_main, tmp_path, capsys):
     assert script_main(["--model", "minilm", "--out", str(tmp_path / "out"), "--no-cache"]) == 0
     captured = capsys.readouterr()

@@ -540,7 +540,8 @@ BROKEN_GGUF = [
      r"metadata key 'llama\.rope\.scaling\.type' = 'linear' is not supported"),
     ("unknown llama key", _meta(llama__attention__clamp_kqv=8.0), r"unsupported metadata key 'llama\.attention\.clamp_kqv'"),
     ("partial rope", _meta(llama__rope__dimension_count=4),
-     r"llama\.rope\.dimension_count = 4 but the head dim is 8; partial rotary embeddings are not supported"),
+     r"llama\.rope\.dimension_count = 4 but the head dim is 8 \('llama\.embedding_length' = 32 / "
+     r"'llama\.attention\.head_count' = 4\); partial rotary embeddings are not supported"),
     ("sentencepiece tokenizer", _meta(tokenizer__ggml__model="llama"), r"tokenizer\.ggml\.model is 'llama'; only 'gpt2'"),
     ("unknown pre-tokenizer", _meta(tokenizer__ggml__pre="llama-bpe"),
      r"tokenizer\.ggml\.pre is 'llama-bpe', a pre-tokenizer this loader does not implement \(supported: smollm, gpt-2\)"),

@@ -133,13 +133,13 @@ def test_bert_head_mask_of_ones_is_no_mask_and_a_zero_changes_the_output():
 
 def test_greedy_generation_equals_an_argmax_loop_over_full_forwards(params):
     out, logits = gpt2.generate(params, TINY, IDS[:4], max_new_tokens=6, return_logits=True)
-    seq = list(IDS[:4])
+    assert out[:4].tolist() == IDS[:4].tolist()
+    # one causal forward of the whole output: row t is the full forward of the prefix out[:t + 1]
+    full = gpt2.forward(params, TINY, np.asarray(out)).logits  # [10, V]
     for i in range(6):
-        full = gpt2.forward(params, TINY, np.array(seq, np.int32)).logits[-1]
-        np.testing.assert_allclose(logits[i], full, atol=1e-5, rtol=1e-5)  # cached logits = full forward
-        seq.append(int(np.argmax(full)))
-    assert out.tolist() == seq
-    assert len(set(seq[4:])) > 1  # the test model does not just repeat one token
+        np.testing.assert_allclose(logits[i], full[3 + i], atol=1e-5, rtol=1e-5)  # cached logits = full forward
+        assert int(out[4 + i]) == int(np.argmax(full[3 + i]))
+    assert len(set(out[4:].tolist())) > 1  # the test model does not just repeat one token
 
 
 def test_one_compiled_step_serves_every_new_token(params):

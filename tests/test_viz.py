@@ -94,6 +94,25 @@ def test_page_of_bidirectional_maps_and_of_unequal_shapes():
     assert data["runs"][0]["queries"] == ["q0", "q1"] and data["runs"][0]["keys"] == ["k0", "k1", "k2"]
 
 
+def test_page_holds_the_tables_exactly_in_their_order(pair):
+    import jax.numpy as jnp
+
+    big, _ = pair
+    L, N = big.shape[:2]
+    rng = np.random.default_rng(4)
+    effect = rng.standard_normal((L, N))
+    effect[1, 2] = np.nan  # a head without a value
+    scores = jnp.asarray(rng.random((L, N)), jnp.bfloat16)  # JAX, bfloat16: kept as its float64 values
+    name = "logit attribution </script>&<b>"
+    page = viz.html(big, BIG, tables={"ablation effect": effect, name: scores, "h\udc80": np.zeros((L, N))})
+    assert page.count("</script>") == 2 and "<b>" not in page
+    tables = viz.page_data(page)["tables"]
+    assert list(tables) == ["ablation effect", name, "h\ufffd"]  # a lone surrogate becomes U+FFFD
+    np.testing.assert_array_equal(tables["ablation effect"], effect)  # NaN where NaN, every other value exact
+    np.testing.assert_array_equal(tables[name], np.asarray(scores, np.float64))
+    assert viz.page_data(viz.html(big, BIG))["tables"] == {}
+
+
 @pytest.mark.parametrize(
     "maps, tokens, kwargs, error, message",
     [
@@ -108,6 +127,26 @@ def test_page_of_bidirectional_maps_and_of_unequal_shapes():
         (np.full((1, 1, 2, 2), 0.5), list("ab"), {"names": ("a",)}, ValueError, r"names: expected two non-empty strings, received \('a',\)"),
         (np.full((1, 1, 2, 2), 0.5), list("ab"), {"other_tokens": list("ab")}, ValueError, r"other_tokens: given without other"),
         (np.full((1, 1, 2, 2), 0.5), list("ab"), {"other": np.ones((1, 2, 2))}, ValueError, r"other: expected shape \[L, N, T, S\]"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": [np.zeros((2, 3))]}, TypeError,
+         r"tables: expected a mapping from table names \(str\) to \[L, N\] arrays, received list"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {3: np.zeros((2, 3))}}, TypeError,
+         r"tables: expected table names that are str, received a key of type int"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"": np.zeros((2, 3))}}, ValueError,
+         r"tables: expected non-empty table names, received ''"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"x\udc80": np.zeros((2, 3)), "x\udc81": np.zeros((2, 3))}},
+         ValueError, r"tables: two table names read 'x\ufffd' once lone surrogates become U\+FFFD"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros((3, 2))}}, ValueError,
+         r"tables\['effect'\]: expected shape \[L, N\] = \(2, 3\) \(the layers and heads of maps\), received shape \(3, 2\)"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros(6)}}, ValueError,
+         r"tables\['effect'\]: expected shape \[L, N\] = \(2, 3\) .* received shape \(6,\)"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros((2, 3), np.int64)}}, TypeError,
+         r"tables\['effect'\]: expected a real floating-point array \[L, N\] = \(2, 3\), received dtype int64"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.zeros((2, 3), np.complex64)}}, TypeError,
+         r"tables\['effect'\]: expected a real floating-point array .* received dtype complex64"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": [["a"] * 3] * 2}}, TypeError,
+         r"tables\['effect'\]: expected a real floating-point array .* received dtype <U1"),
+        (np.full((2, 3, 2, 2), 0.5), list("ab"), {"tables": {"effect": np.array([[0, np.inf, 0], [0, 0, -np.inf]])}},
+         ValueError, r"tables\['effect'\]: expected finite values or NaN \(no value\), received 2 infinite"),
     ],
 )
 def test_page_rejects_bad_input_naming_the_argument(maps, tokens, kwargs, error, message):
@@ -172,7 +211,7 @@ def _cell(browser, canvas_id, t, s, *, click=False):
 
     canvas = browser.find_element(By.ID, canvas_id)
     x0, y0, cell = browser.execute_script("const d = arguments[0].dataset; return [+d.x0, +d.y0, +d.cell];", canvas)
-    _at(browser, canvas, x0 + (s + 0.5) * cell, y0 + (t + 0.5) * cell, click=click)
+    _at(browser, canvas, x0 + (int(s) + 0.5) * cell, y0 + (int(t) + 0.5) * cell, click=click)
     return browser.execute_script(TOOLTIP)
 
 
@@ -289,6 +328,134 @@ def test_page_in_a_browser_for_a_bidirectional_model(browser, tmp_path):
     assert 'layer 1, head 3: query 0 "[CLS]" \u2192 key 5 "[SEP]"' in tip["text"]
     assert _weight(tip["text"]) == pytest.approx(maps[1, 3, 0, 5], abs=6e-5) and maps[1, 3, 0, 5] > 0
     assert _distinct_colours(browser.find_element(By.ID, "heatmap").screenshot_as_png) > 20
+    _no_errors_and_nothing_fetched(browser)
+
+
+# The page's palettes (page.js) and its colour at x in [0, 1], as the page computes it: the oracle for pixels.
+VIRIDIS = ["#440154", "#481a6c", "#472f7d", "#414487", "#39568c", "#31688e", "#2a788e", "#23888e",
+           "#1f988b", "#22a884", "#35b779", "#54c568", "#7ad151", "#a5db36", "#d2e21b", "#fde725"]
+BLUE, RED, GREY = (33, 102, 172), (178, 24, 43), (217, 217, 217)  # the diverging scale's ends; no value
+
+
+def _ramp(stops, x):
+    rgb = [tuple(int(h[i:i + 2], 16) for i in (1, 3, 5)) for h in stops]
+    p = min(1.0, max(0.0, x)) * (len(stops) - 1)
+    i = min(len(stops) - 2, int(p))
+    return tuple(round(a + (p - i) * (b - a)) for a, b in zip(rgb[i], rgb[i + 1]))
+
+
+PIXEL = """const c = document.getElementById(arguments[0]), d = c.dataset, r = window.devicePixelRatio || 1;
+const x = (+d.x0 + (arguments[2] + 0.5) * +d.cell) * r, y = (+d.y0 + (arguments[1] + 0.5) * +d.cell) * r;
+return Array.from(c.getContext("2d").getImageData(Math.floor(x), Math.floor(y), 1, 1).data.slice(0, 3));"""
+
+
+def _pixel(browser, canvas_id, t, s):
+    """The colour (r, g, b) drawn at the centre of the cell in row t, column s of a grid canvas."""
+    return tuple(browser.execute_script(PIXEL, canvas_id, int(t), int(s)))
+
+
+def test_page_in_a_browser_shows_tables_and_a_click_selects_the_head(browser, pair, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    big, _ = pair
+    L, N = big.shape[:2]
+    rng = np.random.default_rng(5)
+    scores = rng.random((L, N))  # one sign: sequential, from its smallest value to its largest
+    effect = rng.standard_normal((L, N))  # both signs: blue-white-red from -max|effect| to +max|effect|
+    effect[2, 0] = np.nan
+    name = "ablation effect </script>&<b>"
+    path = tmp_path / "tables.html"
+    path.write_text(viz.html(big, BIG, tables={"head score": scores, name: effect}, title="tables"), encoding="utf-8")
+    _open(browser, path)
+    body = browser.find_element(By.TAG_NAME, "body")
+    table = Select(browser.find_element(By.ID, "table"))
+    assert [o.text for o in table.options] == ["head score", name]  # the name as text, not markup
+
+    grid, bar = browser.find_element(By.ID, "table-grid"), browser.find_element(By.ID, "table-legend")
+    assert grid.get_attribute("data-scale") == "sequential"
+    assert (float(bar.get_attribute("data-lo")), float(bar.get_attribute("data-hi"))) == (scores.min(), scores.max())
+    low = np.unravel_index(np.argmin(scores), scores.shape)
+    assert _pixel(browser, "table-grid", *low) == _ramp(VIRIDIS, 0.0)
+
+    _choose(browser, "table", 1)
+    m = np.nanmax(np.abs(effect))
+    assert body.get_attribute("data-table") == "1" and grid.get_attribute("data-scale") == "diverging"
+    assert (float(bar.get_attribute("data-lo")), float(bar.get_attribute("data-hi"))) == (-m, m)
+    assert name in bar.get_attribute("aria-label")
+    strongest = np.unravel_index(np.nanargmax(np.abs(effect)), effect.shape)
+    assert _pixel(browser, "table-grid", *strongest) == (RED if effect[strongest] > 0 else BLUE)
+    assert _pixel(browser, "table-grid", 2, 0) == GREY
+    tip = _cell(browser, "table-grid", 2, 0)
+    assert tip["shown"] and f"layer 2, head 0: {name}: no value" in tip["text"] and tip["value"] == "NaN"
+
+    # hover a head: its value; click it: the selectors, the heatmap and its colours show that head
+    t, s = 9, 1
+    assert _pixel(browser, "heatmap", t, s) == _ramp(VIRIDIS, big[0, 0, t, s])
+    tip = _cell(browser, "table-grid", 3, 1, click=True)
+    assert f"layer 3, head 1: {name} = {float(f'{effect[3, 1]:.4g}')!r}" in tip["text"]
+    assert float(tip["value"]) == effect[3, 1]  # exactly: the page keeps every value
+    assert (body.get_attribute("data-layer"), body.get_attribute("data-head")) == ("3", "1")
+    assert [browser.find_element(By.ID, k).get_attribute("value") for k in ("layer", "head")] == ["3", "1"]
+    tip = _cell(browser, "heatmap", t, s)
+    assert 'layer 3, head 1: query 9 " it" \u2192 key 1 " trophy"' in tip["text"]
+    assert _weight(tip["text"]) == pytest.approx(big[3, 1, t, s], abs=6e-5)
+    for t, s in ((t, s), (14, 0), (6, 6)):
+        assert np.abs(np.subtract(_pixel(browser, "heatmap", t, s), _ramp(VIRIDIS, big[3, 1, t, s]))).max() <= 1
+    _no_errors_and_nothing_fetched(browser)
+
+
+# The viewport's box, and every element drawn outside it or with its content cut (an ellipsis), the colour bars'.
+FITS = """const root = document.documentElement, W = root.clientWidth, H = root.clientHeight;
+const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+const inside = b => b[0] >= 0 && b[1] >= 0 && b[2] <= W && b[3] <= H;
+const name = e => e.tagName.toLowerCase() + (e.id ? "#" + e.id : "") + (e.className ? "." + e.className : "");
+const outside = [], cut = [], shown = {};
+for (const e of document.body.querySelectorAll("*")) {
+  const r = e.getBoundingClientRect();
+  if (r.width === 0 || r.height === 0) continue;  // hidden (display: none) or empty
+  if (!inside(box(e))) outside.push(name(e) + " " + JSON.stringify(box(e)));
+  if (getComputedStyle(e).overflowX === "hidden" && e.scrollWidth > e.clientWidth) cut.push(name(e) + " " + e.textContent);
+}
+for (const id of ["legend", "overview-legend", "table-legend", "heatmap", "lines"]) {
+  const b = box(document.getElementById(id));
+  shown[id] = b[2] > b[0] && b[3] > b[1] && inside(b);
+}
+return {viewport: [W, H], inner: [innerWidth, innerHeight], scroll: [root.scrollWidth, root.scrollHeight],
+        outside: outside, cut: cut, shown: shown};"""
+
+
+def test_page_fits_a_1280_by_800_window(browser, tmp_path):
+    """SmolLM2-135M's shape (30 layers x 9 heads), two 16-token inputs and a table: in every view every
+    element lies inside the viewport, nothing scrolls, the colour bars and the maps are on screen."""
+    rng = np.random.default_rng(6)
+    tokens = BIG + [" It"]
+    big, small = (_softmax(2.0 * rng.standard_normal((30, 9, 16, 16)), True) for _ in range(2))
+    effect = rng.standard_normal((30, 9))
+    effect[0, 0] = np.nan
+    path = tmp_path / "smollm2.html"
+    path.write_text(viz.html(big, tokens, other=small, names=("too big", "too small"), title="SmolLM2-135M, trophy pair",
+                             tables={"ablation effect": effect}), encoding="utf-8")
+    browser.set_window_size(1280, 800)
+    try:
+        _open(browser, path)
+        for mode, view in (("0", "heatmap"), ("0", "lines"), ("0", "both"), ("diff", "both")):
+            _switch(browser, "mode", mode)
+            _switch(browser, "view", view)
+            fits = browser.execute_script(FITS)
+            W, H = fits["viewport"]
+            assert W <= 1280 and H <= 800 and fits["inner"][0] == 1280, fits  # inside the window's 1280 x 800
+            assert fits["outside"] == [] and fits["cut"] == [], (mode, view, fits)
+            assert fits["scroll"] == [W, H], (mode, view, fits)  # nothing to scroll to, either way
+            expected = {"legend": True, "overview-legend": True, "table-legend": True,
+                        "heatmap": view != "lines", "lines": view != "heatmap"}
+            assert fits["shown"] == expected, (mode, view, fits)
+            shot = tmp_path / f"viz_1280x800_{mode}_{view}.png"
+            assert browser.save_screenshot(str(shot))
+            png = shot.read_bytes()
+            assert png.startswith(b"\x89PNG\r\n\x1a\n") and _distinct_colours(png) > 100
+    finally:
+        browser.set_window_size(1400, 1000)
     _no_errors_and_nothing_fetched(browser)
 
 

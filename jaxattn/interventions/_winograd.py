@@ -163,11 +163,16 @@ def parse_pairs(data: Any) -> list[tuple[Schema, Schema]]:
 
 
 def _read_data(path: str | Path | None) -> Any:
+    """The JSON of a data file (``None``: the bundled one); ``ValueError`` naming the file when it is not
+    UTF-8 JSON (or nests too deeply for Python to read)."""
     if path is None:
-        text = resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8")
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    return json.loads(text)
+        return json.loads(resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8"))
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path}: not a Winograd data file: its JSON nests too deeply to read") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a Winograd data file: not UTF-8 JSON ({e})") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +309,8 @@ def load_pairs(path: str | Path | None = None) -> list[tuple[Schema, Schema]]:
 def load_metadata(path: str | Path | None = None) -> dict[str, str]:
     """The data file's ``name``, ``source``, ``license`` and ``note`` (its citation)."""
     data = _read_data(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a Winograd data file: expected a JSON object, found {type(data).__name__}")
     return {k: data.get(k, "") for k in ("name", "source", "license", "note")}
 
 
@@ -370,9 +377,14 @@ def pronoun_attention(schemas: Sequence[Schema], maps: MapsFn) -> np.ndarray:
     Args:
       schemas: the sentences.
       maps: ``text -> (attentions [L, N, T, T], offsets [T, 2])``, e.g. :func:`model_maps`.
+
+    Raises:
+      ValueError: a candidate's weight is not finite (NaN from the model): naming the sentence, its pair,
+        the layer, the head and the candidate (a NaN would otherwise lose every comparison, a vote for
+        candidate 0).
     """
     out = []
-    for s in schemas:
+    for i, s in enumerate(schemas):
         att, offsets = maps(s.text)
         att = np.asarray(att, np.float64)
         p = char_span_to_tokens(offsets, *s.pronoun)[0]
@@ -382,6 +394,11 @@ def pronoun_attention(schemas: Sequence[Schema], maps: MapsFn) -> np.ndarray:
             a, b = char_span_to_tokens(offsets, *span)
             cols.append(row[:, :, a:b].sum(-1))  # [L, N]
         out.append(np.stack(cols, -1))  # [L, N, 2]
+        bad = np.argwhere(~np.isfinite(out[-1]))  # a NaN weight must not vote (it would tie: candidate 0)
+        if bad.size:
+            l, n, c = bad[0]
+            raise ValueError(f"maps must return finite attention weights, received {out[-1][l, n, c]} for sentence "
+                             f"{i} (pair {s.pair}), layer {l}, head {n}, candidate {c}")
     return np.stack(out)
 
 
@@ -523,6 +540,14 @@ def special_after_pronoun(pair: tuple[Schema, Schema]) -> bool:
     return first >= pair[0].pronoun[1]
 
 
+def _check_sequence(x: Any, name: str, of: str, least: str) -> None:
+    """``x`` a non-empty sequence (not a str, bytes or dict): ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(x, (str, bytes, dict)) or not isinstance(x, Sequence):
+        raise TypeError(f"{name} must be a sequence of {of}, received {type(x).__name__}")
+    if len(x) == 0:
+        raise ValueError(f"{name} must hold at least {least}, received none")
+
+
 def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = None, maps: MapsFn | None = None,
              seed: int = 0) -> dict[str, Any]:
     """Every scorer the model allows on the pairs: ``{method: accuracy dict}`` plus the details.
@@ -542,24 +567,20 @@ def evaluate(pairs: Sequence[tuple[Schema, Schema]], *, score: Scorer | None = N
     Raises:
       ValueError: ``pairs`` is empty (or holds a single pair when ``maps`` is given: the best head needs
         one pair to select it on and another to score it), or ``score`` returns NaN (naming the sentence,
-        its pair and the candidate; see :func:`substitution_scores`).
+        its pair and the candidate; see :func:`substitution_scores`), or ``maps`` gives a pronoun row
+        whose weight on a candidate is not finite (:func:`pronoun_attention`).
       TypeError: an entry of ``pairs`` is not two :class:`Schema`, or ``score`` returns something that is
         not a real number.
     """
-    if isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Sequence):
-        raise TypeError(f"pairs must be a sequence of (Schema, Schema) from load_pairs, received "
-                        f"{type(pairs).__name__}")
-    if len(pairs) == 0:
-        raise ValueError("pairs must hold at least one pair (from load_pairs or parse_pairs), received none")
+    _check_sequence(pairs, "pairs", "(Schema, Schema) from load_pairs", "one pair (from load_pairs or parse_pairs)")
     for i, p in enumerate(pairs):
         if not isinstance(p, (tuple, list)) or len(p) != 2 or not all(isinstance(x, Schema) for x in p):
             raise TypeError(f"pairs[{i}] must be two Schema (a pair from load_pairs), received {p!r}")
     if maps is not None and len(pairs) < 2:
         raise ValueError(f"pairs must hold at least 2 pairs when maps is given (the best head is selected on "
                          f"one half of the pairs and scored on the other), received {len(pairs)}")
-    out: dict[str, Any] = {"sentences": 2 * len(pairs), "pairs": len(pairs),
-                           "special_after_pronoun": int(sum(special_after_pronoun(p) for p in pairs))}
-    return {**out, **_scored(flatten_pairs(pairs), score, maps, seed)}
+    result = evaluate_sentences(flatten_pairs(pairs), score=score, maps=maps, seed=seed)  # groups: the pairs
+    return {"pairs": result.pop("groups"), **result}
 
 
 def evaluate_sentences(schemas: Sequence[Schema], *, score: Scorer | None = None, maps: MapsFn | None = None,
@@ -575,13 +596,10 @@ def evaluate_sentences(schemas: Sequence[Schema], *, score: Scorer | None = None
     Raises:
       TypeError: ``schemas`` is not a sequence of :class:`Schema`, or ``score`` returns something that is
         not a real number.
-      ValueError: ``schemas`` is empty (or all in one group when ``maps`` is given), or ``score`` returns NaN.
+      ValueError: ``schemas`` is empty (or all in one group when ``maps`` is given), ``score`` returns NaN,
+        or ``maps`` gives a non-finite weight on a candidate.
     """
-    if isinstance(schemas, (str, bytes, dict)) or not isinstance(schemas, Sequence):
-        raise TypeError(f"schemas must be a sequence of Schema (e.g. to_schemas(load_wsc273())), received "
-                        f"{type(schemas).__name__}")
-    if len(schemas) == 0:
-        raise ValueError("schemas must hold at least one sentence, received none")
+    _check_sequence(schemas, "schemas", "Schema (e.g. to_schemas(load_wsc273()))", "one sentence")
     for i, x in enumerate(schemas):
         if not isinstance(x, Schema):
             raise TypeError(f"schemas[{i}] must be a Schema (e.g. from to_schemas), received {x!r}")

@@ -231,16 +231,12 @@ TABLE_COLUMNS = (
 )
 
 
-QK_COLUMNS = (
-    ("d_k", "d_k", "{:d}"),
-    ("q_grad_median_scaled", "|∂q| med sc", "{:.3f}"),
-    ("q_grad_median_unscaled", "|∂q| med unsc", "{:.2e}"),
-    ("q_grad_mean_scaled", "|∂q| mean sc", "{:.3f}"),
-    ("q_grad_mean_unscaled", "|∂q| mean unsc", "{:.3f}"),
-    ("k_grad_median_scaled", "|∂k| med sc", "{:.3f}"),
-    ("k_grad_median_unscaled", "|∂k| med unsc", "{:.2e}"),
-    ("k_grad_mean_scaled", "|∂k| mean sc", "{:.3f}"),
-    ("k_grad_mean_unscaled", "|∂k| mean unsc", "{:.3f}"),
+# The q and k gradient norms' columns: median and mean, scaled and unscaled, for q then k (the unscaled
+# median, which collapses, in exponent notation).
+QK_COLUMNS = (("d_k", "d_k", "{:d}"),) + tuple(
+    (f"{g}_grad_{stat}_{mode}", f"|∂{g}| {stat.replace('median', 'med')} {mode.replace('scaled', 'sc')}",
+     "{:.2e}" if (stat, mode) == ("median", "unscaled") else "{:.3f}")
+    for g in "qk" for stat in ("median", "mean") for mode in ("scaled", "unscaled")
 )
 
 
@@ -459,34 +455,36 @@ def render_laws(laws: dict[str, Any]) -> str:
         f"{span}; m_S = median top-two gap = {L['gap_median']:.4f}, "
         f"f_D(0) = {L['gap_density_at_zero']:.4f}, E‖r‖ = {L['readout_norm_mean']:.4f}):"
     ]
-    for key in ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm", "median_k_grad_norm", "median_one_minus_max_weight"):
-        f = L[key]
-        if "not_fitted" in f:
-            lines.append(f"  {key:30s} {f['form']}: not fitted, {f['not_fitted']}")
-            continue
+    def median(f):
         pred_c = "" if f["c_predicted"] is None else f", predicted c = {f['c_predicted']:.3g}"
-        lines.append(f"  {key:30s} {f['form']}: b = {f['b']:.4f} (predicted {f['b_predicted']:.4f}), c = {f['c']:.3g}{pred_c}")
+        return f"{f['form']}: b = {f['b']:.4f} (predicted {f['b_predicted']:.4f}), c = {f['c']:.3g}{pred_c}"
+
+    lines += _law_lines(L, ("median_jacobian_norm", "median_logit_grad_norm", "median_q_grad_norm",
+                            "median_k_grad_norm", "median_one_minus_max_weight"), median, "{form}: not fitted")
     ratio = L["median_entropy"]["measured_over_predicted"]
     lines.append(f"  {'median_entropy':30s} {L['median_entropy']['form']}: measured/predicted = " + " ".join(f"{r:.2f}" for r in ratio))
-    for key in ("mean_jacobian_norm", "mean_entropy", "mean_logit_grad_norm", "mean_one_minus_max_weight"):
-        f = L[key]
-        if "not_fitted" in f:
-            lines.append(f"  {key:30s} not fitted, {f['not_fitted']}")
-            continue
-        lines.append(
-            f"  {key:30s} c·d_k^a: a = {f['a']:.3f} (predicted -0.5), c = {f['c']:.3f}; "
-            f"C/√d_k·(1+κ/√d_k): C = {f['C']:.3f} (predicted {f['c_predicted']:.3f}), κ = {f['kappa']:.2f}"
-        )
-    for key in ("mean_q_grad_norm", "mean_k_grad_norm"):
-        f = L[key]
-        if "not_fitted" in f:
-            lines.append(f"  {key:30s} tends to a constant (predicted limit {f['limit_predicted']:.3f}): not fitted, {f['not_fitted']}")
-            continue
-        lines.append(
-            f"  {key:30s} tends to a constant: c·d_k^a: a = {f['a']:.3f}; C·(1+κ/√d_k): C = {f['C']:.3f} "
-            f"(predicted limit {f['limit_predicted']:.3f}), κ = {f['kappa']:.2f}; at the largest d_k {f['at_largest_d_k']:.3f}"
-        )
+    lines += _law_lines(L, ("mean_jacobian_norm", "mean_entropy", "mean_logit_grad_norm", "mean_one_minus_max_weight"),
+                        lambda f: f"c·d_k^a: a = {f['a']:.3f} (predicted -0.5), c = {f['c']:.3f}; C/√d_k·(1+κ/√d_k): "
+                                  f"C = {f['C']:.3f} (predicted {f['c_predicted']:.3f}), κ = {f['kappa']:.2f}",
+                        "not fitted")
+    lines += _law_lines(L, ("mean_q_grad_norm", "mean_k_grad_norm"),
+                        lambda f: f"tends to a constant: c·d_k^a: a = {f['a']:.3f}; C·(1+κ/√d_k): C = {f['C']:.3f} "
+                                  f"(predicted limit {f['limit_predicted']:.3f}), κ = {f['kappa']:.2f}; at the largest "
+                                  f"d_k {f['at_largest_d_k']:.3f}",
+                        "tends to a constant (predicted limit {limit_predicted:.3f}): not fitted")
     return "\n".join(lines)
+
+
+def _law_lines(laws: dict[str, Any], keys: Sequence[str], fitted: Callable[[dict[str, Any]], str],
+               unfitted: str) -> list[str]:
+    """One line per law of :func:`render_laws`: ``fitted(law)``, or ``unfitted`` (formatted with the law's
+    fields) and the reason when it could not be fitted."""
+    out = []
+    for key in keys:
+        f = laws[key]
+        text = f"{unfitted.format(**f)}, {f['not_fitted']}" if "not_fitted" in f else fitted(f)
+        out.append(f"  {key:30s} {text}")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -189,24 +189,20 @@ def _spread(x: Array, wq: Array, wk: Array, b_k: Array | None, s: Array, keep: A
     return s * sigma * q_norm * width  # [T]
 
 
-def entropy_lower_bound(
-    x: Float[ArrayLike, "T D"],
-    w_q: Float[ArrayLike, "D H"],
-    w_k: Float[ArrayLike, "D H"],
-    *,
-    b_q: Float[ArrayLike, "H"] | None = None,
-    b_k: Float[ArrayLike, "H"] | None = None,
-    scale: Real[ArrayLike, ""] | None = None,
-    mask: Bool[ArrayLike, "T T"] | None = None,
-    rotary: bool = False,
-) -> Float[Array, "T"]:
+def entropy_lower_bound(x: Float[ArrayLike, "T D"], w_q: Float[ArrayLike, "D H"], w_k: Float[ArrayLike, "D H"],
+                        **options: Any) -> Float[Array, "T"]:
     """Each row's entropy floor for one head on its inputs: :func:`entropy_floor` of
-    :func:`logit_spread_bound` over the keys the row sees (arguments as there).
+    :func:`logit_spread_bound` over the keys the row sees.
+
+    Args:
+      x, w_q, w_k: as in :func:`logit_spread_bound`.
+      **options: :func:`logit_spread_bound`'s keywords, checked there: ``b_q``, ``b_k``, ``scale``,
+        ``mask``, ``rotary``.
 
     Returns:
       ``[T]`` nats: a lower bound on the entropy of each row of this head's attention; 0 for rows with
       at most one key.
     """
-    beta = logit_spread_bound(x, w_q, w_k, b_q=b_q, b_k=b_k, scale=scale, mask=mask, rotary=rotary)  # [T]
+    beta = logit_spread_bound(x, w_q, w_k, **options)  # [T]
     T = beta.shape[0]
-    return entropy_floor(beta, jnp.sum(_keep_mask(mask, T), axis=1), max_keys=T)
+    return entropy_floor(beta, jnp.sum(_keep_mask(options.get("mask"), T), axis=1), max_keys=T)

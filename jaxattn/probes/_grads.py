@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,7 @@ def attention_grads(
     return _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal)
 
 
+@functools.partial(jax.jit, static_argnames=("is_causal",))
 def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal):
     acc = softmax_dtype(jnp.result_type(q, k, v))
 

@@ -31,7 +31,13 @@ def softmax_jacobian(
       (``[..., 0, 0]`` when ``S = 0``).
     """
     z = _rows(logits, "logits", "[..., S]")
-    p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
+    return _jacobian(z, _keep(mask, z.shape))
+
+
+@jax.jit
+def _jacobian(z: Array, keep: Array | None) -> Array:
+    """:func:`softmax_jacobian` of checked logits, one compiled program."""
+    p = _masked_softmax(z, keep)  # [..., S]
     if p.shape[-1] == 0:  # no keys: an empty Jacobian
         return jnp.zeros(p.shape + (0,), p.dtype)
     c, _ = _complement(p)  # [..., S]
@@ -58,7 +64,13 @@ def softmax_jacobian_norms(
       dict of ``[...]`` arrays: ``frobenius`` and ``nuclear`` (0 when ``S = 0``).
     """
     z = _rows(logits, "logits", "[..., S]")
-    p = _masked_softmax(z, _keep(mask, z.shape))  # [..., S]
+    return _norms(z, _keep(mask, z.shape))
+
+
+@jax.jit
+def _norms(z: Array, keep: Array | None) -> dict[str, Array]:
+    """:func:`softmax_jacobian_norms` of checked logits, one compiled program."""
+    p = _masked_softmax(z, keep)  # [..., S]
     if p.shape[-1] == 0:  # no keys: an empty Jacobian, whose norms are 0
         return {"frobenius": jnp.zeros(p.shape[:-1], p.dtype), "nuclear": jnp.zeros(p.shape[:-1], p.dtype)}
     return _jacobian_norms(p)

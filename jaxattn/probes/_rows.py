@@ -7,6 +7,7 @@ broadcastable to them, and returns ``[...]`` in at least float32. All are pure a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -109,6 +110,26 @@ def _num_keys(p: Array, keep: Array | None) -> Array:
     return jnp.sum(keep, axis=-1).astype(p.dtype)
 
 
+STATS = ("entropy", "normalized_entropy", "max_weight", "effective_support", "num_keys")
+
+
+@functools.partial(jax.jit, static_argnames=("ulp", "names"))
+def _stats(p: Array, keep: Array | None, ulp: float, names: tuple[str, ...]) -> dict[str, Array]:
+    """The row statistics ``names`` (of :data:`STATS`) of checked weights ``p [..., S]``, as one compiled
+    program (XLA drops the ones not asked for): called eagerly on a new shape, one compile instead of one
+    per primitive."""
+    n = _num_keys(p, keep)
+    h = _entropy(p, keep, ulp)
+    stats = {
+        "entropy": h,
+        "normalized_entropy": _normalized(h, n),
+        "max_weight": _max_kept(p, keep),
+        "effective_support": jnp.where(n > 0, jnp.exp(h), 0.0),
+        "num_keys": n,
+    }
+    return {name: stats[name] for name in names}
+
+
 def entropy(
     weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
 ) -> Float[Array, "*rows"]:
@@ -126,7 +147,7 @@ def entropy(
       ``[...]`` in at least float32. A fully masked (all-zero) row has entropy 0.
     """
     p, ulp = _weights(weights)
-    return _entropy(p, _keep(mask, p.shape), ulp)
+    return _stats(p, _keep(mask, p.shape), ulp, ("entropy",))["entropy"]
 
 
 def normalized_entropy(
@@ -144,41 +165,26 @@ def normalized_entropy(
       ``[...]`` in ``[0, 1]`` (up to rounding), at least float32.
     """
     p, ulp = _weights(weights)
-    keep = _keep(mask, p.shape)
-    return _normalized(_entropy(p, keep, ulp), _num_keys(p, keep))
+    return _stats(p, _keep(mask, p.shape), ulp, ("normalized_entropy",))["normalized_entropy"]
 
 
 def max_weight(
     weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
 ) -> Float[Array, "*rows"]:
-    """The largest weight of each row, ``max_s p_s`` (1 for one-hot, ``1/S`` for uniform).
-
-    Args:
-      weights: ``[..., S]``.
-      mask: optional boolean keep-mask broadcastable to ``weights``.
-
-    Returns:
-      ``[...]``; 0 for a fully masked row.
-    """
-    p = _rows(weights, "weights", "[..., S]")
-    return _max_kept(p, _keep(mask, p.shape))
+    """The largest weight of each row, ``max_s p_s`` (1 for one-hot, ``1/S`` for uniform), over the keys
+    ``mask`` keeps (weights ``[..., S]`` and mask as in the module docstring); ``[...]``, 0 for a fully
+    masked row."""
+    p, ulp = _weights(weights)
+    return _stats(p, _keep(mask, p.shape), ulp, ("max_weight",))["max_weight"]
 
 
 def effective_support(
     weights: Float[ArrayLike, "*rows S"], mask: Bool[ArrayLike, "*#rows #S"] | None = None
 ) -> Float[Array, "*rows"]:
-    """``exp(entropy)``: the number of keys a row effectively attends to (1 one-hot, S uniform).
-
-    Args:
-      weights: ``[..., S]``.
-      mask: optional boolean keep-mask broadcastable to ``weights``.
-
-    Returns:
-      ``[...]``; 0 for a row with no unmasked key.
-    """
+    """``exp(entropy)``: the number of keys a row effectively attends to (1 one-hot, S uniform), with
+    weights ``[..., S]`` and mask as in the module docstring; ``[...]``, 0 for a row with no unmasked key."""
     p, ulp = _weights(weights)
-    keep = _keep(mask, p.shape)
-    return jnp.where(_num_keys(p, keep) > 0, jnp.exp(_entropy(p, keep, ulp)), 0.0)
+    return _stats(p, _keep(mask, p.shape), ulp, ("effective_support",))["effective_support"]
 
 
 def row_stats(
@@ -195,16 +201,7 @@ def row_stats(
       ``effective_support`` and ``num_keys`` (unmasked keys per row).
     """
     p, ulp = _weights(weights)
-    keep = _keep(mask, p.shape)
-    n = _num_keys(p, keep)
-    h = _entropy(p, keep, ulp)
-    return {
-        "entropy": h,
-        "normalized_entropy": _normalized(h, n),
-        "max_weight": _max_kept(p, keep),
-        "effective_support": jnp.where(n > 0, jnp.exp(h), 0.0),
-        "num_keys": n,
-    }
+    return _stats(p, _keep(mask, p.shape), ulp, STATS)
 
 
 def head_entropy(
@@ -229,11 +226,8 @@ def head_entropy(
     p, ulp = _weights(weights, axes="[..., T, S]")
     if p.ndim < 2:
         raise ValueError(f"weights must have at least 2 dimensions [..., T, S], received shape {tuple(p.shape)}")
-    keep = _keep(mask, p.shape)
-    n = _num_keys(p, keep)
-    h = _entropy(p, keep, ulp)
-    if normalized:
-        h = _normalized(h, n)
+    stats = _stats(p, _keep(mask, p.shape), ulp, ("normalized_entropy" if normalized else "entropy", "num_keys"))
+    h, n = stats.values()
     rows = (n > 0).astype(h.dtype)
     return jnp.sum(h * rows, axis=-1) / jnp.maximum(jnp.sum(rows, axis=-1), 1.0)
 

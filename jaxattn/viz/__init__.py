@@ -2,7 +2,8 @@
 
 - :func:`html`: one self-contained page (script, style and data inline; nothing fetched) for maps
   ``[L, N, T, S]``: layer and head selectors, heatmap and BertViz-style lines, the token pair and its
-  weight on hover, the difference of two maps, each head's entropy at a glance. Needs only NumPy.
+  weight on hover, the difference of two maps, each head's entropy at a glance, tables of per-head
+  values ``[L, N]`` (click a head to show it); it fits the window. Needs only NumPy.
 - :func:`grid_png`, :func:`pair_png` (and the ``Figure`` behind each, :func:`grid_figure`,
   :func:`pair_figure`): every head in one picture, and one head of a pair with its difference; token
   labels on both axes, colorbars (extra ``[lab]``: matplotlib, imported on use; never pyplot).

@@ -3,7 +3,8 @@
 The page (``page.js``, ``page.css`` beside this file) shows one layer and head at a time as a heatmap,
 as BertViz-style lines from each query token to the keys, or both; hovering a cell or a token shows
 the token pair and its weight. With a second set of maps of the same shape it also shows their
-difference, and an overview of every head's mean row entropy (click a head to select it).
+difference, and an overview of every head's mean row entropy (click a head to select it); with tables
+of per-head values ``[L, N]`` (ablation effects, head scores...), a panel that shows one of them.
 
 Weights are stored as 16-bit codes (0 = exactly 0, a key the mask hides; else ``1 + round(w · 65534)``,
 so a weight is kept within 7.7e-6), base64-encoded: about 2.7 bytes per weight.
@@ -18,7 +19,7 @@ import html as html_escape
 import json
 import re
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -70,7 +71,7 @@ def check_maps(maps: Any, name: str = "maps") -> np.ndarray:
       ValueError: not 4-D, an empty axis, a weight that is not finite or lies outside [0, 1].
     """
     arr = np.asarray(maps)
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16"):
+    if not _is_float(arr):
         raise TypeError(f"{name}: expected a floating-point array [L, N, T, S], received dtype {arr.dtype}")
     if arr.ndim != 4 or 0 in arr.shape:
         raise ValueError(f"{name}: expected shape [L, N, T, S] with no empty axis, received shape {arr.shape}")
@@ -81,6 +82,45 @@ def check_maps(maps: Any, name: str = "maps") -> np.ndarray:
     if lo < -WEIGHT_SLACK or hi > 1 + WEIGHT_SLACK:
         raise ValueError(f"{name}: expected attention weights in [0, 1], received values from {lo:.6g} to {hi:.6g}")
     return np.clip(arr, 0.0, 1.0)
+
+
+def _is_float(arr: np.ndarray) -> bool:
+    return arr.dtype != object and (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16")
+
+
+def check_tables(tables: Any, L: int, N: int, name: str = "tables") -> dict[str, np.ndarray]:
+    """``tables`` as ``{table name: float64 [L, N]}``, in the caller's order; NaN (no value) is kept.
+
+    Raises:
+      TypeError: not a mapping, a name that is not a str, a table that is not a real floating-point array.
+      ValueError: an empty name, two names that are the same once lone surrogates are replaced, a
+        table whose shape is not ``[L, N]``, an infinite value.
+    """
+    if not isinstance(tables, Mapping):
+        raise TypeError(f"{name}: expected a mapping from table names (str) to [L, N] arrays, received "
+                        f"{type(tables).__name__}")
+    out: dict[str, np.ndarray] = {}
+    for key, table in tables.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name}: expected table names that are str, received a key of type {type(key).__name__}")
+        if not key:
+            raise ValueError(f"{name}: expected non-empty table names, received ''")
+        label = text_label(key)
+        if label in out:
+            raise ValueError(f"{name}: two table names read {label!r} once lone surrogates become U+FFFD")
+        where = f"{name}[{key!r}]"
+        arr = np.asarray(table)
+        if not _is_float(arr):
+            raise TypeError(f"{where}: expected a real floating-point array [L, N] = ({L}, {N}), received dtype {arr.dtype}")
+        if arr.shape != (L, N):
+            raise ValueError(f"{where}: expected shape [L, N] = ({L}, {N}) (the layers and heads of maps), "
+                             f"received shape {arr.shape}")
+        arr = arr.astype(np.float64)
+        infinite = int(np.sum(np.isinf(arr)))
+        if infinite:
+            raise ValueError(f"{where}: expected finite values or NaN (no value), received {infinite} infinite")
+        out[label] = arr
+    return out
 
 
 def encode_weights(maps: np.ndarray) -> str:
@@ -157,6 +197,7 @@ def html(
     other_tokens: Any = None,
     names: Sequence[str] = ("A", "B"),
     title: str = "attention maps",
+    tables: Mapping[str, Any] | None = None,
 ) -> str:
     """One self-contained HTML page (a ``str``) for every layer and head of ``maps``; the caller writes it.
 
@@ -165,8 +206,9 @@ def html(
     a fixed 0-1 colour scale, keys hidden by the mask in grey), BertViz-style lines, or both; the token
     pair and its weight on hover; an overview of each head's mean row entropy (click to select). With
     ``other`` of the same shape, a third view shows ``maps - other`` on a blue-white-red scale
-    symmetric about 0. Causal and bidirectional maps are drawn the same way: a weight of exactly 0
-    is the mask's.
+    symmetric about 0. With ``tables``, a panel shows the table picked in its selector as an ``[L, N]``
+    grid with a colour bar and the value on hover; clicking a cell shows that layer and head's map.
+    Causal and bidirectional maps are drawn the same way: a weight of exactly 0 is the mask's.
 
     Args:
       maps: ``[L, N, T, S]`` attention weights in [0, 1] (NumPy or JAX, any float dtype).
@@ -177,14 +219,18 @@ def html(
       other_tokens: labels of ``other``, as ``tokens``; default ``tokens``.
       names: the two maps' names, shown in the selectors and the tooltip.
       title: the page's title.
+      tables: optional ``{name: [L, N] values}``, any per-head numbers of ``maps``' heads (ablation or
+        patching effects, direct logit attribution, head scores), real floats, NaN where a head has
+        no value (drawn grey). A table with both signs is drawn blue-white-red, symmetric about 0;
+        any other on a sequential scale from its smallest value to its largest.
 
-    Labels, names and title are shown as given, except that a surrogate code point (a lone surrogate,
+    Labels, names, table names and title are shown as given, except that a surrogate code point (a lone surrogate,
     as a byte-level tokenizer's decoder emits for a token that ends inside a multi-byte character)
     becomes U+FFFD, so the page always encodes as UTF-8.
 
     Returns:
-      The page. About 2.7 bytes per weight plus 25 KB: 30 layers x 9 heads x 15 x 15 tokens, two
-      sentences, is about 0.35 MB.
+      The page: about 2.7 bytes per weight and 20 per table value, plus its script and style
+      (docs/viz.md has sizes).
 
     Raises:
       TypeError, ValueError: naming the argument, with the expected and the received shape or type.
@@ -197,6 +243,7 @@ def html(
     title, names = text_label(title), tuple(text_label(n) for n in names)
     a = check_maps(maps, "maps")
     qa, ka = _split_tokens(tokens, a.shape[2], a.shape[3], "tokens")
+    checked = {} if tables is None else check_tables(tables, a.shape[0], a.shape[1], "tables")
     runs = [_run(a, qa, ka, names[0])]
     note = ""
     if other is not None:
@@ -215,6 +262,9 @@ def html(
         "runs": runs,
         "difference": len(runs) == 2 and not note,
         "difference_note": note,
+        # JSON has no NaN: a head without a value is null
+        "tables": [{"name": k, "values": [[None if np.isnan(x) else float(x) for x in row] for row in v]}
+                   for k, v in checked.items()],
     }
     return PAGE.format(title=html_escape.escape(title), css=_asset("page.css").strip(),
                        data=_script_json(data), js=_asset("page.js").strip())
@@ -223,7 +273,8 @@ def html(
 def page_data(page: str) -> dict[str, Any]:
     """The data an :func:`html` page holds: each run's ``weights`` decoded to ``[L, N, T, S]`` float64, and
     ``masked [L, N, T, S]``, True where the weight was exactly 0 (a weight below 7.7e-6 decodes as 0.0
-    too, but is not masked)."""
+    too, but is not masked); ``tables``, ``{name: float64 [L, N]}`` in the page's order, NaN where a
+    head has no value (the values as given, exactly)."""
     start = page.index('<script id="jaxattn-data" type="application/json">')
     start = page.index(">", start) + 1
     data = json.loads(page[start:page.index("</script>", start)])
@@ -232,4 +283,6 @@ def page_data(page: str) -> dict[str, Any]:
         codes = np.frombuffer(base64.b64decode(run["weights"]), "<u2").reshape(shape)
         run["weights"] = decode_weights(run["weights"], shape)
         run["masked"] = codes == 0
+    data["tables"] = {t["name"]: np.array([[np.nan if x is None else x for x in row] for row in t["values"]],
+                                          np.float64) for t in data["tables"]}
     return data

@@ -1,5 +1,8 @@
 // jaxattn attention viewer: reads the JSON in <script id="jaxattn-data">, draws with <canvas>, fetches nothing.
 // Axis alphabet: L layers, N heads, T queries (rows), S keys (columns).
+// Layout: every picture is sized from the viewport (again on resize): the entropy grid, the table panel
+// and the maps share one row below the controls, each with its colour bar, and fit the window whenever
+// their cells can keep at least their minimum sizes (MIN_*); beyond that the page wraps and scrolls.
 (function () {
   "use strict";
 
@@ -18,6 +21,7 @@
   }
   DATA.runs.forEach(function (r) { r.codes = decode(r.weights); delete r.weights; });
   var RUNS = DATA.runs, A = RUNS[0];
+  var TABLES = DATA.tables || [];  // [{name, values [L][N], null = no value}], of A's heads
 
   function code(run, l, n, t, s) { return run.codes[((l * run.N + n) * run.T + t) * run.S + s]; }
   function weight(run, l, n, t, s) {  // null: masked (exactly 0)
@@ -26,9 +30,10 @@
   }
 
   // ---- state ------------------------------------------------------------------------------------
-  var state = { layer: 0, head: 0, mode: "0", view: "heatmap", hover: null };
+  var state = { layer: 0, head: 0, mode: "0", view: "heatmap", table: 0, hover: null };
   function run() { return state.mode === "diff" ? A : RUNS[Number(state.mode)]; }
   function isDiff() { return state.mode === "diff"; }
+  function headsOfA() { var r = run(); return r.L === A.L && r.N === A.N; }  // the tables' heads are A's
   // The value drawn at (t, s): a weight, or in the difference view A - B; null where masked in both.
   function value(t, s) {
     var l = state.layer, n = state.head;
@@ -50,6 +55,20 @@
     }
     return m > 0 ? m : 1e-6;
   }
+  // A table's colour scale: blue-white-red from -m to m (m = max |value|) when it has both signs,
+  // otherwise viridis from its smallest value to its largest; "none" when every head has no value.
+  function tableScale(table) {
+    if (table.scale) return table.scale;
+    var lo = Infinity, hi = -Infinity;
+    table.values.forEach(function (row) {
+      row.forEach(function (v) { if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); } });
+    });
+    var m = Math.max(-lo, hi);
+    table.scale = lo === Infinity ? { kind: "none", palette: [MASKED, MASKED], lo: NaN, hi: NaN }
+                : lo < 0 && hi > 0 ? { kind: "diverging", palette: DIVERGING, lo: -m, hi: m }
+                : { kind: "sequential", palette: VIRIDIS, lo: lo, hi: hi };
+    return table.scale;
+  }
 
   // ---- colours ----------------------------------------------------------------------------------
   function hexToRgb(h) { return [parseInt(h.slice(1, 3), 16), parseInt(h.slice(3, 5), 16), parseInt(h.slice(5, 7), 16)]; }
@@ -63,6 +82,7 @@
     if (v === null) return MASKED;
     return scale ? ramp(DIVERGING, 0.5 + 0.5 * v / scale) : ramp(VIRIDIS, v);
   }
+  function scaled(v, lo, hi) { return hi > lo ? (v - lo) / (hi - lo) : 0.5; }  // a flat scale: its middle colour
 
   // ---- page -------------------------------------------------------------------------------------
   function el(tag, attrs, text) {
@@ -82,6 +102,7 @@
   function q(s) { return JSON.stringify(s); }
   function fmt(x) { return x.toFixed(4); }
   function signed(x) { return (x >= 0 ? "+" : "\u2212") + Math.abs(x).toFixed(4); }
+  function num(x) { return String(Number(x.toPrecision(4))); }  // a table's value, 4 significant digits
 
   document.title = DATA.title;
   var body = document.body;
@@ -101,26 +122,34 @@
   body.appendChild(controls);
   if (DATA.difference_note) body.appendChild(el("p", { "class": "note" }, DATA.difference_note));
 
+  // Each box: a one-line head (fixed height, page.css .head), its picture, its colour bar.
   var main = el("div", { id: "main" });
-  var overviewBox = el("section", { id: "overview-box" });
-  var overviewTitle = el("h2", {}, "");
+  var overviewBox = el("section", { id: "overview-box", "class": "box" });
+  var overviewTitle = el("h2", { "class": "head" }, "");
   var overview = el("canvas", { id: "overview" });
-  var overviewLegend = el("canvas", { id: "overview-legend" });
-  overviewBox.appendChild(overviewTitle);
-  overviewBox.appendChild(overview);
-  overviewBox.appendChild(overviewLegend);
-  var mapsBox = el("section", { id: "maps-box" });
-  var mapsTitle = el("h2", {}, "");
+  var overviewLegend = el("canvas", { id: "overview-legend", "class": "legend" });
+  [overviewTitle, overview, overviewLegend].forEach(function (e) { overviewBox.appendChild(e); });
+  main.appendChild(overviewBox);
+  var tableBox = el("section", { id: "table-box", "class": "box" });
+  var tableHead = el("div", { "class": "head" });
+  var tableSel = select("table", "table", TABLES.map(function (t, i) { return [String(i), t.name]; }));
+  tableHead.appendChild(tableSel[0]);
+  var tableGrid = el("canvas", { id: "table-grid" });
+  var tableLegend = el("canvas", { id: "table-legend", "class": "legend" });
+  [tableHead, tableGrid, tableLegend].forEach(function (e) { tableBox.appendChild(e); });
+  tableBox.hidden = TABLES.length === 0;
+  main.appendChild(tableBox);
+  var mapsBox = el("section", { id: "maps-box", "class": "box" });
+  var mapsTitle = el("h2", { "class": "head" }, "");
   var heatmap = el("canvas", { id: "heatmap" });
   var lines = el("canvas", { id: "lines" });
-  var legend = el("canvas", { id: "legend" });
+  var legend = el("canvas", { id: "legend", "class": "legend" });
   mapsBox.appendChild(mapsTitle);
   var pictures = el("div", { id: "pictures" });
   pictures.appendChild(heatmap);
   pictures.appendChild(lines);
   mapsBox.appendChild(pictures);
   mapsBox.appendChild(legend);
-  main.appendChild(overviewBox);
   main.appendChild(mapsBox);
   body.appendChild(main);
   var tooltip = el("div", { id: "tooltip", role: "status" });
@@ -128,7 +157,9 @@
   body.appendChild(tooltip);
 
   // ---- drawing helpers --------------------------------------------------------------------------
-  var FONT = "12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
+  function mono(size) { return clamp(size, 8, 12) + "px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace"; }
+  var FONT = mono(12);
+  var SMALL = "10px sans-serif";
   function setup(canvas, w, h) {  // size in CSS pixels; the backing store follows devicePixelRatio
     var r = window.devicePixelRatio || 1;
     canvas.width = Math.max(1, Math.round(w * r));
@@ -138,27 +169,104 @@
     var ctx = canvas.getContext("2d");
     ctx.setTransform(r, 0, 0, r, 0, 0);
     ctx.font = FONT;
+    ctx.fillStyle = "#fff";
+    ctx.fillRect(0, 0, w, h);
     return ctx;
   }
   var measure = document.createElement("canvas").getContext("2d");
-  measure.font = FONT;
-  function textWidth(s) { return measure.measureText(s).width; }
-  function shown(s) { return s.replace(/\s/g, "\u00b7"); }  // spaces made visible: " it" -> "·it"
+  function textWidth(s, font) { measure.font = font || FONT; return measure.measureText(s).width; }
+  function widest(list, font) { return Math.ceil(Math.max.apply(null, list.map(function (s) { return textWidth(s, font); }))); }
+  // Spaces made visible (" it" -> "·it"); an axis label longer than LABEL_CHARS code points ends in "…"
+  // (the tooltip has the whole token).
+  var LABEL_CHARS = 20;
+  function shown(s) {
+    var c = Array.from(s.replace(/\s/g, "\u00b7"));
+    return c.length > LABEL_CHARS ? c.slice(0, LABEL_CHARS - 1).join("") + "\u2026" : c.join("");
+  }
+  function fitText(s, width, font) {  // s, cut to "…" where it would be wider than width
+    if (textWidth(s, font) <= width) return s;
+    var c = Array.from(s);
+    while (c.length > 1 && textWidth(c.join("") + "\u2026", font) > width) c.pop();
+    return c.join("") + "\u2026";
+  }
+
+  // ---- layout -----------------------------------------------------------------------------------
+  var MIN_GRID_CELL = 4, MAX_GRID_CELL = 22, GRID_X0 = 34, GRID_Y0 = 18;  // [L, N] grids: "L29" left, "h8" above
+  var MIN_CELL = 6, MAX_CELL = 32;  // heatmap cells
+  var MIN_ROW = 9, MAX_ROW = 18, MIN_GAP = 80, MAX_GAP = 170;  // lines: a token's row, the space the lines cross
+  var LEGEND_H = 42, MIN_LEGEND = 150, MAX_LEGEND = 260;
+  var geo = null;  // the sizes of the last layout, read by the drawing and hover code
+  function px(e, prop) { return parseFloat(getComputedStyle(e)[prop]) || 0; }
+  function clamp(x, lo, hi) { return Math.max(lo, Math.min(hi, x)); }
+  function layout() {
+    var root = document.documentElement;
+    var width = root.clientWidth - px(body, "marginLeft") - px(body, "marginRight") - 1;
+    var height = root.clientHeight - (main.getBoundingClientRect().top + window.scrollY) - px(body, "marginBottom") - 1;
+    var gap = px(main, "columnGap"), pgap = px(pictures, "columnGap");
+    var head = overviewTitle.getBoundingClientRect().height + px(overviewTitle, "marginBottom");
+    var r = run(), T = r.T, S = r.S, g = { root: root.clientWidth };
+
+    function grid(L, N) {  // an [L, N] grid whose box (head, grid, colour bar) is at most `height` tall
+      var cell = Math.floor((height - head - GRID_Y0 - 2 - LEGEND_H) / L);
+      cell = clamp(Math.min(cell, Math.floor(300 / N)), MIN_GRID_CELL, MAX_GRID_CELL);
+      var w = GRID_X0 + N * cell + 10, legendW = clamp(w, MIN_LEGEND, MAX_LEGEND);
+      return { cell: cell, L: L, N: N, w: w, legendW: legendW, box: Math.max(w, legendW) };
+    }
+    g.overview = grid(r.L, r.N);
+    var room = width - g.overview.box - gap;
+    if (TABLES.length) { g.table = grid(A.L, A.N); room -= g.table.box + gap; }
+
+    var tall = height - head - LEGEND_H, both = state.view === "both", pw = 0;
+    if (state.view !== "heatmap") {
+      var row = clamp(Math.floor((tall - 28) / Math.max(T, S)), MIN_ROW, MAX_ROW), font = mono(row - 1);
+      var ql = labels("queries").map(shown), kl = labels("keys").map(shown);
+      var xl = Math.max(widest(ql, font), textWidth("queries")) + 14, xk = Math.max(widest(kl, font), textWidth("keys")) + 14;
+      g.lines = { ql: ql, kl: kl, xl: xl, xk: xk, gap: MAX_GAP, row: row, y0: 22, font: font };
+    }
+    if (state.view !== "lines") {
+      var qlab = labels("queries").map(function (x, i) { return i + " " + shown(x); });
+      var klab = labels("keys").map(function (x, i) { return i + " " + shown(x); });
+      var heat = function (font) {  // the cell that fits, with labels in this font
+        var x0 = widest(qlab, font) + 10, y0 = widest(klab, font) + 10;
+        var byHeight = Math.floor((tall - y0 - 2) / T);
+        var linesW = both ? g.lines.xl + g.lines.gap + g.lines.xk + pgap : 0;
+        var byWidth = Math.floor((room - linesW - x0 - 2) / S);
+        var give = 0;
+        if (both && byWidth < Math.min(byHeight, MAX_CELL)) {  // narrow the lines before the cells
+          give = Math.min(MAX_GAP - MIN_GAP, (Math.min(byHeight, MAX_CELL) - byWidth) * S);
+          byWidth = Math.floor((room - linesW + give - x0 - 2) / S);
+        }
+        return { qlab: qlab, klab: klab, x0: x0, y0: y0, font: font, give: give,
+                 cell: clamp(Math.min(byHeight, byWidth), MIN_CELL, MAX_CELL) };
+      };
+      var h = heat(FONT);
+      if (h.cell < 13) h = heat(mono(h.cell - 1));  // rows smaller than the text: smaller text, so more room
+      if (g.lines) g.lines.gap -= h.give;
+      h.w = h.x0 + S * h.cell + 2;
+      h.h = h.y0 + T * h.cell + 2;
+      g.heat = h;
+      pw = h.w;
+    }
+    if (g.lines) {
+      g.lines.xr = g.lines.xl + g.lines.gap;
+      g.lines.w = g.lines.xr + g.lines.xk;
+      g.lines.h = g.lines.y0 + Math.max(T, S) * g.lines.row + 6;
+      pw += (pw ? pgap : 0) + g.lines.w;
+    }
+    g.legendW = clamp(pw, MIN_LEGEND, MAX_LEGEND);
+    overviewBox.style.width = g.overview.box + "px";
+    if (g.table) tableBox.style.width = g.table.box + "px";
+    return g;
+  }
 
   // ---- heatmap ----------------------------------------------------------------------------------
   function drawHeatmap() {
-    var r = run(), T = r.T, S = r.S;
-    var cell = Math.max(10, Math.min(32, Math.floor(520 / Math.max(T, S))));
-    var qlab = labels("queries").map(function (x, i) { return i + " " + shown(x); });
-    var klab = labels("keys").map(function (x, i) { return i + " " + shown(x); });
-    var x0 = Math.ceil(Math.max.apply(null, qlab.map(textWidth))) + 10;
-    var y0 = Math.ceil(Math.max.apply(null, klab.map(textWidth))) + 10;
-    var ctx = setup(heatmap, x0 + S * cell + 2, y0 + T * cell + 2);
+    if (!geo.heat) return;  // hidden (the lines view)
+    var r = run(), T = r.T, S = r.S, g = geo.heat, x0 = g.x0, y0 = g.y0, cell = g.cell;
+    var ctx = setup(heatmap, g.w, g.h);
     heatmap.dataset.x0 = x0; heatmap.dataset.y0 = y0; heatmap.dataset.cell = cell;
     heatmap.dataset.rows = T; heatmap.dataset.cols = S;
     var scale = isDiff() ? diffScale() : 0;
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, x0 + S * cell + 2, y0 + T * cell + 2);
     for (var t = 0; t < T; t++) for (var s = 0; s < S; s++) {
       var v = value(t, s);
       ctx.fillStyle = colour(v, scale);
@@ -173,16 +281,16 @@
     ctx.textBaseline = "middle";
     ctx.textAlign = "right";
     for (t = 0; t < T; t++) {
-      ctx.font = h && h.t === t ? "bold " + FONT : FONT;
-      ctx.fillText(qlab[t], x0 - 5, y0 + (t + 0.5) * cell);
+      ctx.font = h && h.t === t ? "bold " + g.font : g.font;
+      ctx.fillText(g.qlab[t], x0 - 5, y0 + (t + 0.5) * cell);
     }
     for (s = 0; s < S; s++) {
       ctx.save();
       ctx.translate(x0 + (s + 0.5) * cell, y0 - 5);
       ctx.rotate(-Math.PI / 2);
       ctx.textAlign = "left";
-      ctx.font = h && h.s === s ? "bold " + FONT : FONT;
-      ctx.fillText(klab[s], 0, 0);
+      ctx.font = h && h.s === s ? "bold " + g.font : g.font;
+      ctx.fillText(g.klab[s], 0, 0);
       ctx.restore();
     }
     if (h && h.t !== undefined && h.s !== undefined && h.t < T && h.s < S) {
@@ -190,7 +298,16 @@
       ctx.lineWidth = 2;
       ctx.strokeRect(x0 + h.s * cell + 1, y0 + h.t * cell + 1, cell - 2, cell - 2);
     }
-    drawLegend(legend, scale, isDiff() ? "difference (" + RUNS[0].name + " \u2212 " + RUNS[1].name + ")" : "weight");
+  }
+  function drawMapsLegend() {
+    if (isDiff()) {
+      var m = diffScale();
+      drawLegend(legend, geo.legendW, DIVERGING, -m, m, "difference (" + RUNS[0].name + " \u2212 " + RUNS[1].name + ")");
+    } else if (state.view === "lines") {  // a line's opacity is its weight
+      drawLegend(legend, geo.legendW, ["#ffffff", "#1f77b4"], 0, 1, "weight (line opacity)");
+    } else {
+      drawLegend(legend, geo.legendW, VIRIDIS, 0, 1, "weight");
+    }
   }
 
   function cellAt(canvas, ev) {
@@ -203,17 +320,10 @@
   }
 
   // ---- BertViz-style lines ----------------------------------------------------------------------
-  var ROW = 18, GAP = 170;
-  function linesGeometry() {
-    var ql = labels("queries").map(shown), kl = labels("keys").map(shown);
-    var xl = Math.ceil(Math.max.apply(null, ql.map(textWidth))) + 14;
-    return { xl: xl, xr: xl + GAP, w: xl + GAP + Math.ceil(Math.max.apply(null, kl.map(textWidth))) + 14, ql: ql, kl: kl, y0: 22 };
-  }
   function drawLines() {
-    var r = run(), g = linesGeometry(), T = r.T, S = r.S;
-    var ctx = setup(lines, g.w, g.y0 + Math.max(T, S) * ROW + 6);
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, g.w, g.y0 + Math.max(T, S) * ROW + 6);
+    if (!geo.lines) return;  // hidden (the heatmap view)
+    var r = run(), g = geo.lines, T = r.T, S = r.S, row = g.row;
+    var ctx = setup(lines, g.w, g.h);
     ctx.fillStyle = "#555";
     ctx.textBaseline = "middle";
     ctx.textAlign = "right";
@@ -230,43 +340,65 @@
       if (alpha < 0.01) continue;
       ctx.strokeStyle = scale ? (v > 0 ? "rgba(178,24,43," : "rgba(33,102,172,") + alpha + ")" : "rgba(31,119,180," + alpha + ")";
       ctx.beginPath();
-      ctx.moveTo(g.xl, g.y0 + (t + 0.5) * ROW);
-      ctx.lineTo(g.xr, g.y0 + (s + 0.5) * ROW);
+      ctx.moveTo(g.xl, g.y0 + (t + 0.5) * row);
+      ctx.lineTo(g.xr, g.y0 + (s + 0.5) * row);
       ctx.stroke();
     }
     ctx.fillStyle = "#222";
     for (t = 0; t < T; t++) {
       ctx.textAlign = "right";
-      ctx.font = h && h.t === t ? "bold " + FONT : FONT;
-      ctx.fillText(g.ql[t], g.xl - 6, g.y0 + (t + 0.5) * ROW);
+      ctx.font = h && h.t === t ? "bold " + g.font : g.font;
+      ctx.fillText(g.ql[t], g.xl - 6, g.y0 + (t + 0.5) * row);
     }
     for (s = 0; s < S; s++) {
       ctx.textAlign = "left";
-      ctx.font = h && h.s === s ? "bold " + FONT : FONT;
-      ctx.fillText(g.kl[s], g.xr + 6, g.y0 + (s + 0.5) * ROW);
+      ctx.font = h && h.s === s ? "bold " + g.font : g.font;
+      ctx.fillText(g.kl[s], g.xr + 6, g.y0 + (s + 0.5) * row);
     }
-    lines.dataset.xl = g.xl; lines.dataset.xr = g.xr; lines.dataset.y0 = g.y0; lines.dataset.row = ROW;
+    lines.dataset.xl = g.xl; lines.dataset.xr = g.xr; lines.dataset.y0 = g.y0; lines.dataset.row = row;
   }
   function tokenAt(ev) {  // hovering a query (left) or key (right) token in the lines view
-    var r = run(), b = lines.getBoundingClientRect(), g = linesGeometry();
-    var x = ev.clientX - b.left, i = Math.floor((ev.clientY - b.top - g.y0) / ROW);
+    var r = run(), b = lines.getBoundingClientRect(), g = geo.lines;
+    if (!g) return null;
+    var x = ev.clientX - b.left, i = Math.floor((ev.clientY - b.top - g.y0) / g.row);
     if (i < 0) return null;
     if (x < g.xl + 20 && i < r.T) return { t: i };
     if (x > g.xr - 20 && i < r.S) return { s: i };
     return null;
   }
 
-  // ---- entropy overview -------------------------------------------------------------------------
+  // ---- [L, N] grids: the entropy overview and the table panel -----------------------------------
+  function step(cell, room) {  // label every step-th row or column, so that labels `room` px wide do not overlap
+    return [1, 2, 5, 10, 20, 50].filter(function (k) { return k * cell >= room; })[0] || 100;
+  }
+  function drawGrid(canvas, g, colourAt, highlight) {
+    var ctx = setup(canvas, g.w, GRID_Y0 + g.L * g.cell + 2), l, n, inset = g.cell >= 8 ? 1 : 0;
+    for (l = 0; l < g.L; l++) for (n = 0; n < g.N; n++) {
+      ctx.fillStyle = colourAt(l, n);
+      ctx.fillRect(GRID_X0 + n * g.cell, GRID_Y0 + l * g.cell, g.cell - inset, g.cell - inset);
+    }
+    ctx.fillStyle = "#222";
+    ctx.font = SMALL;
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    for (l = 0; l < g.L; l += step(g.cell, 11)) ctx.fillText("L" + l, GRID_X0 - 4, GRID_Y0 + (l + 0.5) * g.cell);
+    ctx.textAlign = "center";
+    for (n = 0; n < g.N; n += step(g.cell, 20)) ctx.fillText("h" + n, GRID_X0 + (n + 0.5) * g.cell, 9);
+    if (highlight) {
+      ctx.strokeStyle = "#e8003d";
+      ctx.lineWidth = 2;
+      ctx.strokeRect(GRID_X0 + state.head * g.cell, GRID_Y0 + state.layer * g.cell, g.cell - inset, g.cell - inset);
+    }
+    canvas.dataset.x0 = GRID_X0; canvas.dataset.y0 = GRID_Y0; canvas.dataset.cell = g.cell;
+    canvas.dataset.rows = g.L; canvas.dataset.cols = g.N;
+  }
+
   function entropyValue(l, n) {
     if (!isDiff()) { var r = run(); return l < r.L && n < r.N ? r.entropy[l][n] : null; }
     return RUNS[0].entropy[l][n] - RUNS[1].entropy[l][n];
   }
-  function overviewGeometry() {
-    var r = run(), cell = Math.max(10, Math.min(22, Math.floor(300 / Math.max(r.N, 1))));
-    return { x0: 34, y0: 18, cell: cell, L: r.L, N: r.N };
-  }
   function drawOverview() {
-    var g = overviewGeometry(), ctx = setup(overview, g.x0 + g.N * g.cell + 2, g.y0 + g.L * g.cell + 2);
+    var g = geo.overview;
     // Colours span the heads' range: [min, max] of the entropies, or [-m, m] for their differences.
     var vmin = Infinity, vmax = -Infinity, l, n, v;
     for (l = 0; l < g.L; l++) for (n = 0; n < g.N; n++) {
@@ -277,62 +409,64 @@
     }
     if (isDiff()) { vmax = Math.max(vmax, 1e-6); vmin = -vmax; }
     if (!(vmax > vmin)) { vmin = Math.min(vmin, 0); vmax = vmin + 1e-6; }
-    overviewTitle.textContent = isDiff() ? "mean row entropy per head, " + RUNS[0].name + " \u2212 " + RUNS[1].name + " (nats)"
-                                         : "mean row entropy per head (nats), " + run().name + "; click a head";
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, g.x0 + g.N * g.cell + 2, g.y0 + g.L * g.cell + 2);
-    for (l = 0; l < g.L; l++) for (n = 0; n < g.N; n++) {
-      v = entropyValue(l, n);
-      ctx.fillStyle = v === null ? MASKED : ramp(isDiff() ? DIVERGING : VIRIDIS, (v - vmin) / (vmax - vmin));
-      ctx.fillRect(g.x0 + n * g.cell, g.y0 + l * g.cell, g.cell - 1, g.cell - 1);
-    }
-    ctx.fillStyle = "#222";
-    ctx.font = "10px sans-serif";
-    ctx.textBaseline = "middle";
-    ctx.textAlign = "right";
-    var every = g.cell >= 12 ? 1 : 5;
-    for (l = 0; l < g.L; l += every) ctx.fillText("L" + l, g.x0 - 4, g.y0 + (l + 0.5) * g.cell);
-    ctx.textAlign = "center";
-    for (n = 0; n < g.N; n += (g.cell >= 18 ? 1 : 2)) ctx.fillText("h" + n, g.x0 + (n + 0.5) * g.cell, 9);
-    ctx.strokeStyle = "#e8003d";
-    ctx.lineWidth = 2;
-    ctx.strokeRect(g.x0 + state.head * g.cell, g.y0 + state.layer * g.cell, g.cell - 1, g.cell - 1);
-    overview.dataset.x0 = g.x0; overview.dataset.y0 = g.y0; overview.dataset.cell = g.cell;
-    overview.dataset.rows = g.L; overview.dataset.cols = g.N;
-    drawLegend(overviewLegend, isDiff() ? vmax : 0, isDiff() ? "entropy difference (nats)" : "entropy (nats)", vmax, vmin);
+    var palette = isDiff() ? DIVERGING : VIRIDIS;
+    overviewTitle.textContent = isDiff() ? "entropy difference" : "entropy per head";
+    overviewTitle.title = isDiff() ? "mean row entropy of each head (nats), " + RUNS[0].name + " \u2212 " + RUNS[1].name
+                                   : "mean row entropy of each head (nats), " + run().name + "; click a head to show it";
+    drawGrid(overview, g, function (l, n) {
+      var v = entropyValue(l, n);
+      return v === null ? MASKED : ramp(palette, (v - vmin) / (vmax - vmin));
+    }, true);
+    drawLegend(overviewLegend, g.legendW, palette, vmin, vmax, isDiff() ? "entropy difference (nats)" : "mean row entropy (nats)");
   }
 
-  function drawLegend(canvas, scale, label, top, bottom) {
-    var w = 220, ctx = setup(canvas, w + 40, 46);
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, w + 40, 46);
-    for (var i = 0; i < w; i++) {
-      ctx.fillStyle = scale ? ramp(DIVERGING, i / (w - 1)) : ramp(VIRIDIS, i / (w - 1));
-      ctx.fillRect(20 + i, 4, 1, 12);
+  function drawTable() {
+    var table = TABLES[state.table], sc = tableScale(table);
+    tableSel[1].title = table.name;
+    drawGrid(tableGrid, geo.table, function (l, n) {
+      var v = table.values[l][n];
+      return v === null ? MASKED : ramp(sc.palette, scaled(v, sc.lo, sc.hi));
+    }, headsOfA());
+    tableGrid.dataset.scale = sc.kind;
+    drawLegend(tableLegend, geo.table.legendW, sc.palette, sc.lo, sc.hi, table.name + (sc.kind === "none" ? " (no values)" : ""));
+  }
+
+  function drawLegend(canvas, w, palette, lo, hi, label) {  // a colour bar from lo to hi (NaN: none), w CSS px wide
+    var pad = 6, bar = w - 2 * pad, ctx = setup(canvas, w, LEGEND_H);
+    for (var i = 0; i < bar; i++) {
+      ctx.fillStyle = ramp(palette, i / (bar - 1));
+      ctx.fillRect(pad + i, 4, 1, 12);
     }
     ctx.fillStyle = "#222";
-    ctx.font = "10px sans-serif";
+    ctx.font = SMALL;
     ctx.textBaseline = "top";
-    ctx.textAlign = "center";
-    var hi = scale || top || 1, lo = scale ? -scale : bottom || 0;
-    [[0, lo], [0.5, (lo + hi) / 2], [1, hi]].forEach(function (p) {
-      ctx.fillText(Number(p[1].toPrecision(3)).toString(), 20 + p[0] * (w - 1), 19);
+    [["left", pad, lo], ["center", w / 2, (lo + hi) / 2], ["right", w - pad, hi]].forEach(function (p) {
+      if (isNaN(p[2])) return;
+      ctx.textAlign = p[0];
+      ctx.fillText(String(Number(p[2].toPrecision(3))), p[1], 19);
     });
     ctx.textAlign = "left";
-    ctx.fillText(label, 20, 32);
+    ctx.fillText(fitText(label, bar, SMALL), pad, 31);
     canvas.setAttribute("aria-label", label + " colour scale from " + lo + " to " + hi);
+    canvas.dataset.lo = lo; canvas.dataset.hi = hi;
   }
 
   // ---- tooltip ----------------------------------------------------------------------------------
-  function showTip(ev, text, attrs) {
+  function showTip(ev, text, attrs) {  // beside the pointer, kept inside the viewport
     tooltip.textContent = text;
     Array.prototype.slice.call(tooltip.attributes).forEach(function (a) {
       if (a.name.indexOf("data-") === 0) tooltip.removeAttribute(a.name);
     });
     Object.keys(attrs).forEach(function (k) { tooltip.setAttribute("data-" + k, String(attrs[k])); });
     tooltip.hidden = false;
-    tooltip.style.left = Math.min(ev.clientX + 14, window.innerWidth - 320) + "px";
-    tooltip.style.top = ev.clientY + 14 + "px";
+    tooltip.style.left = "0px";
+    tooltip.style.top = "0px";
+    var b = tooltip.getBoundingClientRect(), root = document.documentElement;
+    var x = ev.clientX + 14, y = ev.clientY + 14;
+    if (x + b.width > root.clientWidth) x = Math.max(0, root.clientWidth - b.width);
+    if (y + b.height > root.clientHeight) y = Math.max(0, ev.clientY - 14 - b.height);
+    tooltip.style.left = x + "px";
+    tooltip.style.top = y + "px";
   }
   function hideTip() { tooltip.hidden = true; }
 
@@ -354,19 +488,29 @@
   }
 
   // ---- events -----------------------------------------------------------------------------------
+  function draw() {
+    geo = layout();
+    drawOverview();
+    if (TABLES.length) drawTable();
+    if (!heatmap.hidden) drawHeatmap();
+    if (!lines.hidden) drawLines();
+    drawMapsLegend();
+  }
   function redraw() {
     var r = run();
     mapsTitle.textContent = (isDiff() ? "difference " + RUNS[0].name + " \u2212 " + RUNS[1].name : r.name) +
       ": layer " + state.layer + ", head " + state.head + " (rows: queries, columns: keys)";
+    mapsTitle.title = mapsTitle.textContent;
     heatmap.hidden = state.view === "lines";
     lines.hidden = state.view === "heatmap";
-    drawOverview();
-    if (!heatmap.hidden) drawHeatmap(); else drawLegend(legend, isDiff() ? diffScale() : 0, isDiff() ? "difference" : "weight");
-    if (!lines.hidden) drawLines();
+    draw();
+    // A scrollbar that came or went changed the width the layout had: lay out once more.
+    if (document.documentElement.clientWidth !== geo.root) draw();
     document.body.dataset.layer = state.layer;
     document.body.dataset.head = state.head;
     document.body.dataset.mode = state.mode;
     document.body.dataset.view = state.view;
+    document.body.dataset.table = state.table;
   }
   function fill(sel, n, keep) {
     var old = Number(keep);
@@ -375,18 +519,30 @@
     sel.value = String(Math.min(old, n - 1));
     return Number(sel.value);
   }
-  layerSel[1].addEventListener("change", function () { state.layer = Number(layerSel[1].value); state.hover = null; redraw(); });
-  headSel[1].addEventListener("change", function () { state.head = Number(headSel[1].value); state.hover = null; redraw(); });
-  viewSel[1].addEventListener("change", function () { state.view = viewSel[1].value; state.hover = null; redraw(); });
-  modeSel[1].addEventListener("change", function () {
-    state.mode = modeSel[1].value;
+  function setMode(mode) {
+    state.mode = mode;
+    modeSel[1].value = mode;
     var r = run();
     state.layer = fill(layerSel[1], r.L, state.layer);
     state.head = fill(headSel[1], r.N, state.head);
+  }
+  function selectHead(l, n) {  // what a click in the entropy overview or the table panel does
+    state.layer = l; state.head = n; state.hover = null;
+    layerSel[1].value = String(l);
+    headSel[1].value = String(n);
+    redraw();
+  }
+  layerSel[1].addEventListener("change", function () { state.layer = Number(layerSel[1].value); state.hover = null; redraw(); });
+  headSel[1].addEventListener("change", function () { state.head = Number(headSel[1].value); state.hover = null; redraw(); });
+  viewSel[1].addEventListener("change", function () { state.view = viewSel[1].value; state.hover = null; redraw(); });
+  tableSel[1].addEventListener("change", function () { state.table = Number(tableSel[1].value); hideTip(); redraw(); });
+  modeSel[1].addEventListener("change", function () {
+    setMode(modeSel[1].value);
     state.hover = null;
     hideTip();
     redraw();
   });
+  window.addEventListener("resize", function () { hideTip(); redraw(); });
   heatmap.addEventListener("mousemove", function (ev) {
     var c = cellAt(heatmap, ev);
     if (!c) { if (state.hover) { state.hover = null; hideTip(); drawHeatmap(); } return; }
@@ -414,9 +570,8 @@
     drawLines();
   });
   lines.addEventListener("mouseleave", function () { state.hover = null; hideTip(); drawLines(); });
-  function overviewCell(ev) { return cellAt(overview, ev); }
   overview.addEventListener("mousemove", function (ev) {
-    var c = overviewCell(ev);
+    var c = cellAt(overview, ev);
     if (!c) { hideTip(); return; }
     var text = "layer " + c.t + ", head " + c.s + ": mean row entropy ";
     if (isDiff()) {
@@ -429,22 +584,33 @@
   });
   overview.addEventListener("mouseleave", hideTip);
   overview.addEventListener("click", function (ev) {
-    var c = overviewCell(ev);
+    var c = cellAt(overview, ev);
+    if (c) selectHead(c.t, c.s);
+  });
+  tableGrid.addEventListener("mousemove", function (ev) {
+    var c = cellAt(tableGrid, ev);
+    if (!c) { hideTip(); return; }
+    var table = TABLES[state.table], v = table.values[c.t][c.s];
+    showTip(ev, "layer " + c.t + ", head " + c.s + ": " + table.name + (v === null ? ": no value" : " = " + num(v)) +
+            " (click to show)", { layer: c.t, head: c.s, table: table.name, value: v === null ? "NaN" : String(v) });
+  });
+  tableGrid.addEventListener("mouseleave", hideTip);
+  tableGrid.addEventListener("click", function (ev) {  // a head of A: from another input of other shape, back to A
+    var c = cellAt(tableGrid, ev);
     if (!c) return;
-    state.layer = c.t; state.head = c.s; state.hover = null;
-    layerSel[1].value = String(c.t);
-    headSel[1].value = String(c.s);
-    redraw();
+    if (!headsOfA()) setMode("0");
+    selectHead(c.t, c.s);
   });
   document.addEventListener("keydown", function (ev) {  // arrow keys step through heads and layers
     if (ev.target && ev.target.tagName === "SELECT") return;
-    var r = run(), moved = true;
-    if (ev.key === "ArrowRight") state.head = (state.head + 1) % r.N;
-    else if (ev.key === "ArrowLeft") state.head = (state.head + r.N - 1) % r.N;
-    else if (ev.key === "ArrowDown") state.layer = (state.layer + 1) % r.L;
-    else if (ev.key === "ArrowUp") state.layer = (state.layer + r.L - 1) % r.L;
-    else moved = false;
-    if (moved) { ev.preventDefault(); layerSel[1].value = String(state.layer); headSel[1].value = String(state.head); redraw(); }
+    var r = run(), l = state.layer, n = state.head;
+    if (ev.key === "ArrowRight") n = (n + 1) % r.N;
+    else if (ev.key === "ArrowLeft") n = (n + r.N - 1) % r.N;
+    else if (ev.key === "ArrowDown") l = (l + 1) % r.L;
+    else if (ev.key === "ArrowUp") l = (l + r.L - 1) % r.L;
+    else return;
+    ev.preventDefault();
+    selectHead(l, n);
   });
   redraw();
   document.body.dataset.ready = "true";

@@ -16,7 +16,13 @@ its name:
   (its pre-norm of the residual stream; the stream itself for a post-norm encoder);
 - ``head_projections(params, config) -> [L, N, H, D]``: each head's slice of the output projection, so
   that ``attn_out[l] = Σ_n z[l, :, n] @ W[l, n] (+ bias)``;
-- ``qk_weights(params, config) -> QKWeights``: the query-key weights the entropy bound needs.
+- ``qk_weights(params, config) -> QKWeights``: the query-key weights the entropy bound needs;
+- ``resume(params, config, resid_pre [T, D], layer, *, attention_mask, head_mask, scale, patch,
+  attentions) -> ModelOutput`` (optional): the forward from block ``layer`` on, given the residual stream
+  entering it, with interventions of the blocks it runs; a traced ``layer`` is accepted (one compiled
+  program for every start). The effect tables resume each intervention from the clean stream entering
+  its layer when a module has it, and run whole forwards when it does not (``jaxattn.bert``, an encoder
+  whose post-norm blocks have none: there every table runs whole forwards).
 
 Axis alphabet: L layers, T tokens, S keys, N query heads, K key/value heads, H head dim, D width, V vocabulary.
 """

@@ -543,3 +543,18 @@ def test_smollm2_logit_lens_ranks_paris_first_at_the_last_layer(smollm2):
     print("rank of ' Paris' after 'The capital of France is', stream entering each layer, then the output:", ranks)
     assert ranks[-1] == 0  # the model's own logits put " Paris" first
     assert min(ranks[:10]) > 100  # the early stream does not (the lens reads something the later layers build)
+
+
+def test_joint_patching_of_one_head_is_its_table_entry_and_of_all_heads_is_one_patch():
+    m = _run("llama")
+    value = m.source["z"]
+    table = interventions.patching_effects(m.bound, metric, value, chunk=None)
+    one = interventions.joint_patching_effect(m.bound, metric, value, [(1, 2)])
+    assert float(one) == pytest.approx(float(table[1, 2]), abs=2e-5)
+    everything = interventions.joint_patching_effect(m.bound, metric, value, "all")
+    by_hand = metric(m.forward(IDS, patch={"z": (value, np.ones((2, 1, 4, 1), bool))})) - metric(m.run)
+    assert float(everything) == pytest.approx(float(by_hand), abs=2e-5)
+    with pytest.raises(ValueError, match=r"heads must be \(layer, head\) pairs with layer < 2 and head < 4"):
+        interventions.joint_patching_effect(m.bound, metric, value, [(0, 4)])
+    with pytest.raises(ValueError, match=r"heads must be 'all' or a non-empty list"):
+        interventions.joint_patching_effect(m.bound, metric, value, "some")

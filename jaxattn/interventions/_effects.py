@@ -11,6 +11,8 @@ Each table is ``[L, N]``:
   ``patch``: activation patching from another input's run, or mean-ablation with :func:`reference_mean`;
   for a residual-stream or block-output site (:data:`POSITION_SITES`) the table is by layer and
   position, ``[L, T]``;
+- :func:`joint_patching_effect`: several heads patched at once (one number), against the sum of their
+  single patching effects;
 - :func:`gate_gradients`: ``∂metric/∂head_mask`` at ones;
 - :func:`attribution_patching`: ``Σ (value - clean) · ∂metric/∂tensor`` over the head's entries, the
   first-order estimate of :func:`patching_effects`;
@@ -303,6 +305,40 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
     where = jnp.concatenate([jnp.zeros_like(where[:1]), where])  # row 0: nothing patched (the clean run)
     effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop)
     return effects.reshape(bound.n_layers, -1)
+
+
+def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, *, name: str = "z") -> Array:
+    """``metric(every head in heads patched with value at once) - metric(clean)``: one scalar.
+
+    Set against the sum of the heads' single effects (:func:`patching_effects`), it says whether the
+    effects add up: they do when the heads act independently on the metric.
+
+    Args:
+      bound, metric, value, name: as in :func:`patching_effects` (a tensor with a head axis).
+      heads: ``(layer, head)`` pairs (key/value heads for ``k``, ``v``), or ``"all"``: every head of every
+        layer.
+
+    Raises:
+      TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name`` or ``heads``.
+    """
+    _check_bound(bound), _check_metric(metric)
+    value = _check_value(name, value)
+    shape = _where_shape(bound, name, value)
+    every = head_where(name, shape)  # [L·G, L, ...], one head each
+    G = every.shape[0] // shape[0]
+    if isinstance(heads, str) and heads == "all":
+        picked = list(range(every.shape[0]))
+    else:
+        pairs = np.asarray(heads)
+        if pairs.ndim != 2 or pairs.shape[1:] != (2,) or pairs.shape[0] == 0 or not np.issubdtype(pairs.dtype, np.integer):
+            raise ValueError(f"heads must be 'all' or a non-empty list of (layer, head) int pairs, received {heads!r}")
+        if np.any(pairs < 0) or np.any(pairs[:, 0] >= shape[0]) or np.any(pairs[:, 1] >= G):
+            raise ValueError(f"heads must be (layer, head) pairs with layer < {shape[0]} and head < {G}, received "
+                             f"{pairs.tolist()}")
+        picked = (pairs[:, 0] * G + pairs[:, 1]).tolist()
+    where = jnp.any(every[jnp.asarray(picked)], axis=0)  # [L, ...]
+    run = _program(_patch_fn(bound.apply, metric, name), None)
+    return run((bound.args, value), where) - run((bound.args, value), jnp.zeros_like(where))
 
 
 def _check_positions(positions: Any, T: int) -> Array:

@@ -75,7 +75,8 @@ def reference(module, params, config, tok, n):
 
 
 def setup(module, params, config, tok):
-    """The clean and source bounds, the metric, the query rows and the candidate spans."""
+    """The clean and source bounds, the metric, the query rows, the candidate spans, the metric's text, the
+    source's own metric and the clean two-choice inputs (``None`` for an encoder)."""
     spans = {w: token_of(tok, BIG, w) for w in ("it", "trophy", "suitcase")}
     if module is bert:  # an encoder: the sentences alone, a similarity metric
         ids = [interventions.encode_with_offsets(tok, t)[0] for t in (BIG, SMALL)]
@@ -83,7 +84,7 @@ def setup(module, params, config, tok):
         source = interventions.bind(module, params, config, ids[1]) if len(ids[0]) == len(ids[1]) else None
         metric = interventions.similarity_metric(spans["it"][0], spans["trophy"], spans["suitcase"])
         rows = {"it": spans["it"][0]}
-        return bound, source, metric, rows, spans, "cos(h_it, h_trophy) - cos(h_it, h_suitcase)", metric
+        return bound, source, metric, rows, spans, "cos(h_it, h_trophy) - cos(h_it, h_suitcase)", metric, None
     pair = interventions.choice_pair(tok, BIG + lab.RESOLUTION_PROMPT, SMALL + lab.RESOLUTION_PROMPT, CHOICES)
     clean, src = pair["clean"], pair["source"]
     bound = interventions.bind(module, params, config, clean["input_ids"], attention_mask=clean["attention_mask"])
@@ -92,7 +93,7 @@ def setup(module, params, config, tok):
         source = interventions.bind(module, params, config, src["input_ids"], attention_mask=src["attention_mask"])
     rows = {"it": spans["it"][0], "last": (clean["start"] - 1).tolist()}  # the row that predicts the answer
     return (bound, source, interventions.choice_metric(clean), rows, spans, "log p(' trophy') - log p(' suitcase')",
-            interventions.choice_metric(src))
+            interventions.choice_metric(src), clean)
 
 
 def attention_columns(bound, source, rows, spans):
@@ -128,7 +129,7 @@ def patching_checks(bound, source, metric, source_metric, tables, chunk, top=(1,
 
     ``{"clean", "source", "gap", "reverse" [L, N] (z from 'too big' into 'too small'), "values" [L, N]
     (clean weights, the source's values), "additivity": {direction: {"sum_single", "all_at_once",
-    "top": [{k, heads, sum_single, joint}]}}, "mean_vs_zero"}``."""
+    "all_but_top", "top_head", "top": [{k, heads, sum_single, joint}]}}, "mean_vs_zero"}``."""
     I = interventions
     clean, src = float(I.metric_value(bound, metric)), float(I.metric_value(source, source_metric))
     z_big, z_small = bound(capture=("z",)).captured["z"], source(capture=("z",)).captured["z"]
@@ -143,7 +144,10 @@ def patching_checks(bound, source, metric, source_metric, tables, chunk, top=(1,
             heads = [divmod(int(i), table.shape[1]) for i in order[:k]]
             joint.append({"k": k, "heads": heads, "sum_single": float(table.flat[order[:k]].sum()),
                           "joint": float(I.joint_patching_effect(b, m, z, heads))})
+        best = divmod(int(order[0]), table.shape[1])
+        rest = [divmod(i, table.shape[1]) for i in range(table.size) if divmod(i, table.shape[1]) != best]
         additivity[direction] = {"sum_single": float(table.sum()), "all_at_once": float(I.joint_patching_effect(b, m, z, "all")),
+                                 "all_but_top": float(I.joint_patching_effect(b, m, z, rest)), "top_head": best,
                                  "top": joint}
     zero, mean = tables["ablation"], tables.get("mean_ablation")
     milder = None if mean is None else {"heads": int(zero.size), "mean_smaller": int(np.sum(np.abs(mean) < np.abs(zero))),
@@ -159,12 +163,13 @@ def render_checks(c, tables):
              f"metric on 'too big' {c['clean']:+.4f}, on 'too small' {c['source']:+.4f} (its own continuations): "
              f"gap {c['gap']:.4f}",
              "",
-             f"| direction | sum of the {tables['patch_z'].size} single-head effects | all heads at once | top-k by single "
-             f"effect: k, sum of singles, together |",
-             "|---|---|---|---|"]
+             f"| direction | sum of the {tables['patch_z'].size} single-head effects | all heads at once | all but the "
+             f"top head at once | top-k by single effect: k, sum of singles, together |",
+             "|---|---|---|---|---|"]
     for direction, a in c["additivity"].items():
         tops = "; ".join(f"{t['k']}: {t['sum_single']:+.3f}, {t['joint']:+.3f}" for t in a["top"])
-        lines.append(f"| {direction} | {a['sum_single']:+.3f} | {a['all_at_once']:+.3f} | {tops} |")
+        lines.append(f"| {direction} | {a['sum_single']:+.3f} | {a['all_at_once']:+.3f} | {a['all_but_top']:+.3f} "
+                     f"(without {a['top_head'][0]}.{a['top_head'][1]}) | {tops} |")
     big = c["additivity"]["small into big"]["top"][0]["heads"][0]
     l, n = big
     lines += ["",
@@ -180,8 +185,29 @@ def render_checks(c, tables):
     return lines
 
 
+def page_tables(bound, tok, pair_ids, tables, checks):
+    """``{name: [L, N]}`` for the page: ablation, patching both ways, each head's direct logit attribution
+    to the first choice's first token against the second's, and the four head scores, all on the
+    'too big' sequence with the first choice (batch row 0) and its maps."""
+    out = {"ablation": tables["ablation"]}
+    if checks is not None:
+        out["patch z (small into big)"] = tables["patch_z"]
+        out["patch z (big into small)"] = checks["reverse"]
+    ids = np.asarray(bound.args["ids"])
+    mask = np.asarray(bound.args["mask"])
+    start = int(pair_ids["start"][0])
+    a, b = int(ids[0, start]), int(ids[1, int(pair_ids["start"][1])])  # each choice's first token
+    dla = interventions.logit_attribution(bound, (a, b), position=start - 1)  # the row that predicts the answer
+    out[f"logit attribution ({tok.decode([a])!r} - {tok.decode([b])!r})"] = np.asarray(dla["heads"][0], np.float64)
+    maps = bound().attentions[0]  # [L, N, T, T], 'too big' + ' trophy'
+    for kind in interventions.HEAD_KINDS:
+        out[f"score: {kind}"] = np.asarray(interventions.head_scores(maps, ids[0], kind, attention_mask=mask[0]),
+                                           np.float64)
+    return out
+
+
 def effects_part(module, params, config, tok, name, args, out):
-    bound, source, metric, rows, spans, metric_text, source_metric = setup(module, params, config, tok)
+    bound, source, metric, rows, spans, metric_text, source_metric, pair_ids = setup(module, params, config, tok)
     line = f"metric: {metric_text}; clean ('too big'): {float(interventions.metric_value(bound, metric)):+.4f}"
     if source is None:
         print(line + "; 'too small' tokenizes to another length: no patching")
@@ -251,6 +277,7 @@ def effects_part(module, params, config, tok, name, args, out):
         "correlations_attention": rho_attention, "correlations_magnitude": rho_abs,
         "top_by_ablation": by_effect, "top_by_patch_z": by_patch, "top_by_attention": by_look,
         "patching_checks": checks,
+        "page_tables": page_tables(bound, tok, pair_ids, tables, checks) if pair_ids is not None else None,
     })
 
 

@@ -12,8 +12,8 @@ forward (``lax.map`` over them); ``loop=True`` as a Python loop of one jitted fo
 
 A metric may say which rows of a causal model's logits it reads, as an attribute ``logit_rows`` (a
 sorted tuple of positions, the same for every sequence of a batch; :func:`choice_metric` sets it): the
-resumed runs then unembed those rows only (on SmolLM2 the unembedding of every position costs a
-quarter of a forward) and hand the metric logits that are NaN elsewhere. The clean run checks once that
+resumed runs then unembed those rows only (the unembedding of every position can cost a fifth of a
+forward) and hand the metric logits that are NaN elsewhere. The clean run checks once that
 the metric gives the same value with those rows alone (``ValueError`` otherwise).
 
 Axis alphabet: B inputs of a batch, L layers, N heads, T tokens, D width, V vocabulary, G the

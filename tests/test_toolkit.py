@@ -445,7 +445,7 @@ def _close(fast, full):
     np.testing.assert_allclose(fast, full, rtol=0, atol=1e-5 * scale)
 
 
-def test_fast_tables_equal_whole_forward_tables_on_a_padded_batch_with_a_shared_prefix(model):
+def test_fast_tables_equal_a_loop_of_whole_forwards_on_a_padded_batch_with_a_shared_prefix(model):
     m = model
     bound = interventions.bind(m.module, m.params, m.config, SHARED, attention_mask=SHARED_MASK)
     source = interventions.bind(m.module, m.params, m.config, SHARED_SOURCE, attention_mask=SHARED_MASK)
@@ -454,8 +454,8 @@ def test_fast_tables_equal_whole_forward_tables_on_a_padded_batch_with_a_shared_
     runs = [lambda **r: interventions.ablation_effects(bound, rows_metric, chunk=3, **r),
             lambda **r: interventions.patching_effects(bound, batch_metric, captured["resid_mid"], name="resid_mid",
                                                        chunk=5, **r)]
-    for run in runs:  # (a head's tensor, and every other table kind, in the slow test below)
-        _close(np.asarray(run()), np.asarray(run(resume=False)))
+    for run in runs:  # against the loop of whole forwards (the lax.map of them, and every table kind: slow)
+        _close(np.asarray(run()), np.asarray(run(loop=True)))
 
 
 @pytest.mark.slow

@@ -20,12 +20,15 @@ Writes heads.json, heads.md, heads.png, bench.json and bound.json into --out.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -308,22 +311,18 @@ def bench_tables(module, params, config, tok, args):
 
 
 def bench_part(module, params, config, tok, args, out, name):
-    import os
-    import platform
-
-    import jax
-
     ways = tuple(args.ways.split(","))
     tables = bench_tables(module, params, config, tok, args)
     load_before = os.getloadavg()
     r = interventions.benchmark_tables(tables, ways=ways, repeats=args.repeats)
     load_after = os.getloadavg()
-    r.update(model=name, chunk=args.chunk, numpy_reference_s=NUMPY_REFERENCE_S,
+    smollm2 = args.model == "smollm2" and not args.random_gpt2
+    r.update(model=name, chunk=args.chunk, numpy_reference_s=NUMPY_REFERENCE_S if smollm2 else None,
              numpy_reference="quoted: an independent NumPy float64 implementation, measured elsewhere, not run here",
              machine={"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                       "load_average_before": load_before, "load_average_after": load_after})
     lines = [f"benchmark: {r['interventions']} interventions of {name} in {len(tables)} tables ({', '.join(tables)}); "
-             f"{args.repeats} steady runs per way after a first (compiling) one; load average (1 min) "
+             f"{args.repeats} steady run{'s' * (args.repeats != 1)} per way after a first (compiling) one; load average (1 min) "
              f"{load_before[0]:.1f} before, {load_after[0]:.1f} after"]
     for way in ways:
         w = r[way]
@@ -338,8 +337,9 @@ def bench_part(module, params, config, tok, args, out, name):
         lines.append(f"  {way} / {ways[0]}: {s_['wall']['median'] / base['wall']['median']:.2f}x wall, "
                      f"{s_['cpu']['median'] / base['cpu']['median']:.2f}x CPU (medians); largest difference "
                      f"{r['max_difference'][way]:.2g} ({r['max_relative_difference'][way]:.2g} of a table's largest entry)")
-    lines.append(f"  NumPy float64 reference: {NUMPY_REFERENCE_S:.0f} s, QUOTED (measured elsewhere, not run by this "
-                 f"script) / {ways[0]} median: {NUMPY_REFERENCE_S / base['wall']['median']:.2f}x wall")
+    if smollm2:  # the reference's model and tables
+        lines.append(f"  NumPy float64 reference: {NUMPY_REFERENCE_S:.0f} s, QUOTED (measured elsewhere, not run by "
+                     f"this script) / {ways[0]} median: {NUMPY_REFERENCE_S / base['wall']['median']:.2f}x wall")
     print("\n".join(lines))
     write_json(out / "bench.json", r)
 

@@ -31,7 +31,16 @@ import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.interventions._model import Bound
-from jaxattn.interventions._packing import Packing, pack_maps, pack_stream, pack_value, pack_where, plan, unpack, value_packs
+from jaxattn.interventions._packing import (
+    Packing,
+    pack_maps,
+    pack_stream,
+    pack_value,
+    pack_where,
+    plan,
+    unpack,
+    value_packs,
+)
 
 Array = jax.Array
 Metric = Callable[[Any], Array]
@@ -180,7 +189,8 @@ def _prefix_program(apply: Callable[..., Any], unembed: Any, config: Any, metric
 def _packing(bound: Bound, kind: str, name: str | None, extra: Any) -> Packing | None:
     """The packing of a batched bound whose sequences share a prefix (a causal model whose ``resume`` packs,
     and a patch value that agrees over the prefix), else ``None``."""
-    if bound.batch is None or not getattr(bound.resume, "packs", False) or getattr(bound.module, "CAUSAL", False) is not True:
+    causal = getattr(bound.module, "CAUSAL", False) is True
+    if bound.batch is None or not getattr(bound.resume, "packs", False) or not causal:
         return None
     pk = plan(bound.args["ids"], bound.args["mask"])
     if pk is None or kind == "gate":
@@ -287,7 +297,8 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
     L = bound.n_layers
     T = int(bound.args["ids"].shape[-1])
     rows = logit_rows(metric, T)
-    resid_pre, maps, clean, alone = _prefix_program(bound.apply, _unembed(bound, rows), bound.config, metric, rows)(bound.args)
+    prefix = _prefix_program(bound.apply, _unembed(bound, rows), bound.config, metric, rows)
+    resid_pre, maps, clean, alone = prefix(bound.args)
     if rows is not None and not bool(jnp.abs(clean - alone) <= 1e-5 * jnp.maximum(1.0, jnp.abs(clean))):
         raise ValueError(f"metric.logit_rows = {rows} leaves out logits rows the metric reads: on the clean run "
                          f"it gives {float(clean)!r} from every row and {float(alone)!r} from those rows alone")

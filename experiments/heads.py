@@ -1,6 +1,7 @@
 """Which heads does "it -> trophy vs suitcase" depend on? Every head ablated, patched and differentiated.
 
-    python experiments/heads.py                         # SmolLM2-135M (bundled): effects, benchmark, entropy bound
+    python experiments/heads.py                         # SmolLM2-135M (bundled): effects and the entropy bound
+    python experiments/heads.py --parts bench           # the five tables timed: fast, and a loop of jitted forwards
     python experiments/heads.py --model minilm          # the bundled all-MiniLM-L6-v2 (no LM head: a similarity metric)
     python experiments/heads.py --model gpt2            # GPT-2 from the hub or a local directory (fails offline)
     python experiments/heads.py --random-gpt2 small     # a RANDOM GPT-2 (offline; the machinery, not a trained model)
@@ -9,18 +10,26 @@
 The metric, for a causal LM: log p(" trophy") - log p(" suitcase") after the "too big" sentence and
 ' In that sentence, "it" refers to the'. For the encoder: cos(h_it, h_trophy) - cos(h_it, h_suitcase) of
 the last hidden states. Patching takes each head's z (or attention weights) from the "too small" run.
+The benchmark times five tables (ablation, mean-ablation, patching z, patching the attention weights,
+patching the residual stream by layer and position: 4 x 270 + 30 x 27 = 1,890 interventions on
+SmolLM2) each way, medians of --repeats runs, wall and CPU time, against a quoted (not measured) NumPy
+float64 reference.
 Writes heads.json, heads.md, heads.png, bench.json and bound.json into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import bert, gpt2, interventions, lab, llama
@@ -69,7 +78,8 @@ def reference(module, params, config, tok, n):
 
 
 def setup(module, params, config, tok):
-    """The clean and source bounds, the metric, the query rows and the candidate spans."""
+    """The clean and source bounds, the metric, the query rows, the candidate spans, the metric's text, the
+    source's own metric and the clean two-choice inputs (``None`` for an encoder)."""
     spans = {w: token_of(tok, BIG, w) for w in ("it", "trophy", "suitcase")}
     if module is bert:  # an encoder: the sentences alone, a similarity metric
         ids = [interventions.encode_with_offsets(tok, t)[0] for t in (BIG, SMALL)]
@@ -77,7 +87,7 @@ def setup(module, params, config, tok):
         source = interventions.bind(module, params, config, ids[1]) if len(ids[0]) == len(ids[1]) else None
         metric = interventions.similarity_metric(spans["it"][0], spans["trophy"], spans["suitcase"])
         rows = {"it": spans["it"][0]}
-        return bound, source, metric, rows, spans, "cos(h_it, h_trophy) - cos(h_it, h_suitcase)"
+        return bound, source, metric, rows, spans, "cos(h_it, h_trophy) - cos(h_it, h_suitcase)", metric, None
     pair = interventions.choice_pair(tok, BIG + lab.RESOLUTION_PROMPT, SMALL + lab.RESOLUTION_PROMPT, CHOICES)
     clean, src = pair["clean"], pair["source"]
     bound = interventions.bind(module, params, config, clean["input_ids"], attention_mask=clean["attention_mask"])
@@ -85,7 +95,8 @@ def setup(module, params, config, tok):
     if pair["aligned"]:
         source = interventions.bind(module, params, config, src["input_ids"], attention_mask=src["attention_mask"])
     rows = {"it": spans["it"][0], "last": (clean["start"] - 1).tolist()}  # the row that predicts the answer
-    return bound, source, interventions.choice_metric(clean), rows, spans, "log p(' trophy') - log p(' suitcase')"
+    return (bound, source, interventions.choice_metric(clean), rows, spans, "log p(' trophy') - log p(' suitcase')",
+            interventions.choice_metric(src), clean)
 
 
 def attention_columns(bound, source, rows, spans):
@@ -108,8 +119,98 @@ def attention_columns(bound, source, rows, spans):
     return cols
 
 
+def values_of_source(bound, source):
+    """``z [B, L, T, N, H]`` each head would output with the clean run's weights and the source's values."""
+    weights = bound().attentions  # [B, L, N, T, S]
+    v = source(capture=("v",)).captured["v"]  # [B, L, S, K, H]
+    v = jnp.repeat(v, weights.shape[2] // v.shape[3], axis=3)  # [B, L, S, N, H]: query head n reads n // (N/K)
+    return jnp.einsum("blnts,blsnh->bltnh", weights, v)
+
+
+def patching_checks(bound, source, metric, source_metric, tables, chunk, top=(1, 3, 10, 30)):
+    """Patching both ways, whether single-head effects add up, and what a head reads against where it looks.
+
+    ``{"clean", "source", "gap", "reverse" [L, N] (z from 'too big' into 'too small'), "values" [L, N]
+    (clean weights, the source's values), "additivity": {direction: {"sum_single", "all_at_once",
+    "all_but_top", "top_head", "top": [{k, heads, sum_single, joint}]}}, "mean_vs_zero"}``."""
+    I = interventions
+    clean, src = float(I.metric_value(bound, metric)), float(I.metric_value(source, source_metric))
+    z_big, z_small = bound(capture=("z",)).captured["z"], source(capture=("z",)).captured["z"]
+    reverse = np.asarray(I.patching_effects(source, source_metric, z_big, chunk=chunk), np.float64)
+    values = np.asarray(I.patching_effects(bound, metric, values_of_source(bound, source), chunk=chunk), np.float64)
+    additivity = {}
+    for direction, b, m, z, table in (("small into big", bound, metric, z_small, tables["patch_z"]),
+                                      ("big into small", source, source_metric, z_big, reverse)):
+        order = np.argsort(-np.abs(table), axis=None, kind="stable")
+        joint = []
+        for k in (k for k in top if k < table.size):
+            heads = [divmod(int(i), table.shape[1]) for i in order[:k]]
+            joint.append({"k": k, "heads": heads, "sum_single": float(table.flat[order[:k]].sum()),
+                          "joint": float(I.joint_patching_effect(b, m, z, heads))})
+        best = divmod(int(order[0]), table.shape[1])
+        rest = [divmod(i, table.shape[1]) for i in range(table.size) if divmod(i, table.shape[1]) != best]
+        additivity[direction] = {"sum_single": float(table.sum()), "all_at_once": float(I.joint_patching_effect(b, m, z, "all")),
+                                 "all_but_top": float(I.joint_patching_effect(b, m, z, rest)), "top_head": best,
+                                 "top": joint}
+    zero, mean = tables["ablation"], tables.get("mean_ablation")
+    milder = None if mean is None else {"heads": int(zero.size), "mean_smaller": int(np.sum(np.abs(mean) < np.abs(zero))),
+                                        "mean_larger": int(np.sum(np.abs(mean) > np.abs(zero)))}
+    return {"clean": clean, "source": src, "gap": clean - src, "reverse": reverse, "values": values,
+            "additivity": additivity, "mean_vs_zero": milder}
+
+
+def render_checks(c, tables):
+    """:func:`patching_checks` as Markdown lines."""
+    lines = ["## Patching both ways, additivity, weights against values",
+             "",
+             f"metric on 'too big' {c['clean']:+.4f}, on 'too small' {c['source']:+.4f} (its own continuations): "
+             f"gap {c['gap']:.4f}",
+             "",
+             f"| direction | sum of the {tables['patch_z'].size} single-head effects | all heads at once | all but the "
+             f"top head at once | top-k by single effect: k, sum of singles, together |",
+             "|---|---|---|---|---|"]
+    for direction, a in c["additivity"].items():
+        tops = "; ".join(f"{t['k']}: {t['sum_single']:+.3f}, {t['joint']:+.3f}" for t in a["top"])
+        lines.append(f"| {direction} | {a['sum_single']:+.3f} | {a['all_at_once']:+.3f} | {a['all_but_top']:+.3f} "
+                     f"(without {a['top_head'][0]}.{a['top_head'][1]}) | {tops} |")
+    big = c["additivity"]["small into big"]["top"][0]["heads"][0]
+    l, n = big
+    lines += ["",
+              f"head {l}.{n} (the largest single effect, small into big): z patched {tables['patch_z'][l, n]:+.4f}; "
+              f"attention weights patched {tables['patch_attn'][l, n]:+.4f}; clean weights with the source's values "
+              f"{c['values'][l, n]:+.4f}; big into small {c['reverse'][l, n]:+.4f}"]
+    rev = c["additivity"]["big into small"]["top"][0]["heads"][0]
+    lines.append(f"largest single effect big into small: head {rev[0]}.{rev[1]}, {c['reverse'][rev[0], rev[1]]:+.4f}")
+    if c["mean_vs_zero"]:
+        m = c["mean_vs_zero"]
+        lines.append(f"mean-ablation moves the metric less than zero-ablation on {m['mean_smaller']} of {m['heads']} "
+                     f"heads and more on {m['mean_larger']}")
+    return lines
+
+
+def page_tables(bound, tok, pair_ids, tables, checks):
+    """``{name: [L, N]}`` for the page: ablation, patching both ways, each head's direct logit attribution
+    to the first choice's first token against the second's, and the four head scores, all on the
+    'too big' sequence with the first choice (batch row 0) and its maps."""
+    out = {"ablation": tables["ablation"]}
+    if checks is not None:
+        out["patch z (small into big)"] = tables["patch_z"]
+        out["patch z (big into small)"] = checks["reverse"]
+    ids = np.asarray(bound.args["ids"])
+    mask = np.asarray(bound.args["mask"])
+    start = int(pair_ids["start"][0])
+    a, b = int(ids[0, start]), int(ids[1, int(pair_ids["start"][1])])  # each choice's first token
+    dla = interventions.logit_attribution(bound, (a, b), position=start - 1)  # the row that predicts the answer
+    out[f"logit attribution ({tok.decode([a])!r} - {tok.decode([b])!r})"] = np.asarray(dla["heads"][0], np.float64)
+    maps = bound().attentions[0]  # [L, N, T, T], 'too big' + ' trophy'
+    for kind in interventions.HEAD_KINDS:
+        out[f"score: {kind}"] = np.asarray(interventions.head_scores(maps, ids[0], kind, attention_mask=mask[0]),
+                                           np.float64)
+    return out
+
+
 def effects_part(module, params, config, tok, name, args, out):
-    bound, source, metric, rows, spans, metric_text = setup(module, params, config, tok)
+    bound, source, metric, rows, spans, metric_text, source_metric, pair_ids = setup(module, params, config, tok)
     line = f"metric: {metric_text}; clean ('too big'): {float(interventions.metric_value(bound, metric)):+.4f}"
     if source is None:
         print(line + "; 'too small' tokenizes to another length: no patching")
@@ -164,6 +265,10 @@ def effects_part(module, params, config, tok, name, args, out):
     if "flip[it]" in attention:
         report.append(f"max |flip| of the 'it' row's preference between 'too big' and 'too small': "
                       f"{float(np.max(np.abs(attention['flip[it]']))):.3g}")
+    checks = None
+    if source is not None and module is not bert:
+        checks = patching_checks(bound, source, metric, source_metric, tables, args.chunk)
+        report += [""] + render_checks(checks, tables)
     text = "\n".join(report)
     print(text)
     atomic_write(out / "heads.md", text + "\n")
@@ -174,16 +279,69 @@ def effects_part(module, params, config, tok, name, args, out):
         "attention": attention, "spans": spans, "rows": rows, "correlations": rho,
         "correlations_attention": rho_attention, "correlations_magnitude": rho_abs,
         "top_by_ablation": by_effect, "top_by_patch_z": by_patch, "top_by_attention": by_look,
+        "patching_checks": checks,
+        "page_tables": page_tables(bound, tok, pair_ids, tables, checks) if pair_ids is not None else None,
     })
 
 
-def bench_part(bound, metric, args, out, name):
-    r = interventions.benchmark_ablations(bound, metric, chunk=args.chunk, repeats=args.repeats)
-    print(f"benchmark, {r['heads']} single-head ablations of {name}: one program (chunk {r['chunk']}) "
-          f"{r['program_s']:.2f} s (first call, with compilation, {r['program_first_s']:.2f} s); loop of one jitted "
-          f"forward {r['loop_s']:.2f} s (first {r['loop_first_s']:.2f} s); ratio {r['ratio']:.2f}x "
-          f"(with compilation {r['ratio_first']:.2f}x); max |difference| {r['max_difference']:.2g}")
-    write_json(out / "bench.json", {"model": name, **r})
+# An independent NumPy float64 implementation that resumes each intervention from the cached stream
+# entering its layer ran the same five tables of SmolLM2 in 157 s on a 2-core CPU. Quoted, not measured
+# here: this script does not run it.
+NUMPY_REFERENCE_S = 157.0
+
+
+def bench_tables(module, params, config, tok, args):
+    """The five tables of the benchmark, ``{name: run(**kw)}`` (``kw``: a way of interventions.WAYS)."""
+    bound, source, metric, *_ = setup(module, params, config, tok)
+    if source is None:
+        raise SystemExit("error: the benchmark patches from 'too small', which does not line up with 'too big' "
+                         "for this tokenizer")
+    captured = source(capture=("z", "attn_weights", "resid_pre")).captured
+    ref = reference(module, params, config, tok, args.reference or 16)
+    I, chunk = interventions, args.chunk
+    return {
+        "ablation": lambda **kw: I.ablation_effects(bound, metric, chunk=chunk, **kw),
+        "mean_ablation": lambda **kw: I.patching_effects(bound, metric, ref, chunk=chunk, **kw),
+        "patch_z": lambda **kw: I.patching_effects(bound, metric, captured["z"], chunk=chunk, **kw),
+        "patch_attn": lambda **kw: I.patching_effects(bound, metric, captured["attn_weights"], name="attn_weights",
+                                                      chunk=chunk, **kw),
+        "patch_resid_pre": lambda **kw: I.patching_effects(bound, metric, captured["resid_pre"], name="resid_pre",
+                                                           chunk=chunk, **kw),
+    }
+
+
+def bench_part(module, params, config, tok, args, out, name):
+    ways = tuple(args.ways.split(","))
+    tables = bench_tables(module, params, config, tok, args)
+    load_before = os.getloadavg()
+    r = interventions.benchmark_tables(tables, ways=ways, repeats=args.repeats)
+    load_after = os.getloadavg()
+    smollm2 = args.model == "smollm2" and not args.random_gpt2
+    r.update(model=name, chunk=args.chunk, numpy_reference_s=NUMPY_REFERENCE_S if smollm2 else None,
+             numpy_reference="quoted: an independent NumPy float64 implementation, measured elsewhere, not run here",
+             machine={"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                      "load_average_before": load_before, "load_average_after": load_after})
+    lines = [f"benchmark: {r['interventions']} interventions of {name} in {len(tables)} tables ({', '.join(tables)}); "
+             f"{args.repeats} steady run{'s' * (args.repeats != 1)} per way after a first (compiling) one; load average (1 min) "
+             f"{load_before[0]:.1f} before, {load_after[0]:.1f} after"]
+    for way in ways:
+        w = r[way]
+        sw, sc = w["steady"]["wall"], w["steady"]["cpu"]
+        lines.append(f"  {way:4s}: median {sw['median']:7.1f} s wall (runs {sw['min']:.1f} to {sw['max']:.1f}), "
+                     f"{sc['median']:7.1f} s CPU ({sc['min']:.1f} to {sc['max']:.1f}); first call {w['first']['wall']:.1f} s "
+                     f"wall, compilation about {w['compile_wall']:.1f} s of it")
+        lines.append("        per table, median s wall: " + ", ".join(f"{n} {t['wall']:.1f}" for n, t in w["per_table"].items()))
+    base = r[ways[0]]["steady"]
+    for way in ways[1:]:
+        s_ = r[way]["steady"]
+        lines.append(f"  {way} / {ways[0]}: {s_['wall']['median'] / base['wall']['median']:.2f}x wall, "
+                     f"{s_['cpu']['median'] / base['cpu']['median']:.2f}x CPU (medians); largest difference "
+                     f"{r['max_difference'][way]:.2g} ({r['max_relative_difference'][way]:.2g} of a table's largest entry)")
+    if smollm2:  # the reference's model and tables
+        lines.append(f"  NumPy float64 reference: {NUMPY_REFERENCE_S:.0f} s, QUOTED (measured elsewhere, not run by "
+                     f"this script) / {ways[0]} median: {NUMPY_REFERENCE_S / base['wall']['median']:.2f}x wall")
+    print("\n".join(lines))
+    write_json(out / "bench.json", r)
 
 
 def bound_part(module, params, config, tok, name, out):
@@ -198,9 +356,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, gpt2 or a GPT-2 directory")
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None, help="a RANDOM GPT-2 of this size")
-    parser.add_argument("--parts", default="effects,bench,bound", help="comma-separated: effects, bench, bound")
+    parser.add_argument("--parts", default="effects,bound", help="comma-separated: effects, bench, bound")
     parser.add_argument("--chunk", type=int, default=16, help="interventions run at once in each compiled program")
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per way in the benchmark (after one to compile)")
+    parser.add_argument("--repeats", type=int, default=3, help="steady runs per way in the benchmark (after one that compiles)")
+    parser.add_argument("--ways", default="fast,loop", help="the benchmark's ways, comma-separated, the first the "
+                                                            "baseline of the ratios: fast, map, loop")
     parser.add_argument("--reference", type=int, default=16, help="Winograd sentences for mean-ablation (0: none)")
     parser.add_argument("--top", type=int, default=10, help="heads per table")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/heads/<model>)")
@@ -222,9 +382,8 @@ def main(argv=None) -> int:
         print("(offline: --model smollm2 or --model minilm run on bundled weights)", file=sys.stderr)
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
-    if "bench" in parts:  # first: both ways then compile from nothing
-        bound, _, metric, *_ = setup(module, params, config, tok)
-        bench_part(bound, metric, args, out, name)
+    if "bench" in parts:  # first: every way then compiles from nothing
+        bench_part(module, params, config, tok, args, out, name)
     if "effects" in parts:
         effects_part(module, params, config, tok, name, args, out)
     if "bound" in parts:

@@ -18,12 +18,14 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import causal_layer, check_span, positions, sampling, span_log_prob, token_ids
+from jaxattn._nn import positions as positions_
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
@@ -94,14 +96,15 @@ def _keep(mask: Any, T: int, *, name: str = "attention_mask") -> Array:
 
 
 def _key_mask(keep: Array, pos: Array, window: int | None) -> Array:
-    """The keep-mask ``[S]`` (padded keys out) or, under a sliding window, ``[T, S]``.
+    """The keep-mask ``[S]`` (padded keys out) or, under a sliding window, ``[T, S]``; a ``[T, S]`` ``keep``
+    (each query's keys, :func:`resume`'s packed sequences) stays ``[T, S]``, the window applied to it.
 
     The window counts positions (real tokens only), so a padded sequence sees the window of the
     sequence alone; causality itself comes from ``is_causal`` (slot order, which padding keeps).
     """
     if window is None:
-        return keep  # [S]
-    return keep[None, :] & (pos[:, None] - pos[None, :] < window)  # [T, S]
+        return keep  # [S] (or [T, S])
+    return (keep if keep.ndim == 2 else keep[None, :]) & (pos[:, None] - pos[None, :] < window)  # [T, S]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,31 +157,147 @@ def _unembed(family: Family, config: Any, params: Any, h: Array) -> Array:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _block(family: Family, config: Any, p: Any, i: Any, x: Array, rot: Any, mask: Array, scale: Array,
+           heads: Array, weights: Array | None, sites: Sites) -> tuple[Array, Array]:
+    """Block ``i`` (an int, or a traced index inside a loop) on the stream ``x [T, D]`` entering it:
+    ``(x [T, D] leaving it, weights [L, N, T, T] with row i written)``; every named site passes ``sites``."""
+    s = family.sizes(config)
+    N, K = s.heads, s.kv_heads
+    x = sites("resid_pre", i, x)  # [T, D]
+    q, k, v = (sites(name, i, a) for name, a in zip("qkv", family.qkv(p, config, x, rot)))  # [T, N|K, H]
+    z, weights = causal_layer(q, k, v, mask, scale, weights, i, s.layers, sites)  # [T, N, H], [L, N, T, T]
+    if "attn_logits" in sites.capture:  # per query head, against its key head: the softmax's own input
+        sites("attn_logits", i, _attn_logits(q, k, scale, N // K))  # [N, T, T]
+    z = sites("z", i, z) * heads[i][None, :, None].astype(z.dtype)  # [T, N, H], each head times its gate
+    a = sites("attn_out", i, _attn_out(family, config, p, z))  # [T, D]
+    x = sites("resid_mid", i, x + a)  # [T, D]
+    m = sites("mlp_out", i, _mlp(family, config, p, x))  # [T, D]
+    return sites("resid_post", i, x + m), weights  # [T, D]
+
+
 @functools.partial(jax.jit, static_argnames=("family", "config", "capture"))
 def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, capture) -> ModelOutput:
     s = family.sizes(config)
-    L, N, K, T = s.layers, s.heads, s.kv_heads, ids.shape[0]
+    T = ids.shape[0]
     sites = Sites(capture, patch)
     pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
     x = _embed(family, config, params, ids, pos)  # [T, D]
     rot = _rotation(family, config, pos, T)
     mask = _key_mask(keep, pos, s.window)  # [S] or [T, S]
     weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
-    for i in range(L):
-        p = family.layer(params, i)
-        x = sites("resid_pre", i, x)  # [T, D]
-        q, k, v = (sites(name, i, a) for name, a in zip("qkv", family.qkv(p, config, x, rot)))  # [T, N|K, H]
-        z, weights = causal_layer(q, k, v, mask, scale, weights, i, L, sites)  # [T, N, H], [L, N, T, T]
-        if "attn_logits" in capture:  # per query head, against its key head: the softmax's own input
-            sites("attn_logits", i, _attn_logits(q, k, scale, N // K))  # [N, T, T]
-        z = sites("z", i, z) * heads[i][None, :, None].astype(z.dtype)  # [T, N, H], each head times its gate
-        a = sites("attn_out", i, _attn_out(family, config, p, z))  # [T, D]
-        x = sites("resid_mid", i, x + a)  # [T, D]
-        m = sites("mlp_out", i, _mlp(family, config, p, x))  # [T, D]
-        x = sites("resid_post", i, x + m)  # [T, D]
+    for i in range(s.layers):
+        x, weights = _block(family, config, family.layer(params, i), i, x, rot, mask, scale, heads, weights, sites)
     h = family.final_norm(params, config, x)  # [T, D]
     return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights,
                        captured=sites.captured())
+
+
+@functools.partial(jax.jit, static_argnames=("family", "config"))
+def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, family: Family, config) -> ModelOutput:
+    """Blocks ``layer..L-1`` from the stream ``resid [T, D]`` entering block ``layer`` (a traced int32 scalar):
+    one ``lax.fori_loop``, so one compiled block serves every start layer.
+
+    Each step picks its block's params with ``lax.switch`` over the layers, not from a stacked ``[L, ...]``
+    copy of them, which every call would make anew (all the weights, copied).
+    """
+    s = family.sizes(config)
+    L, T = s.layers, resid.shape[0]
+    layers = [functools.partial(family.layer, params, j) for j in range(L)]
+    rot = _rotation(family, config, pos, T)
+    mask = _key_mask(keep, pos, s.window)  # [S] or [T, S]; causality comes from the slot order
+    full = {name: tuple(jnp.broadcast_to(a, (L,) + a.shape[1:]) for a in pair) for name, pair in patch.items()}
+    sites = Sites((), full)  # the layer axis in full: a traced layer index reads row i of every patch
+
+    def body(i, carry):
+        x, w = carry
+        p = jax.lax.switch(i, layers)  # block i's params
+        return _block(family, config, p, i, x, rot, mask, scale, heads, w, sites)
+
+    x, weights = jax.lax.fori_loop(layer, L, body, (resid, weights))  # [T, D], [L, N, T, T]
+    h = family.final_norm(params, config, x)  # [T, D]
+    return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights, captured={})
+
+
+def _checked_resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any, *,
+                    attention_mask: Any = None, positions: Any = None, head_mask: Any = None, scale: Any = None,
+                    patch: Any = None, attentions: Any = None) -> ModelOutput:
+    """The checked resumed forward of a family (each model module's ``resume`` documents it)."""
+    s = check_config(family, config)
+    family.check_params(params, config)
+    x = _stream(resid_pre, s.width)
+    T = x.shape[0]
+    at = _layer_index(layer, s.layers)
+    keep, pos = _packed_keep(attention_mask, positions, T, s.max_length, family.max_name)
+    heads = head_mask_(head_mask, s.layers, s.heads)
+    scale = check_scale(scale, s.head_dim)
+    shapes = site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
+    patch = check_patch(patch, shapes, s.layers)
+    maps = (s.layers, s.heads, T, T)
+    if attentions is None:
+        weights = jnp.zeros(maps, x.dtype)
+    else:
+        weights = jnp.asarray(attentions)
+        if weights.shape != maps or not jnp.issubdtype(weights.dtype, jnp.floating):
+            raise ValueError(f"attentions must be a float array [L, N, T, T] = {maps} (the clean run's maps), "
+                             f"received dtype {weights.dtype.name} shape {tuple(weights.shape)}")
+    return _resume(params, x, at, keep, pos, heads, jnp.asarray(scale, jnp.float32), patch, weights.astype(x.dtype),
+                   family=family, config=config)
+
+
+def _packed_keep(mask: Any, pos: Any, T: int, max_length: int, max_name: str) -> tuple[Array, Array]:
+    """``(keep [T] or [T, T], positions [T])`` of :func:`resume`: a ``[T]`` mask gives the positions of
+    :func:`forward`; a ``[T, T]`` one (packed sequences) needs them given."""
+    if mask is not None and jnp.ndim(mask) == 2:
+        if tuple(jnp.shape(mask)) != (T, T):
+            raise ValueError(f"attention_mask must have shape [T] = ({T},) or [T, T] = ({T}, {T}) (each query's keys), "
+                             f"received shape {tuple(jnp.shape(mask))}")
+        dtype = getattr(mask, "dtype", None) or np.asarray(mask).dtype
+        if dtype != np.bool_:
+            raise TypeError(f"attention_mask [T, T] must be boolean (True = the query sees the key), received dtype "
+                            f"{np.dtype(dtype).name}")
+        if pos is None:
+            raise ValueError("positions must be given with a [T, T] attention_mask (packed sequences: each token's "
+                             "position in its own sequence)")
+        pos_dtype = getattr(pos, "dtype", None) or np.asarray(pos).dtype
+        if tuple(jnp.shape(pos)) != (T,) or not jnp.issubdtype(pos_dtype, jnp.integer):
+            raise ValueError(f"positions must be integer [T] = ({T},), received dtype {np.dtype(pos_dtype).name} "
+                             f"shape {tuple(jnp.shape(pos))}")
+        if not isinstance(pos, jax.core.Tracer) and int(np.max(np.asarray(pos))) >= max_length:
+            raise ValueError(f"positions must lie below {max_name}={max_length}, received up to {int(np.max(pos))}")
+        return jnp.asarray(mask), jnp.asarray(pos).astype(jnp.int32)
+    if T > max_length:
+        raise ValueError(f"resid_pre must hold 1 to {max_name}={max_length} tokens, received T={T}")
+    if pos is not None:
+        raise ValueError("positions are given only with a [T, T] attention_mask (packed sequences); a [T] mask "
+                         "makes them from the real tokens")
+    keep = _keep(mask, T)
+    return keep, positions_(keep)
+
+
+def _stream(x: Any, D: int) -> Array:
+    dtype = getattr(x, "dtype", None) or np.asarray(x).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"resid_pre must be a float array [T, D] (the stream entering a block), received dtype "
+                        f"{np.dtype(dtype).name}")
+    shape = tuple(jnp.shape(x))
+    if len(shape) != 2 or shape[1] != D or shape[0] < 1:
+        raise ValueError(f"resid_pre must have shape [T, D] with D = {D} and T >= 1 (batch with jax.vmap), "
+                         f"received shape {shape}")
+    return jnp.asarray(x)
+
+
+def _layer_index(layer: Any, L: int) -> Array:
+    """``layer`` as an int32 scalar; a concrete one must lie in ``[0, L)`` (a traced one is clamped by the loop)."""
+    if isinstance(layer, jax.core.Tracer):
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
+            raise TypeError(f"layer must be an int scalar, received a traced {layer.dtype} of shape {layer.shape}")
+        return layer.astype(jnp.int32)
+    a = np.asarray(layer)
+    if isinstance(layer, bool) or a.ndim != 0 or not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"layer must be an int (the block the stream enters), received {layer!r}")
+    if not 0 <= int(a) < L:
+        raise ValueError(f"layer must lie in [0, L) = [0, {L}), received {int(a)}")
+    return jnp.asarray(int(a), jnp.int32)
 
 
 def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
@@ -419,6 +538,68 @@ _GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a k
     Returns:
       ``[T + max_new_tokens]`` int32: the prompt followed by the new tokens (and the logits, on request).
     """
+
+
+_RESUME_DOC = """{title} forward resumed at block ``layer`` from the residual stream entering it (jit-compiled).
+
+    Runs blocks ``layer..L-1`` only, from ``resid_pre``: given ``out = forward(params, config, ids,
+    capture=("resid_pre",))``, ``resume(params, config, out.captured["resid_pre"][l], l)`` gives
+    ``out``'s logits and last hidden state (to float rounding) without recomputing blocks ``0..l-1``, and
+    with interventions of blocks ``l..L-1`` (``head_mask``, ``patch``) the output :func:`forward` gives
+    with the same interventions: an intervention at block ``l`` leaves the blocks before it unchanged, so
+    its effect needs only the blocks from ``l`` on (what the effect tables of
+    :mod:`jaxattn.interventions` use). The blocks run as one ``lax.fori_loop`` whose start is ``layer``,
+    so a traced ``layer`` is accepted and one compiled program serves every start. Under ``jax.vmap`` keep
+    ``layer`` unbatched (a batched start runs every sequence for as many blocks as the earliest start
+    needs, selecting the rest away). The loop's trip count is traced, so the result can be differentiated
+    forward (``jax.jvp``) but not backward (``jax.grad``): :func:`forward` with ``patch`` gives gradients.
+
+    Args:
+      params, config: as in :func:`forward`.
+      resid_pre: ``[T, D]``, the residual stream entering block ``layer`` (``captured["resid_pre"][layer]``).
+      layer: the first block run, an int in ``[0, L)`` or a traced int32 scalar.
+      attention_mask: ``[T]``, as in :func:`forward`: the mask of the run ``resid_pre`` comes from. Or a
+        boolean ``[T, T]``, the keys each query sees (causality still applies, in the order of the rows),
+        with ``positions``: several sequences packed into one, e.g. two continuations of one prompt with
+        the prompt's rows once, each continuation seeing the prompt and itself (what the effect tables
+        do with a batch whose sequences share a prefix).
+      positions: ``[T]`` int, each row's position in its own sequence; only with a ``[T, T]`` mask.
+      head_mask, patch, scale: as in :func:`forward`; the entries of blocks before ``layer`` have no effect
+        (those blocks are not run).
+      attentions: ``[L, N, T, T]``, the maps returned for blocks before ``layer`` (the run ``resid_pre``
+        comes from: ``out.attentions``), so that a function of the output that reads them sees a whole
+        forward's maps; ``None``: zeros there.
+
+    Returns:
+      A :class:`jaxattn.models.ModelOutput` with ``logits [T, V]``, ``last_hidden_state [T, D]``,
+      ``attentions [L, N, T, T]`` (blocks before ``layer`` from ``attentions``) and nothing captured.
+    """
+
+
+def public_resume(family: Family, *, title: str) -> Callable:
+    """A family's public ``resume`` (the model protocol's resumed forward), with its signature and docstring."""
+
+    def resume(
+        params: Any,
+        config: Any,
+        resid_pre: Float[ArrayLike, "T D"],
+        layer: Int[ArrayLike, ""],
+        *,
+        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | Bool[ArrayLike, "T T"] | None = None,
+        positions: Int[ArrayLike, "T"] | None = None,
+        head_mask: Real[ArrayLike, "L N"] | None = None,
+        scale: Real[ArrayLike, ""] | None = None,
+        patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+        attentions: Float[ArrayLike, "L N T T"] | None = None,
+    ) -> ModelOutput:
+        return _checked_resume(family, params, config, resid_pre, layer, attention_mask=attention_mask,
+                               positions=positions, head_mask=head_mask, scale=scale, patch=patch,
+                               attentions=attentions)
+
+    resume.__doc__ = _RESUME_DOC.format(title=title)
+    resume.__module__ = family.name
+    resume.__qualname__ = resume.__name__
+    return resume
 
 
 def public_api(family: Family, *, title: str, formula: str, config_name: str) -> tuple[Callable, ...]:

@@ -49,7 +49,7 @@ __all__ = [
     "final_norm_linear", "forward",
     "generate", "head_projections", "init_params", "load", "load_tokenizer", "log_prob", "param_shapes",
     "param_shardings", "params_from_msgpack", "params_from_safetensors", "qk_weights", "random_model",
-    "read_gpt2_config", "save", "shard", "sizes",
+    "read_gpt2_config", "resume", "save", "shard", "sizes",
     "unembed",
 ]
 
@@ -436,6 +436,7 @@ forward, log_prob, generate = _decoder.public_api(
             "causal multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`; "
             "``logits = ln_f(h) wteᵀ``.",
 )
+resume = _decoder.public_resume(_FAMILY, title="GPT-2's")
 
 
 def attention_input(params: dict, config: GPT2Config, layer: int, x: Array) -> Array:

@@ -62,7 +62,7 @@ __all__ = [
     "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
     "final_norm_linear", "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
     "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights",
-    "read_llama_config", "read_weights", "save", "shard", "sizes", "unembed",
+    "read_llama_config", "read_weights", "resume", "save", "shard", "sizes", "unembed",
 ]
 
 require("models", "jaxattn.llama", "safetensors", "tokenizers", "huggingface_hub", "flax", "gguf")
@@ -720,6 +720,7 @@ forward, log_prob, generate = _decoder.public_api(
             "key/value heads shared by N/K query heads each (causal; Mistral's sliding window when the config "
             "has one); ``logits = rms(h) Wᵀ``.",
 )
+resume = _decoder.public_resume(_FAMILY, title="The")
 
 
 def attention_input(params: dict, config: LlamaConfig, layer: int, x: Array) -> Array:

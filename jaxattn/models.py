@@ -22,6 +22,12 @@ its name:
   ``forward`` (and ``log_prob``, ``generate``) run as on one device, a batch split over the mesh's data
   axis through ``jax.vmap``; ``param_shardings(config, mesh)`` says where without moving anything
   (``docs/scaling.md``).
+- ``resume(params, config, resid_pre [T, D], layer, *, attention_mask, head_mask, scale, patch,
+  attentions) -> ModelOutput`` (optional): the forward from block ``layer`` on, given the residual stream
+  entering it, with interventions of the blocks it runs; a traced ``layer`` is accepted (one compiled
+  program for every start). The effect tables resume each intervention from the clean stream entering
+  its layer when a module has it, and run whole forwards when it does not (``jaxattn.bert``, an encoder
+  whose post-norm blocks have none: there every table runs whole forwards).
 
 Axis alphabet: L layers, T tokens, S keys, N query heads, K key/value heads, H head dim, D width, V vocabulary.
 """

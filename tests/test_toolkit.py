@@ -381,3 +381,180 @@ def test_patching_a_bad_site_or_positions_names_the_argument():
         interventions.patching_effects(bound, metric, jnp.zeros((2, 8, 16)), name="resid_pre", positions=np.ones(7, bool))
     with pytest.raises(ValueError, match=r"positions must select at least one"):
         interventions.patching_effects(bound, metric, jnp.zeros((2, 8, 16)), name="resid_pre", positions=np.zeros(8, bool))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fast tables: each intervention resumed at its layer (the protocol's resume), a shared prefix packed
+# ----------------------------------------------------------------------------------------------------
+
+# Two sequences with a shared prefix of 5 tokens, the first right-padded by one: the tables pack them.
+SHARED = np.stack([np.concatenate([IDS[:5], [2, 6, 0]]), np.concatenate([IDS[:5], [11, 19, 7]])]).astype(np.int32)
+SHARED_MASK = np.array([[1] * 7 + [0], [1] * 8], bool)
+SHARED_SOURCE = SHARED.copy()
+SHARED_SOURCE[:, 1] = 13  # the source differs inside the prefix, the same in both sequences
+
+
+def batch_metric(out):
+    """Both sequences' last real rows, and a map of layer 0 (the clean run's, when resumed at layer 1)."""
+    return out.logits[0, 6, A] - out.logits[1, 7, B] + 3.0 * out.attentions[1, 0, 1, 7, 2]
+
+
+def rows_metric(out):
+    return out.logits[0, 6, A] - out.logits[1, 7, B]
+
+
+rows_metric.logit_rows = (6, 7)
+
+
+def test_resume_from_any_layer_gives_the_forward_and_packs_a_shared_prefix(model):
+    m = model
+    for layer in range(2):  # the stream entering block `layer`, and the maps of the blocks before it
+        out = m.module.resume(m.params, m.config, m.run.captured["resid_pre"][layer], layer, attentions=m.run.attentions)
+        np.testing.assert_allclose(out.logits, m.run.logits, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out.attentions, m.run.attentions, atol=1e-6)
+    # with an intervention at layer 1, as the forward with the same intervention
+    heads = np.ones((2, m.module.sizes(m.config).heads), np.float32)
+    heads[1, 0] = 0.0
+    ablated = m.forward(IDS, head_mask=heads)
+    out = m.module.resume(m.params, m.config, m.run.captured["resid_pre"][1], 1, head_mask=heads)
+    np.testing.assert_allclose(out.logits, ablated.logits, atol=1e-5, rtol=1e-5)
+    # two sequences packed into one: the shared prefix once, each tail seeing the prefix and itself
+    batch = jax.vmap(lambda i, k: m.forward(i, attention_mask=k))(SHARED, SHARED_MASK)
+    P, T = 5, 8
+    seq = np.array([0] * T + [1] * (T - P))
+    col = np.concatenate([np.arange(T), np.arange(P, T)])
+    keep = ((seq[:, None] == seq[None, :]) | ((seq[None, :] == 0) & (col[None, :] < P))) & SHARED_MASK[seq, col][None]
+    pos = (np.cumsum(SHARED_MASK, 1) - 1)[seq, col]
+    stream = np.asarray(batch.captured["resid_pre"])[seq, 0, col]  # [T', D]: the batch's stream entering block 0
+    packed = m.module.resume(m.params, m.config, stream, 0, attention_mask=keep, positions=pos)
+    np.testing.assert_allclose(packed.logits[:7], batch.logits[0][:7], atol=1e-5, rtol=1e-5)  # sequence 0's real rows
+    np.testing.assert_allclose(packed.logits[:P], batch.logits[1][:P], atol=1e-5, rtol=1e-5)  # the prefix, once
+    np.testing.assert_allclose(packed.logits[T:], batch.logits[1][P:], atol=1e-5, rtol=1e-5)  # sequence 1's tail
+    with pytest.raises(ValueError, match=r"positions must be given with a \[T, T\] attention_mask"):
+        m.module.resume(m.params, m.config, stream, 0, attention_mask=keep)
+    with pytest.raises(ValueError, match=r"layer must lie in \[0, L\) = \[0, 2\), received 2"):
+        m.module.resume(m.params, m.config, m.run.captured["resid_pre"][0], 2)
+    with pytest.raises(ValueError, match=r"resid_pre must have shape \[T, D\] with D = 16"):
+        m.module.resume(m.params, m.config, np.zeros((8, 15), np.float32), 0)
+
+
+def _close(fast, full):
+    """Within 1e-5 of the table's largest entry (relative), and not all zero."""
+    scale = float(np.abs(full).max())
+    assert scale > 1e-3
+    np.testing.assert_allclose(fast, full, rtol=0, atol=1e-5 * scale)
+
+
+def test_fast_tables_equal_a_loop_of_whole_forwards_on_a_padded_batch_with_a_shared_prefix(model):
+    m = model
+    bound = interventions.bind(m.module, m.params, m.config, SHARED, attention_mask=SHARED_MASK)
+    source = interventions.bind(m.module, m.params, m.config, SHARED_SOURCE, attention_mask=SHARED_MASK)
+    captured = source(capture=("resid_mid",)).captured
+    # a metric that reads two logits rows (the fast tables unembed those alone), and one that reads a map
+    runs = [lambda **r: interventions.ablation_effects(bound, rows_metric, chunk=3, **r),
+            lambda **r: interventions.patching_effects(bound, batch_metric, captured["resid_mid"], name="resid_mid",
+                                                       chunk=5, **r)]
+    for run in runs:  # against the loop of whole forwards (the lax.map of them, and every table kind: slow)
+        _close(np.asarray(run()), np.asarray(run(loop=True)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batched", [False, True])
+def test_every_fast_table_equals_the_whole_forward_table_and_the_loop(model, batched):
+    m = model
+    if batched:
+        bound = interventions.bind(m.module, m.params, m.config, SHARED, attention_mask=SHARED_MASK)
+        source = interventions.bind(m.module, m.params, m.config, SHARED_SOURCE, attention_mask=SHARED_MASK)
+        metric_ = batch_metric
+    else:
+        bound, source, metric_ = m.bound, interventions.bind(m.module, m.params, m.config, SOURCE), metric
+    captured = source(capture=("z", "k", "attn_weights", "resid_pre", "mlp_out")).captured
+    mean = jnp.mean(captured["z"], axis=-3 if batched else 1, keepdims=True)  # a broadcast value: mean-ablation
+    mean = mean[0] if batched else mean
+    tables = {
+        "ablation": lambda **r: interventions.ablation_effects(bound, metric_, chunk=4, **r),
+        "half gate": lambda **r: interventions.ablation_effects(bound, metric_, value=0.5, chunk=None, **r),
+        "z": lambda **r: interventions.patching_effects(bound, metric_, captured["z"], **r),
+        "mean z": lambda **r: interventions.patching_effects(bound, metric_, mean, chunk=2, **r),
+        "k": lambda **r: interventions.patching_effects(bound, metric_, captured["k"], name="k", **r),
+        "attn_weights": lambda **r: interventions.patching_effects(bound, metric_, captured["attn_weights"],
+                                                                   name="attn_weights", **r),
+        "z at positions": lambda **r: interventions.patching_effects(bound, metric_, captured["z"],
+                                                                     positions=np.arange(8) >= 5, **r),
+        "resid_pre": lambda **r: interventions.patching_effects(bound, metric_, captured["resid_pre"],
+                                                                name="resid_pre", **r),
+        "mlp_out at positions": lambda **r: interventions.patching_effects(
+            bound, metric_, captured["mlp_out"], name="mlp_out", positions=np.arange(8) % 3 == 1, chunk=2, **r),
+    }
+    for name, run in tables.items():
+        fast, full = np.asarray(run()), np.asarray(run(resume=False))
+        assert fast.shape == full.shape, name
+        _close(fast, full)
+        if name in ("ablation", "resid_pre"):
+            _close(np.asarray(run(loop=True)), full)
+
+
+def test_fast_tables_refuse_a_metric_that_reads_rows_it_does_not_declare():
+    m = _run("gpt2")
+
+    def wrong(out):
+        return out.logits[-1, A] - out.logits[-1, B]
+
+    wrong.logit_rows = (2, 3)
+    with pytest.raises(ValueError, match=r"metric.logit_rows = \(2, 3\) leaves out logits rows the metric reads"):
+        interventions.ablation_effects(m.bound, wrong)
+    wrong.logit_rows = (3, 2)
+    with pytest.raises(ValueError, match=r"metric.logit_rows must be a non-empty sorted tuple of distinct positions"):
+        interventions.ablation_effects(m.bound, wrong)
+
+
+# ----------------------------------------------------------------------------------------------------
+# SmolLM2-135M (the bundled weights): induction heads and the logit lens of a fact
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return llama.load()
+
+
+@pytest.mark.slow
+def test_smollm2_has_induction_heads_on_a_repeated_random_sequence(smollm2):
+    params, config, _ = smollm2
+    half = np.random.default_rng(0).integers(1000, 40000, 24).astype(np.int32)
+    ids = np.concatenate([half, half])  # 24 random tokens, then the same 24 again
+    maps = llama.forward(params, config, ids).attentions
+    scores = np.asarray(interventions.head_scores(maps, ids, "induction"))  # [30, 9]
+    top = np.argsort(-scores, axis=None)[:5]
+    print("top induction heads (layer, head, score):",
+          [(int(i) // 9, int(i) % 9, round(float(scores.flat[i]), 3)) for i in top], "mean", round(float(scores.mean()), 4))
+    assert scores.max() > 0.5  # a head puts most of every repeated row's weight on the token after its earlier copy
+    assert scores.max() > 10 * scores.mean()  # far above the typical head
+    assert (scores > 0.5).sum() >= 3  # several such heads, not one outlier
+
+
+@pytest.mark.slow
+def test_smollm2_logit_lens_ranks_paris_first_at_the_last_layer(smollm2):
+    params, config, tok = smollm2
+    ids = np.asarray(tok.encode("The capital of France is"), np.int32)
+    (paris,) = tok.encode(" Paris")
+    lens = np.asarray(interventions.logit_lens(interventions.bind(llama, params, config, ids), positions=[-1]))[:, 0]
+    ranks = [int((row > row[paris]).sum()) for row in lens]  # [L + 1]: 0 is the top token
+    print("rank of ' Paris' after 'The capital of France is', stream entering each layer, then the output:", ranks)
+    assert ranks[-1] == 0  # the model's own logits put " Paris" first
+    assert min(ranks[:10]) > 100  # the early stream does not (the lens reads something the later layers build)
+
+
+def test_joint_patching_of_one_head_is_its_table_entry_and_of_all_heads_is_one_patch():
+    m = _run("llama")
+    value = m.source["z"]
+    table = interventions.patching_effects(m.bound, metric, value, chunk=None)
+    one = interventions.joint_patching_effect(m.bound, metric, value, [(1, 2)])
+    assert float(one) == pytest.approx(float(table[1, 2]), abs=2e-5)
+    everything = interventions.joint_patching_effect(m.bound, metric, value, "all")
+    by_hand = metric(m.forward(IDS, patch={"z": (value, np.ones((2, 1, 4, 1), bool))})) - metric(m.run)
+    assert float(everything) == pytest.approx(float(by_hand), abs=2e-5)
+    with pytest.raises(ValueError, match=r"heads must be \(layer, head\) pairs with layer < 2 and head < 4"):
+        interventions.joint_patching_effect(m.bound, metric, value, [(0, 4)])
+    with pytest.raises(ValueError, match=r"heads must be 'all' or a non-empty list"):
+        interventions.joint_patching_effect(m.bound, metric, value, "some")

@@ -8,8 +8,8 @@ effect of every head is one compiled program over a batch of masks or patches: n
 - effect tables ``[L, N]`` for a metric of the output (``_effects``): :func:`ablation_effects`,
   :func:`patching_effects` (activation patching; mean-ablation with :func:`reference_mean`),
   :func:`gate_gradients`, :func:`attribution_patching`, :func:`attention_gradient`,
-  :func:`layer_gradients`, :func:`metric_value`, and the masks they run, :func:`head_masks`,
-  :func:`head_where`; residual-stream and block-output sites (:data:`POSITION_SITES`) patched by layer
+  :func:`layer_gradients`, :func:`metric_value`, :func:`joint_patching_effect` (heads patched at once),
+  and the masks they run, :func:`head_masks`, :func:`head_where`; residual-stream and block-output sites (:data:`POSITION_SITES`) patched by layer
   and position, ``[L, T]``;
 - the direct effect on the logits (``_lens``): :func:`logit_lens` (every layer's stream read through
   the final norm and the unembedding), :func:`logit_attribution` (each head's, MLP's and the
@@ -30,7 +30,9 @@ effect of every head is one compiled program over a batch of masks or patches: n
   :func:`attention_inputs`, :func:`entropy_bounds`;
 - reports (``_report``): :func:`head_tables` (every method's table), :func:`correlations`,
   :func:`top_heads`, :func:`heatmaps_png`, :func:`benchmark_ablations` (one program vs a loop),
-  :func:`bound_summary`, and their ``render_*`` functions.
+  :func:`bound_summary`, and their ``render_*`` functions;
+- timing (``_bench``): :func:`benchmark_tables` (tables resumed, as one program of whole forwards, or as
+  a loop; wall and CPU time, compilation apart), :data:`WAYS`.
 
 Needs the ``[models]`` extra (the tokenizers; the bundled models).
 """
@@ -39,6 +41,7 @@ from jaxattn._extras import require
 
 require("models", "jaxattn.interventions", "safetensors", "tokenizers", "huggingface_hub")
 
+from jaxattn.interventions._bench import WAYS, benchmark_tables  # noqa: E402
 from jaxattn.interventions._effects import (  # noqa: E402
     HEAD_SITES,
     POSITION_SITES,
@@ -48,6 +51,7 @@ from jaxattn.interventions._effects import (  # noqa: E402
     gate_gradients,
     head_masks,
     head_where,
+    joint_patching_effect,
     layer_gradients,
     metric_value,
     patching_effects,
@@ -104,6 +108,7 @@ __all__ = [
     "HEAD_SITES",
     "METHODS",
     "POSITION_SITES",
+    "WAYS",
     "Bound",
     "Problem",
     "Schema",
@@ -114,6 +119,7 @@ __all__ = [
     "attention_row_reduce",
     "attribution_patching",
     "benchmark_ablations",
+    "benchmark_tables",
     "best_head",
     "bind",
     "bound_summary",
@@ -134,6 +140,7 @@ __all__ = [
     "head_scores",
     "head_tables",
     "head_where",
+    "joint_patching_effect",
     "heatmaps_png",
     "layer_gradients",
     "lm_scorer",

@@ -11,6 +11,8 @@ Each table is ``[L, N]``:
   ``patch``: activation patching from another input's run, or mean-ablation with :func:`reference_mean`;
   for a residual-stream or block-output site (:data:`POSITION_SITES`) the table is by layer and
   position, ``[L, T]``;
+- :func:`joint_patching_effect`: several heads patched at once (one number), against the sum of their
+  single patching effects;
 - :func:`gate_gradients`: ``∂metric/∂head_mask`` at ones;
 - :func:`attribution_patching`: ``Σ (value - clean) · ∂metric/∂tensor`` over the head's entries, the
   first-order estimate of :func:`patching_effects`;
@@ -18,9 +20,14 @@ Each table is ``[L, N]``:
   attention × gradient attribution of that query;
 - :func:`layer_gradients`: the total derivative of the metric with respect to any captured tensor.
 
-The L·N (or L·T) interventions of a table run as ``jax.lax.map`` over the stacked masks or patches with
-``batch_size=chunk``: ``jax.vmap`` over ``chunk`` of them at a time, so at most ``chunk`` copies of the
-activations are alive at once, in one ``jax.jit`` program that takes the weights as arguments.
+An intervention at layer ``l`` leaves the layers below it as they are, so the L·N (or L·T) interventions
+of a table resume at their own layer from the clean stream entering it (computed once), grouped by
+layer, ``jax.vmap`` over ``chunk`` of them at a time beside the clean run they are measured from, in one
+``jax.jit`` program that takes the weights as arguments (``_programs``; a batch whose sequences share a
+prefix runs the prefix once, ``_packing``). A model module without the protocol's ``resume`` (an
+encoder), or ``resume=False``, runs whole forwards: ``jax.lax.map`` over the stacked masks or patches
+with ``batch_size=chunk``; ``loop=True``, a Python loop of one jitted forward each. All three give the
+same table (to float rounding).
 
 Axis alphabet: B inputs of a batch, L layers, N heads, T queries, S keys, H head dim.
 """
@@ -36,6 +43,12 @@ import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.interventions._model import Bound
+from jaxattn.interventions._programs import check_chunk as _check_chunk
+from jaxattn.interventions._programs import default_float as _float
+from jaxattn.interventions._programs import program as _program
+from jaxattn.interventions._programs import resumable, resumed_effects
+from jaxattn.interventions._programs import run_map as _run_map
+from jaxattn.interventions._programs import scalar as _scalar
 
 Array = jax.Array
 Metric = Callable[[Any], Array]
@@ -56,41 +69,6 @@ def _check_metric(metric: Any) -> Metric:
     if not callable(metric):
         raise TypeError(f"metric must be a function output -> scalar, received {type(metric).__name__}")
     return metric
-
-
-def _check_chunk(chunk: Any, total: int) -> int:
-    if chunk is None:
-        return total
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int (interventions run at once) or None (all), received {chunk!r}")
-    return min(int(chunk), total)
-
-
-def _scalar(metric: Metric, out: Any) -> Array:
-    """``metric(out)`` as a float scalar; a result that is not one real number (int or float) is refused.
-
-    The checks read only the result's type, dtype and shape, which are static under ``jax.jit``.
-    """
-    value = metric(out)
-    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
-        dtype = value.dtype
-    elif isinstance(value, (int, float, complex)):  # bool is an int: refused below by its dtype
-        dtype = np.asarray(value).dtype
-    else:
-        raise TypeError(f"metric must return a real scalar (an int or float, or a 0-d array of one), received "
-                        f"{type(value).__name__}")
-    if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        raise TypeError(f"metric must return a real scalar (an int or float, or a 0-d array of one), received "
-                        f"dtype {np.dtype(dtype).name}")
-    if jnp.shape(value) != ():
-        raise ValueError(f"metric must return a scalar, received shape {tuple(jnp.shape(value))}")
-    value = jnp.asarray(value)
-    return value.astype(jnp.promote_types(value.dtype, jnp.float32))
-
-
-def _float() -> Any:
-    """The default float dtype: float32, or float64 under ``jax.enable_x64`` (finite differences need it)."""
-    return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
 def head_masks(n_layers: int, n_heads: int, *, value: float = 0.0) -> Array:
@@ -140,31 +118,6 @@ def head_where(name: str, shape: Sequence[int], *, positions: Any = None) -> Arr
     return jnp.asarray(out)
 
 
-@functools.lru_cache(maxsize=64)
-def _program(fn: Callable[[Any, Any], Array], size: int | None) -> Callable[[Any, Any], Array]:
-    """``jit(lax.map(fn, xs, batch_size=size))``, or ``jit(fn)`` for one item (``size=None``); kept per
-    ``(fn, size)`` so a second table of the same shapes compiles nothing."""
-    if size is None:
-        return jax.jit(fn)
-    return jax.jit(lambda args, xs: jax.lax.map(lambda x: fn(args, x), xs, batch_size=size))
-
-
-def _run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None, loop: bool) -> Array:
-    """``[fn(args, x) for x in xs]``: one ``jit(lax.map(..., batch_size=chunk))``, or a Python loop of one
-    jitted call per item. ``xs[0]`` is the clean intervention (no change); the result is
-    ``fn(xs[1:]) - fn(xs[0])``, both from the same compiled program."""
-    total = jax.tree.leaves(xs)[0].shape[0]
-    if loop:
-        one = _program(fn, None)
-        values = jnp.stack([one(args, jax.tree.map(lambda a: a[i], xs)) for i in range(total)])
-    else:
-        size = _check_chunk(chunk, total)
-        pad = -total % size  # whole chunks only (one compiled body): repeat the clean row
-        padded = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)]), xs)
-        values = _program(fn, size)(args, padded)[:total]
-    return values[1:] - values[0]
-
-
 def metric_value(bound: Bound, metric: Metric) -> Array:
     """``metric(bound())``: the clean value every table is measured from (compiled)."""
     _check_bound(bound), _check_metric(metric)
@@ -200,7 +153,7 @@ def _position_patch_fn(apply: Callable[..., Any], metric: Metric, name: str, L: 
 
 
 def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, value: float = 0.0,
-                     loop: bool = False) -> Array:
+                     loop: bool = False, resume: bool = True) -> Array:
     """``[L, N]``: ``metric(head (l, n) multiplied by value) - metric(clean)``; ``value=0`` ablates.
 
     Every ablation multiplies one head's output ``z`` by ``value`` through ``head_mask`` (Hugging Face's
@@ -210,10 +163,13 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
     Args:
       bound: the model on its inputs (:func:`bind`).
       metric: ``output -> scalar``.
-      chunk: how many ablations run at once (``jax.vmap``) inside the one program: at most ``chunk``
-        copies of the activations are alive; ``None`` runs all L·N at once.
+      chunk: how many runs go at once (``jax.vmap``) inside the one program: at most ``chunk`` copies of
+        the activations are alive. Resumed, a batch holds one layer's heads and the clean run they are
+        measured from (at least 2 runs); ``None`` runs a layer's heads at once (all L·N, whole forwards).
       value: the gate of the ablated head, a finite real number (0: removed; 1: no change).
-      loop: run a Python loop of one jitted forward per head instead (the same numbers; a baseline).
+      loop: run a Python loop of one jitted whole forward per head instead (the same numbers; a baseline).
+      resume: resume each ablation at its layer from the clean stream entering it (when the model has the
+        protocol's ``resume``; see the module docstring); ``False``: whole forwards in one ``lax.map``.
 
     Raises:
       TypeError, ValueError: naming ``bound``, ``metric`` (also for a result that is not a real scalar),
@@ -222,6 +178,10 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
     _check_bound(bound), _check_metric(metric)
     value = _check_gate(value)
     L, N = bound.n_layers, bound.n_heads
+    _check_chunk(chunk, L * N)
+    if resume and not loop and resumable(bound):
+        return resumed_effects(bound, metric, kind="gate", G=N, extra=jnp.asarray(value, _float()), chunk=chunk,
+                               shape=(L, N))
     masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
     return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, loop).reshape(L, N)
 
@@ -293,7 +253,7 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
 
 
 def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
-                     chunk: int | None = 16, loop: bool = False) -> Array:
+                     chunk: int | None = 16, loop: bool = False, resume: bool = True) -> Array:
     """``[L, N]``: ``metric(head (l, n)'s name replaced by value) - metric(clean)`` (activation patching);
     ``[L, T]`` by layer and position for a residual-stream or block-output site.
 
@@ -316,7 +276,7 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         together, in every head's intervention); for a position site, the positions patched one at a
         time: the table is then ``[L, P]``, one column per selected position in increasing order (``P``
         is the number selected; all ``T`` when ``None``).
-      chunk, loop: as in :func:`ablation_effects`.
+      chunk, loop, resume: as in :func:`ablation_effects`.
 
     Raises:
       TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name``, ``positions`` or ``chunk``.
@@ -324,15 +284,68 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
     _check_bound(bound), _check_metric(metric)
     value = _check_value(name, value, HEAD_SITES + POSITION_SITES)
     shape = _where_shape(bound, name, value)
+    fast = resume and not loop and resumable(bound)
     if name in POSITION_SITES:  # [L, T, D]: one (layer, position) pair per intervention, row 0 the clean run
         L, T = shape[0], shape[1]
         pairs, P = _position_pairs(L, T, positions)
+        _check_chunk(chunk, L * P)
+        if fast:
+            return resumed_effects(bound, metric, kind="position", G=P, extra=value, chunk=chunk, name=name,
+                                   shape=shape, labels=pairs[1:P + 1, 1])
         fn = _position_patch_fn(bound.apply, metric, name, L, T)
         return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, loop).reshape(L, P)
+    if fast:
+        axes = CAPTURE_NAMES[name][0].split()
+        heads = shape[1 + (axes.index("N") if "N" in axes else axes.index("K"))]
+        _check_chunk(chunk, shape[0] * heads)
+        pos = None if positions is None else _check_positions(positions, shape[1 + axes.index("T")])
+        return resumed_effects(bound, metric, kind="head", G=heads, extra=(value, pos), chunk=chunk, name=name,
+                               shape=shape)
     where = head_where(name, shape, positions=positions)  # [L·N, L, ...]
     where = jnp.concatenate([jnp.zeros_like(where[:1]), where])  # row 0: nothing patched (the clean run)
     effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop)
     return effects.reshape(bound.n_layers, -1)
+
+
+def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, *, name: str = "z") -> Array:
+    """``metric(every head in heads patched with value at once) - metric(clean)``: one scalar.
+
+    Set against the sum of the heads' single effects (:func:`patching_effects`), it says whether the
+    effects add up: they do when the heads act independently on the metric.
+
+    Args:
+      bound, metric, value, name: as in :func:`patching_effects` (a tensor with a head axis).
+      heads: ``(layer, head)`` pairs (key/value heads for ``k``, ``v``), or ``"all"``: every head of every
+        layer.
+
+    Raises:
+      TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name`` or ``heads``.
+    """
+    _check_bound(bound), _check_metric(metric)
+    value = _check_value(name, value)
+    shape = _where_shape(bound, name, value)
+    every = head_where(name, shape)  # [L·G, L, ...], one head each
+    G = every.shape[0] // shape[0]
+    if isinstance(heads, str) and heads == "all":
+        picked = list(range(every.shape[0]))
+    else:
+        pairs = np.asarray(heads)
+        if pairs.ndim != 2 or pairs.shape[1:] != (2,) or pairs.shape[0] == 0 or not np.issubdtype(pairs.dtype, np.integer):
+            raise ValueError(f"heads must be 'all' or a non-empty list of (layer, head) int pairs, received {heads!r}")
+        if np.any(pairs < 0) or np.any(pairs[:, 0] >= shape[0]) or np.any(pairs[:, 1] >= G):
+            raise ValueError(f"heads must be (layer, head) pairs with layer < {shape[0]} and head < {G}, received "
+                             f"{pairs.tolist()}")
+        picked = (pairs[:, 0] * G + pairs[:, 1]).tolist()
+    where = jnp.any(every[jnp.asarray(picked)], axis=0)  # [L, ...]
+    run = _program(_patch_fn(bound.apply, metric, name), None)
+    return run((bound.args, value), where) - run((bound.args, value), jnp.zeros_like(where))
+
+
+def _check_positions(positions: Any, T: int) -> Array:
+    pos = np.asarray(positions)
+    if pos.dtype != np.bool_ or pos.shape != (T,):
+        raise ValueError(f"positions must be boolean [T] = ({T},), received dtype {pos.dtype.name} shape {pos.shape}")
+    return jnp.asarray(pos)
 
 
 def gate_gradients(bound: Bound, metric: Metric) -> Array:

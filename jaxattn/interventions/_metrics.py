@@ -47,7 +47,8 @@ def choice_metric(choices: Mapping[str, Any]) -> Callable[[Any], Array]:
 
     Returns:
       a metric of a batched causal model's output (``logits [2, T, V]``): positive when the model prefers
-      choice 0.
+      choice 0. It reads the logits rows that predict the choices' tokens only, and says which in its
+      attribute ``logit_rows`` (the effect tables then unembed those rows alone).
     """
     ids = np.asarray(choices["input_ids"])
     start, end = np.asarray(choices["start"]), np.asarray(choices["end"])
@@ -59,9 +60,13 @@ def choice_metric(choices: Mapping[str, Any]) -> Callable[[Any], Array]:
     ids_j = jnp.asarray(ids)
 
     def metric(output: Any) -> Array:
-        lp = [span_log_prob(output.logits[i], ids_j[i], int(start[i]), int(end[i])) for i in range(2)]
+        lp = []
+        for i in range(2):  # rows start-1 .. end-1 alone: the span's scores, without a softmax over every row
+            a, b = int(start[i]) - 1, int(end[i])
+            lp.append(span_log_prob(output.logits[i, a:b], ids_j[i, a:b], 1, b - a))
         return lp[0] - lp[1]
 
+    metric.logit_rows = tuple(sorted({t for i in range(2) for t in range(int(start[i]) - 1, int(end[i]) - 1)}))
     return metric
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -42,6 +43,10 @@ class Bound:
         batch of the same shape) or not (``[L, ...]``, shared); ``where`` never has one.
       module, config: the model module (its protocol: ``final_norm``, ``unembed``, ``head_projections``...)
         and config the forward was bound with; ``args["params"]`` holds its params.
+      resume: ``(args, layer, resid_pre, attentions, *, head_mask, patch) -> output``, the forward from block
+        ``layer`` on (the protocol's ``resume``), from ``resid_pre [(B,) T, D]`` with the maps
+        ``attentions [(B,) L, N, T, T]`` of the blocks before it; ``None`` when the module has no ``resume``
+        (the tables then run whole forwards).
     """
 
     apply: Callable[..., Any]
@@ -51,6 +56,7 @@ class Bound:
     batch: int | None = None
     module: Any = None
     config: Any = None
+    resume: Callable[..., Any] | None = None
 
     def __call__(self, *, head_mask: Any = None, patch: Mapping[str, tuple[Any, Any]] | None = None,
                  capture: Sequence[str] = ()) -> Any:
@@ -86,23 +92,67 @@ def _apply_fn(forward: Callable[..., Any], config: Any, batched: bool) -> Callab
         capture = _names(capture)
         if not batched:
             return one(args, args["ids"], args["mask"], head_mask, patch, capture)
-        patch = dict(patch or {})
-        axes = {}
-        for name, (value, where) in patch.items():
-            if name not in CAPTURE_NAMES:
-                raise ValueError(f"patch: unknown name {name!r}; the names are {', '.join(CAPTURE_NAMES)}")
-            rank = _site_rank(name)
-            if jnp.ndim(where) != rank:
-                raise ValueError(f"patch[{name!r}] where must have {rank} axes [L, ...] (no batch axis), "
-                                 f"received shape {tuple(jnp.shape(where))}")
-            if jnp.ndim(value) not in (rank, rank + 1):
-                raise ValueError(f"patch[{name!r}] value must have shape [L, ...] or [B, L, ...] ({rank} or "
-                                 f"{rank + 1} axes), received shape {tuple(jnp.shape(value))}")
-            axes[name] = (0 if jnp.ndim(value) == rank + 1 else None, None)
+        patch, axes = _batch_axes(patch)
         run = jax.vmap(lambda i, m, p: one(args, i, m, head_mask, p, capture), in_axes=(0, 0, axes))
         return run(args["ids"], args["mask"], patch)
 
     return apply
+
+
+def _batch_axes(patch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(patch, in_axes)`` for a batched forward: a value ``[B, L, ...]`` is vmapped, ``[L, ...]`` shared."""
+    patch = dict(patch or {})
+    axes = {}
+    for name, (value, where) in patch.items():
+        if name not in CAPTURE_NAMES:
+            raise ValueError(f"patch: unknown name {name!r}; the names are {', '.join(CAPTURE_NAMES)}")
+        rank = _site_rank(name)
+        if jnp.ndim(where) != rank:
+            raise ValueError(f"patch[{name!r}] where must have {rank} axes [L, ...] (no batch axis), "
+                             f"received shape {tuple(jnp.shape(where))}")
+        if jnp.ndim(value) not in (rank, rank + 1):
+            raise ValueError(f"patch[{name!r}] value must have shape [L, ...] or [B, L, ...] ({rank} or "
+                             f"{rank + 1} axes), received shape {tuple(jnp.shape(value))}")
+        axes[name] = (0 if jnp.ndim(value) == rank + 1 else None, None)
+    return patch, axes
+
+
+@functools.lru_cache(maxsize=64)
+def _resume_fn(resume: Callable[..., Any], config: Any, batched: bool, packs: bool) -> Callable[..., Any]:
+    """The ``resume`` of :func:`bind` (one per model, config and batching, like ``apply``); ``packs``: the
+    module's ``resume`` takes a ``[T, T]`` mask with ``positions`` (packed sequences)."""
+
+    def one(args, resid, layer, attentions, mask, head_mask, patch, **packed):
+        return resume(args["params"], config, resid, layer, attention_mask=mask, head_mask=head_mask, patch=patch,
+                      attentions=attentions, **packed, **args["kwargs"])
+
+    def run(args, layer, resid_pre, attentions, *, head_mask=None, patch=None, packed=None):
+        if packed is not None:  # (keep [T', T'], positions [T']): the batch packed into one sequence
+            return one(args, resid_pre, layer, attentions, packed[0], head_mask, patch, positions=packed[1])
+        if not batched:
+            return one(args, resid_pre, layer, attentions, args["mask"], head_mask, patch)
+        patch, axes = _batch_axes(patch)
+        each = jax.vmap(lambda r, a, m, p: one(args, r, layer, a, m, head_mask, p), in_axes=(0, 0, 0, axes))
+        return each(resid_pre, attentions, args["mask"], patch)
+
+    run.packs = packs
+    return run
+
+
+def _resumable(module: Any, kwargs: Mapping[str, Any]) -> tuple[Callable[..., Any], bool] | None:
+    """``(resume, packs)`` if the module has a ``resume`` that takes every further forward argument bound
+    (``packs``: and ``positions``, for packed sequences), else ``None``."""
+    resume = getattr(module, "resume", None)
+    if not callable(resume):
+        return None
+    try:
+        params = inspect.signature(resume).parameters
+    except (TypeError, ValueError):
+        return None
+    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not anything and not all(k in params for k in kwargs):
+        return None
+    return resume, anything or "positions" in params
 
 
 def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
@@ -121,7 +171,9 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         in ``args`` (arrays are traced, not baked in).
 
     Returns:
-      a :class:`Bound`; ``bound()`` is the plain forward, ``bound(head_mask=m)`` ablates.
+      a :class:`Bound`; ``bound()`` is the plain forward, ``bound(head_mask=m)`` ablates. Its ``resume`` is
+      the module's ``resume`` (the forward from a layer on, which the effect tables use) when the module
+      has one that takes every argument in ``forward_kwargs``, else ``None``.
     """
     if not callable(getattr(module, "forward", None)):
         raise TypeError(f"module must be a model module with a forward function (e.g. jaxattn.gpt2), received {module!r}")
@@ -141,4 +193,7 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         raise TypeError(f"module must implement the model protocol (jaxattn.models): {module!r} has no sizes(config)")
     sizes = module.sizes(config)
     args = {"params": params, "ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "kwargs": dict(forward_kwargs)}
-    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config)
+    resume = _resumable(module, forward_kwargs)
+    if resume is not None:
+        resume = _resume_fn(resume[0], config, batch is not None, resume[1])
+    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume)

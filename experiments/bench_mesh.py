@@ -57,7 +57,9 @@ def _mesh_shape(n: int, config: llama.LlamaConfig, asked: str | None) -> tuple[i
     if asked:
         data, model = (int(x) for x in asked.split("x"))
         return data, model
-    fits = [d for d in range(1, n + 1) if n % d == 0 and math.gcd(config.num_key_value_heads, config.intermediate_size) % d == 0]
+    # the largest model axis the key/value heads and the MLP divide by that leaves a data axis of 2 or more
+    fits = [d for d in range(1, n // 2 + 1)
+            if n % d == 0 and math.gcd(config.num_key_value_heads, config.intermediate_size) % d == 0]
     model = max(fits)
     return n // model, model
 
@@ -96,8 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", "1b", "smollm2"], default="1b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--mesh", default=None, help="data x model, e.g. 2x4 (default: every device, the "
-                                                     "largest model axis the heads and MLP divide by)")
+    parser.add_argument("--mesh", default=None, help="data x model, e.g. 2x4 (default: every device, the largest "
+                                                     "model axis the heads and MLP divide by with data >= 2)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--table-T", type=int, default=64, help="tokens of the ablation table's sequence")

@@ -213,6 +213,9 @@ def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, fa
         p = jax.lax.switch(i, layers)  # block i's params
         return _block(family, config, p, i, x, rot, mask, scale, heads, w, sites)
 
+    q0 = jax.eval_shape(lambda: family.qkv(layers[0](), config, resid, rot)[0])  # [T, N, H]
+    weights = _sharding.maps_like(weights, q0)  # under Explicit mesh axes: split like the maps written into it
+
     x, weights = jax.lax.fori_loop(layer, L, body, (resid, weights))  # [T, D], [L, N, T, T]
     h = family.final_norm(params, config, x)  # [T, D]
     return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights, captured={})

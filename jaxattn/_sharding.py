@@ -245,18 +245,31 @@ def auto(fn: Callable[..., Any], out_specs: Any = None) -> Callable[..., Any]:
     return run
 
 
-def head_specs(q: Array) -> tuple[PartitionSpec, PartitionSpec]:
+def _sharding_of(x: Any) -> Any:
+    return x.sharding if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x).sharding
+
+
+def head_specs(q: Any) -> tuple[PartitionSpec, PartitionSpec]:
     """``out_specs`` for :func:`auto` of an attention ``(z [T, N, V], weights [N, T, S])``: split over the
-    mesh axes of the tokens and heads of ``q [T, N, H]``."""
-    t, n = (tuple(jax.typeof(q).sharding.spec) + (None, None))[:2]
+    mesh axes of the tokens and heads of ``q [T, N, H]`` (an array or a ``jax.ShapeDtypeStruct``)."""
+    t, n = (tuple(getattr(_sharding_of(q), "spec", ())) + (None, None))[:2]
     return PartitionSpec(t, n, None), PartitionSpec(n, t, None)
+
+
+def maps_like(weights: Array, q: Any) -> Array:
+    """``weights [L, N, T, S]`` (a buffer of every layer's maps) split like the maps of ``q [T, N, H]`` under
+    Explicit axes (``jax.sharding.reshard``); as it is otherwise."""
+    mesh = getattr(_sharding_of(q), "mesh", None)
+    if mesh is None or not mesh.explicit_axes:
+        return weights
+    return jax.sharding.reshard(weights, NamedSharding(mesh, PartitionSpec(None, *head_specs(q)[1])))
 
 
 def zeros(shape: tuple[int, ...], dtype: Any, like: Any) -> Array:
     """``jnp.zeros(shape, dtype)``; under Explicit axes with the sharding of ``like`` (an array or a
     ``jax.ShapeDtypeStruct``), whose dims are the trailing dims of ``shape`` (the leading ones
     replicated): a buffer ``like`` is written into."""
-    sharding = like.sharding if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like).sharding
+    sharding = _sharding_of(like)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not mesh.explicit_axes:
         return jnp.zeros(shape, dtype)

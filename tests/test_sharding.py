@@ -33,9 +33,13 @@ SLOW = [
     "bert_auto_forward",
     "llama_gqa_qk_norm_explicit_forward",
     "split_vocab_explicit_forward",
+    "llama_inside_shard_map_over_data",
     "smollm2_2x3_explicit_forward_log_prob_generate",
     "smollm2_2x3_auto_forward_generate",
     "smollm2_load_streams_to_mesh",
+    "tables_explicit",
+    "tables_auto",
+    "smollm2_2x3_ablation_table",
 ]
 
 
@@ -512,6 +516,23 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         expect_spec(out.logits, ("data", None, None), "logits")
         return rel(out.logits, ref.logits, "logits")
 
+    def llama_inside_shard_map_over_data():  # the data axis Manual (the user's shard_map), the model axis Explicit
+        params, config = tiny_llama()
+        m = mesh((2, 2), AxisType.Explicit)
+        ids, mask = batch(4, 8, config.vocab_size)
+        ref = forward_fn(llama, config)(params, ids, mask)
+
+        def local(p, i, k):  # this device group's rows
+            return jax.vmap(lambda a, b: llama.forward(p, config, a, attention_mask=b).logits)(i, k)
+
+        sharded = llama.shard(params, config, m)
+        with jax.set_mesh(m):
+            f = jax.jit(jax.shard_map(local, in_specs=(P(), P("data"), P("data")), out_specs=P("data"),
+                                      axis_names={"data"}))
+            out = f(sharded, *on_data(m, ids, mask))
+        expect_spec(out, ("data", None, None), "logits")
+        return rel(out, ref.logits, "logits")
+
     # ---- SmolLM2-135M on 2 x 3 (9 heads, 3 key/value heads) ----
 
     smol = {}
@@ -567,6 +588,117 @@ def _main(group):  # pragma: no cover - runs in the subprocess
             want = np.asarray(jnp.asarray(ref[key], jnp.bfloat16))
             np.testing.assert_array_equal(np.asarray(value), want, err_msg=key)
         return len(flat)
+
+    # ---- intervention tables with mesh= ----
+
+    def rel_table(a, b, clean, what):
+        """A table's entries are differences of two metric values: float32 rounds them at about 1e-7 of the
+        metric itself, so the scale is the larger of the table's largest entry and the clean metric."""
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = max(float(np.max(np.abs(b))), abs(float(clean)))
+        err = float(np.max(np.abs(a - b))) / scale
+        if not err <= 1e-5:
+            raise AssertionError(f"{what}: max |mesh - one| / {scale:.3g} = {err:.3g} > 1e-5")
+        return err
+
+    def tables_checks(kind):
+        from jaxattn import interventions as iv
+
+        params, config = tiny_llama()
+        m = mesh((2, 2), kind)
+        ids, ids2 = (rng.integers(0, config.vocab_size, 7).astype(np.int32) for _ in range(2))
+
+        def metric(out):
+            return jax.nn.log_softmax(out.logits[-2])[ids[-1]]
+
+        one = iv.bind(llama, params, config, ids)
+        source = iv.bind(llama, params, config, ids2)(capture=("z", "resid_pre"))
+        sharded = llama.shard(params, config, m)
+        on_mesh = iv.bind(llama, sharded, config, ids)
+        clean = iv.metric_value(one, metric)
+        errs = {}
+        tables = {
+            "ablation_effects": lambda b, **kw: iv.ablation_effects(b, metric, chunk=3, **kw),
+            "patching_effects z": lambda b, **kw: iv.patching_effects(b, metric, source.captured["z"], **kw),
+            "patching_effects resid_pre": lambda b, **kw: iv.patching_effects(
+                b, metric, source.captured["resid_pre"], name="resid_pre", **kw),
+            "gate_gradients": lambda b, **kw: iv.gate_gradients(b, metric, **kw),
+            "attribution_patching": lambda b, **kw: iv.attribution_patching(b, metric, source.captured["z"], **kw),
+        }
+        for name, table in tables.items():
+            ref, out = table(one), table(on_mesh, mesh=m)
+            if out.shape != ref.shape or out.sharding.mesh != m or not out.sharding.is_fully_replicated:
+                raise AssertionError(f"{name}: {out.shape} {out.sharding}, expected {ref.shape} replicated on the mesh")
+            errs[name] = rel_table(out, ref, clean, name)
+        lens, lens_m = iv.logit_lens(one, positions=[-2, -1]), iv.logit_lens(on_mesh, positions=[-2, -1], mesh=m)
+        assert lens_m.sharding.mesh == m and lens_m.sharding.is_fully_replicated, lens_m.sharding
+        errs["logit_lens"] = rel(lens_m, lens, "logit_lens")
+        dla, dla_m = iv.logit_attribution(one, (3, 5)), iv.logit_attribution(on_mesh, (3, 5), mesh=m)
+        assert dla.keys() == dla_m.keys(), (dla.keys(), dla_m.keys())
+        errs["logit_attribution"] = max(rel_table(dla_m[k], dla[k], dla["total"], k) for k in dla)
+        # head_scores of a sharded forward's maps (the ids follow the maps' batch split)
+        batch_ids = rng.integers(0, 8, (4, 9)).astype(np.int32)  # a small vocabulary: repeated tokens
+        maps = forward_fn(llama, config)(params, batch_ids, np.ones((4, 9), bool)).attentions
+        with jax.set_mesh(m):
+            maps_m = forward_fn(llama, config)(sharded, *on_data(m, batch_ids, np.ones((4, 9), bool))).attentions
+        for kind in iv.HEAD_KINDS:
+            scores, scores_m = iv.head_scores(maps, batch_ids, kind), iv.head_scores(maps_m, batch_ids, kind)
+            if m.axis_types[0] == AxisType.Explicit:
+                expect_spec(scores_m, ("data", None, "model"), f"head_scores {kind}")
+            errs[f"head_scores {kind}"] = rel(scores_m, scores, kind)
+        # params on one device are replicated onto the mesh; a batch of inputs under one mask
+        errs["replicated params"] = rel_table(iv.ablation_effects(one, metric, mesh=m),
+                                              iv.ablation_effects(one, metric), clean, "replicated params")
+        both = np.stack([ids, ids2])
+
+        def batch_metric(out):
+            return jnp.sum(jax.vmap(lambda lg, t: jax.nn.log_softmax(lg[-2])[t])(out.logits, both[:, -1]))
+
+        b_one, b_mesh = iv.bind(llama, params, config, both), iv.bind(llama, sharded, config, both)
+        errs["batched ablation"] = rel_table(iv.ablation_effects(b_mesh, batch_metric, mesh=m),
+                                             iv.ablation_effects(b_one, batch_metric),
+                                             iv.metric_value(b_one, batch_metric), "batched ablation")
+        return errs
+
+    def tables_explicit():
+        return tables_checks(AxisType.Explicit)
+
+    def tables_auto():
+        return tables_checks(AxisType.Auto)
+
+    def smollm2_2x3_ablation_table():  # 270 heads: 30 layers x 9, split over data=2, the model over model=3
+        """Float32 rounds this table's entries at about 3e-5 of the metric (one device against float64), so
+        equality within 1e-5 cannot hold for any other summation order; the check is that the mesh's table
+        is as close to the float64 table as one device's (within 1.5 times), and the mesh-one difference is
+        reported."""
+        from jaxattn import interventions as iv
+
+        params, config, tok = smollm2()
+        m = mesh((2, 3), AxisType.Explicit)
+        ids = np.asarray(tok.encode("The trophy didn't fit in the suitcase because it was too big."), np.int32)
+        target = int(ids[-1])
+
+        def metric(out):
+            return jax.nn.log_softmax(out.logits[-2])[target]
+
+        one = iv.bind(llama, params, config, ids)
+        t0 = time.perf_counter()
+        ref = np.asarray(iv.ablation_effects(one, metric, chunk=32), np.float64)
+        t1 = time.perf_counter()
+        out = iv.ablation_effects(iv.bind(llama, llama.shard(params, config, m), config, ids), metric, chunk=32, mesh=m)
+        t2 = time.perf_counter()
+        assert out.shape == (30, 9) and out.sharding.mesh == m and out.sharding.is_fully_replicated, out.sharding
+        with jax.enable_x64(True):
+            exact = np.asarray(iv.ablation_effects(iv.bind(llama, jax.tree.map(lambda x: jnp.asarray(x, jnp.float64),
+                                                                               params), config, ids), metric, chunk=32))
+        out = np.asarray(out, np.float64)
+        scale = abs(float(iv.metric_value(one, metric)))
+        one_err, mesh_err = np.max(np.abs(ref - exact)) / scale, np.max(np.abs(out - exact)) / scale
+        if not mesh_err <= 1.5 * one_err:
+            raise AssertionError(f"mesh table {mesh_err:.3g} from float64, one device's {one_err:.3g}")
+        return dict(mesh_vs_one=float(np.max(np.abs(out - ref)) / scale), one_vs_float64=float(one_err),
+                    mesh_vs_float64=float(mesh_err), seconds_one_device_with_compile=round(t1 - t0, 1),
+                    seconds_mesh_with_compile=round(t2 - t1, 1))
 
     checks = {"fast": FAST, "slow": SLOW}.get(group) or group.split(",")
     for name in checks:

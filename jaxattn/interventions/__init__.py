@@ -9,8 +9,10 @@ effect of every head is one compiled program over a batch of masks or patches: n
   :func:`patching_effects` (activation patching; mean-ablation with :func:`reference_mean`),
   :func:`gate_gradients`, :func:`attribution_patching`, :func:`attention_gradient`,
   :func:`layer_gradients`, :func:`metric_value`, :func:`joint_patching_effect` (heads patched at once),
-  and the masks they run, :func:`head_masks`, :func:`head_where`; residual-stream and block-output sites (:data:`POSITION_SITES`) patched by layer
-  and position, ``[L, T]``;
+  and the masks they run, :func:`head_masks`, :func:`head_where`; residual-stream and block-output
+  sites (:data:`POSITION_SITES`) patched by layer and position, ``[L, T]``; with ``mesh=`` the
+  interventions are split over a ``jax.sharding`` mesh's data axis and the model runs as ``shard``
+  placed it (``_mesh``, ``docs/scaling.md``);
 - the direct effect on the logits (``_lens``): :func:`logit_lens` (every layer's stream read through
   the final norm and the unembedding), :func:`logit_attribution` (each head's, MLP's and the
   embedding's share of a logit difference through the frozen final norm);

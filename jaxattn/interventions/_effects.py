@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
+from jaxattn.interventions import _mesh
 from jaxattn.interventions._model import Bound
 from jaxattn.interventions._programs import check_chunk as _check_chunk
 from jaxattn.interventions._programs import default_float as _float
@@ -153,7 +154,7 @@ def _position_patch_fn(apply: Callable[..., Any], metric: Metric, name: str, L: 
 
 
 def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, value: float = 0.0,
-                     loop: bool = False, resume: bool = True) -> Array:
+                     loop: bool = False, resume: bool = True, mesh: Any = None, data_axis: str = "data") -> Array:
     """``[L, N]``: ``metric(head (l, n) multiplied by value) - metric(clean)``; ``value=0`` ablates.
 
     Every ablation multiplies one head's output ``z`` by ``value`` through ``head_mask`` (Hugging Face's
@@ -170,20 +171,27 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
       loop: run a Python loop of one jitted whole forward per head instead (the same numbers; a baseline).
       resume: resume each ablation at its layer from the clean stream entering it (when the model has the
         protocol's ``resume``; see the module docstring); ``False``: whole forwards in one ``lax.map``.
+      mesh: a ``jax.sharding.Mesh``: the L·N ablations are split over its ``data_axis`` (``chunk`` at a
+        time on each device) and the model runs as its params are placed (``module.shard``: split over the
+        model axis too; otherwise replicated); the table comes back replicated on the mesh. ``None``: one
+        device.
+      data_axis: the mesh axis the ablations are split over.
 
     Raises:
       TypeError, ValueError: naming ``bound``, ``metric`` (also for a result that is not a real scalar),
-        ``chunk`` or ``value``.
+        ``chunk``, ``value``, ``mesh`` or ``data_axis``.
     """
     _check_bound(bound), _check_metric(metric)
     value = _check_gate(value)
+    if mesh is not None:
+        _mesh.check(mesh, data_axis, loop=loop)
     L, N = bound.n_layers, bound.n_heads
     _check_chunk(chunk, L * N)
     if resume and not loop and resumable(bound):
         return resumed_effects(bound, metric, kind="gate", G=N, extra=jnp.asarray(value, _float()), chunk=chunk,
-                               shape=(L, N))
+                               shape=(L, N), mesh=mesh, data_axis=data_axis)
     masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
-    return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, loop).reshape(L, N)
+    return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, loop, mesh, data_axis).reshape(L, N)
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -253,7 +261,8 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
 
 
 def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
-                     chunk: int | None = 16, loop: bool = False, resume: bool = True) -> Array:
+                     chunk: int | None = 16, loop: bool = False, resume: bool = True, mesh: Any = None,
+                     data_axis: str = "data") -> Array:
     """``[L, N]``: ``metric(head (l, n)'s name replaced by value) - metric(clean)`` (activation patching);
     ``[L, T]`` by layer and position for a residual-stream or block-output site.
 
@@ -276,12 +285,16 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         together, in every head's intervention); for a position site, the positions patched one at a
         time: the table is then ``[L, P]``, one column per selected position in increasing order (``P``
         is the number selected; all ``T`` when ``None``).
-      chunk, loop, resume: as in :func:`ablation_effects`.
+      chunk, loop, resume, mesh, data_axis: as in :func:`ablation_effects` (with ``mesh``, the patches are
+        split over ``data_axis``).
 
     Raises:
-      TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name``, ``positions`` or ``chunk``.
+      TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name``, ``positions``, ``chunk``,
+        ``mesh`` or ``data_axis``.
     """
     _check_bound(bound), _check_metric(metric)
+    if mesh is not None:
+        _mesh.check(mesh, data_axis, loop=loop)
     value = _check_value(name, value, HEAD_SITES + POSITION_SITES)
     shape = _where_shape(bound, name, value)
     fast = resume and not loop and resumable(bound)
@@ -291,23 +304,24 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         _check_chunk(chunk, L * P)
         if fast:
             return resumed_effects(bound, metric, kind="position", G=P, extra=value, chunk=chunk, name=name,
-                                   shape=shape, labels=pairs[1:P + 1, 1])
+                                   shape=shape, labels=pairs[1:P + 1, 1], mesh=mesh, data_axis=data_axis)
         fn = _position_patch_fn(bound.apply, metric, name, L, T)
-        return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, loop).reshape(L, P)
+        return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, loop, mesh, data_axis).reshape(L, P)
     if fast:
         axes = CAPTURE_NAMES[name][0].split()
         heads = shape[1 + (axes.index("N") if "N" in axes else axes.index("K"))]
         _check_chunk(chunk, shape[0] * heads)
         pos = None if positions is None else _check_positions(positions, shape[1 + axes.index("T")])
         return resumed_effects(bound, metric, kind="head", G=heads, extra=(value, pos), chunk=chunk, name=name,
-                               shape=shape)
+                               shape=shape, mesh=mesh, data_axis=data_axis)
     where = head_where(name, shape, positions=positions)  # [L·N, L, ...]
     where = jnp.concatenate([jnp.zeros_like(where[:1]), where])  # row 0: nothing patched (the clean run)
-    effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop)
+    effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop, mesh, data_axis)
     return effects.reshape(bound.n_layers, -1)
 
 
-def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, *, name: str = "z") -> Array:
+def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, *, name: str = "z",
+                          mesh: Any = None) -> Array:
     """``metric(every head in heads patched with value at once) - metric(clean)``: one scalar.
 
     Set against the sum of the heads' single effects (:func:`patching_effects`), it says whether the
@@ -317,6 +331,8 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
       bound, metric, value, name: as in :func:`patching_effects` (a tensor with a head axis).
       heads: ``(layer, head)`` pairs (key/value heads for ``k``, ``v``), or ``"all"``: every head of every
         layer.
+      mesh: a ``jax.sharding.Mesh`` to run on, the model as its params are placed (``module.shard``); the
+        result comes back replicated on it.
 
     Raises:
       TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name`` or ``heads``.
@@ -338,7 +354,11 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
         picked = (pairs[:, 0] * G + pairs[:, 1]).tolist()
     where = jnp.any(every[jnp.asarray(picked)], axis=0)  # [L, ...]
     run = _program(_patch_fn(bound.apply, metric, name), None)
-    return run((bound.args, value), where) - run((bound.args, value), jnp.zeros_like(where))
+    effect = lambda args_value, where: run(args_value, where) - run(args_value, jnp.zeros_like(where))  # noqa: E731
+    if mesh is None:
+        return effect((bound.args, value), where)
+    _mesh.check(mesh, None)
+    return _mesh.run(effect, mesh, (bound.args, value), where, replicate=True)
 
 
 def _check_positions(positions: Any, T: int) -> Array:
@@ -348,14 +368,20 @@ def _check_positions(positions: Any, T: int) -> Array:
     return jnp.asarray(pos)
 
 
-def gate_gradients(bound: Bound, metric: Metric) -> Array:
+def gate_gradients(bound: Bound, metric: Metric, *, mesh: Any = None) -> Array:
     """``[L, N]``: ``∂metric/∂head_mask`` at ``head_mask = 1`` (one backward pass).
 
     ``metric(ablate (l, n)) - metric(clean) ≈ -gate_gradients[l, n]`` to first order: the gradient is the
-    linear estimate of every ablation at once ("attribution patching" of the gates).
+    linear estimate of every ablation at once ("attribution patching" of the gates). With ``mesh`` (a
+    ``jax.sharding.Mesh``), the one backward pass runs there, the model as its params are placed
+    (``module.shard``; otherwise replicated), the table replicated on the mesh: there is no interventions
+    axis to split over its data axis.
     """
     _check_bound(bound), _check_metric(metric)
     ones = jnp.ones((bound.n_layers, bound.n_heads), _float())
+    if mesh is not None:
+        _mesh.check(mesh, None)
+        return _mesh.run(_gate_program(bound.apply, metric), mesh, ones, bound.args, replicate=True)
     return _gate_program(bound.apply, metric)(ones, bound.args)
 
 
@@ -374,69 +400,90 @@ def _reduce_heads(x: Array, name: str, batched: bool) -> Array:
     return jnp.sum(x, axis=sum_axes)
 
 
-def layer_gradients(bound: Bound, metric: Metric, name: str, *, chunk: int | None = 8) -> tuple[Array, Array]:
+def layer_gradients(bound: Bound, metric: Metric, name: str, *, chunk: int | None = 8, mesh: Any = None,
+                    data_axis: str = "data") -> tuple[Array, Array]:
     """``(x, ∂metric/∂x)`` for the captured tensor ``x = name`` of every layer, ``[(B,) L, ...]`` each.
 
     Each layer's gradient is the total derivative: the tensor of layer ``l`` is patched with its own value
     (``where`` true at layer ``l`` only), so every later layer recomputes from it. Patching all layers at
     once would hold the later layers' tensors fixed and drop the paths through them; instead the L
-    backward passes run as one ``lax.map`` (``chunk`` at a time).
+    backward passes run as one ``lax.map`` (``chunk`` at a time); with ``mesh``, the layers are split over
+    its ``data_axis`` (as in :func:`ablation_effects`).
     """
     _check_bound(bound), _check_metric(metric)
     if name not in CAPTURE_NAMES or name == "attn_logits":
         raise ValueError(f"name must be a patchable capture name, received {name!r}")
     batched = bound.batch is not None
-    clean = bound(capture=(name,)).captured[name]  # [(B,) L, ...]
     L = bound.n_layers
     size = _check_chunk(chunk, L)
+    if mesh is not None:
+        _mesh.check(mesh, data_axis)
+        clean = _mesh.run(lambda args: bound.apply(args, capture=(name,)).captured[name], mesh, bound.args)
+        grads = _mesh.mesh_map(_layer_fn(bound.apply, metric, name, L, batched), (bound.args, clean),
+                               jnp.arange(L), chunk, mesh, data_axis)  # [L, (B,) ...]
+        return _mesh.run(lambda c, g: (c, jnp.moveaxis(g, 0, 1) if batched else g), mesh, clean, grads, replicate=True)
+    clean = bound(capture=(name,)).captured[name]  # [(B,) L, ...]
     layers = jnp.arange(L + (-L % size))  # whole chunks only; the extra layers repeat the last one
     grads = _layer_program(bound.apply, metric, name, L, batched, size)(bound.args, clean, jnp.minimum(layers, L - 1))
     grads = grads[:L]  # [L, (B,) ...]
     return clean, (jnp.moveaxis(grads, 0, 1) if batched else grads)
 
 
+def _layer_grad(apply: Callable[..., Any], metric: Metric, name: str, L: int, batched: bool, args: Any, x: Array,
+                layer: Array) -> Array:
+    """``∂metric/∂x[layer]`` with layer ``layer``'s tensor patched with its own value ``x``: ``[(B,) ...]``."""
+    rank = 1 + len(CAPTURE_NAMES[name][0].split())
+    where = (jnp.arange(L) == layer).reshape((L,) + (1,) * (rank - 1))
+    g = jax.grad(lambda v: _scalar(metric, apply(args, patch={name: (v, where)})))(x)
+    return g[:, layer] if batched else g[layer]  # [(B,) ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_fn(apply: Callable[..., Any], metric: Metric, name: str, L: int, batched: bool) -> Callable[..., Array]:
+    return lambda args_x, layer: _layer_grad(apply, metric, name, L, batched, args_x[0], args_x[1], layer)
+
+
 @functools.lru_cache(maxsize=64)
 def _layer_program(apply: Callable[..., Any], metric: Metric, name: str, L: int, batched: bool,
                    size: int) -> Callable[..., Array]:
-    rank = 1 + len(CAPTURE_NAMES[name][0].split())
-
-    def one(args, x, layer):
-        where = (jnp.arange(L) == layer).reshape((L,) + (1,) * (rank - 1))
-        g = jax.grad(lambda v: _scalar(metric, apply(args, patch={name: (v, where)})))(x)
-        return g[:, layer] if batched else g[layer]  # [(B,) ...]
-
+    one = functools.partial(_layer_grad, apply, metric, name, L, batched)
     return jax.jit(lambda args, x, layers: jax.lax.map(lambda l: one(args, x, l), layers, batch_size=size))
 
 
 def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str = "z",
-                         chunk: int | None = 8) -> Array:
+                         chunk: int | None = 8, mesh: Any = None, data_axis: str = "data") -> Array:
     """``[L, N]``: ``Σ (value - clean) · ∂metric/∂name`` over each head's entries (L backward passes).
 
     The first-order estimate of :func:`patching_effects` with the same ``value`` (Nanda's "attribution
     patching"), with the total derivative of :func:`layer_gradients`: exact where the metric is linear in
-    the patched tensor.
+    the patched tensor. ``mesh``, ``data_axis``: as in :func:`layer_gradients`.
     """
     _check_bound(bound)
     value = _check_value(name, value)
     _value_shape(bound, name, value)
-    clean, grad = layer_gradients(bound, metric, name, chunk=chunk)
+    clean, grad = layer_gradients(bound, metric, name, chunk=chunk, mesh=mesh, data_axis=data_axis)
     if not _broadcasts(value.shape, clean.shape):
         raise ValueError(f"value must have the shape of the captured {name}, {tuple(clean.shape)} (or 1 along an "
                          f"axis), received {tuple(value.shape)}")
-    return _reduce_heads((jnp.broadcast_to(value, clean.shape) - clean) * grad, name, bound.batch is not None)
+
+    def table(value, clean, grad):
+        return _reduce_heads((jnp.broadcast_to(value, clean.shape) - clean) * grad, name, bound.batch is not None)
+
+    return table(value, clean, grad) if mesh is None else _mesh.run(table, mesh, value, clean, grad, replicate=True)
 
 
-def attention_gradient(bound: Bound, metric: Metric, *, chunk: int | None = 8) -> Array:
+def attention_gradient(bound: Bound, metric: Metric, *, chunk: int | None = 8, mesh: Any = None,
+                       data_axis: str = "data") -> Array:
     """``A ⊙ ∂metric/∂A`` for every attention weight: ``[L, N, T, S]`` (``[B, L, N, T, S]`` for a batch).
 
     ``∂metric/∂A`` is the total derivative (:func:`layer_gradients`): the gradient flows from the weights
     into each head's output ``z = A v`` and on through every later layer. Summed over a query row ``t`` it
     is the attention × gradient attribution of that row; summed over every row and key it equals
     :func:`gate_gradients` (``z`` is linear in ``A``, so scaling a head's weights scales its output like
-    its gate does).
+    its gate does). ``mesh``, ``data_axis``: as in :func:`layer_gradients`.
     """
-    weights, grad = layer_gradients(bound, metric, "attn_weights", chunk=chunk)
-    return weights * grad
+    weights, grad = layer_gradients(bound, metric, "attn_weights", chunk=chunk, mesh=mesh, data_axis=data_axis)
+    return weights * grad if mesh is None else _mesh.run(jnp.multiply, mesh, weights, grad, replicate=True)
 
 
 def reference_mean(bounds: Sequence[Bound], name: str = "z") -> Array:

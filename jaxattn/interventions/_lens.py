@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn.interventions import _mesh
 from jaxattn.interventions._model import Bound
 
 Array = jax.Array
@@ -88,7 +89,7 @@ def _lens_program(apply: Callable[..., Any], final_norm: Callable[..., Any], une
     return jax.jit(run)
 
 
-def logit_lens(bound: Bound, *, positions: Any) -> Array:
+def logit_lens(bound: Bound, *, positions: Any, mesh: Any = None) -> Array:
     """``[L + 1, P, V]``: the logits the residual stream entering each layer would give, at ``positions``.
 
     Row ``l < L`` is ``unembed(final_norm(resid_pre[l]))``: the stream entering block ``l`` (row 0 is the
@@ -99,14 +100,19 @@ def logit_lens(bound: Bound, *, positions: Any) -> Array:
       bound: a causal language model on its inputs (:func:`bind`); a batched bound gives ``[B, L + 1, P, V]``.
       positions: the token positions read, ints in ``[-T, T)`` (``[P]``; one int is ``P = 1``), indexing
         the bound's (padded) input columns: under left padding ``-1`` is every sequence's last token.
+      mesh: a ``jax.sharding.Mesh`` to run on, the model as its params are placed (``module.shard``: split
+        over the model axis; otherwise replicated); the result comes back replicated on the mesh.
 
     Raises:
       TypeError, ValueError: naming ``bound`` (not a Bound; no model module; a model without an
-        unembedding, such as BERT, named) or ``positions``.
+        unembedding, such as BERT, named), ``positions`` or ``mesh``.
     """
     module = _module(bound, "logit_lens", ("final_norm", "unembed"))
     pos = _positions(positions, _length(bound))
     program = _lens_program(bound.apply, module.final_norm, module.unembed, bound.config, bound.batch is not None)
+    if mesh is not None:
+        _mesh.check(mesh, None)
+        return _mesh.run(program, mesh, bound.args, jnp.asarray(pos), replicate=True)
     return program(bound.args, jnp.asarray(pos))
 
 
@@ -164,7 +170,7 @@ def _dla_program(apply: Callable[..., Any], final_norm: Callable[..., Any], fina
     return jax.jit(run)
 
 
-def logit_attribution(bound: Bound, pair: Any, *, position: int = -1) -> dict[str, Array]:
+def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any = None) -> dict[str, Array]:
     """Direct logit attribution: each part of the residual stream's share of ``logit[a] - logit[b]``.
 
     The stream the final norm reads at ``position`` is a sum of parts: the embedding (``resid_pre`` of
@@ -180,6 +186,7 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1) -> dict[st
       pair: ``(a, b)``, two token ids in ``[0, V)``.
       position: the token position read, an int in ``[-T, T)`` indexing the bound's input columns (under
         left padding ``-1`` is every sequence's last token).
+      mesh: as in :func:`logit_lens`.
 
     Returns:
       float32 arrays (with a leading B axis for a batched bound): ``"embed"`` (scalar), ``"heads"``
@@ -208,6 +215,10 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1) -> dict[st
     program = _dla_program(bound.apply, module.final_norm, module.final_norm_linear, module.unembed,
                            module.head_projections, bound.config, int(sizes.layers), int(sizes.width),
                            bound.batch is not None)
-    parts, present = program(bound.args, jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32),
-                             jnp.asarray(b, jnp.int32))
+    inputs = (bound.args, jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+    if mesh is not None:
+        _mesh.check(mesh, None)
+        parts, present = _mesh.run(program, mesh, *inputs, replicate=True)
+    else:
+        parts, present = program(*inputs)
     return {k: v for k, v in parts.items() if bool(present.get(k, True))}

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
+from jaxattn.interventions import _mesh
 from jaxattn.interventions._model import Bound
 from jaxattn.interventions._packing import (
     Packing,
@@ -95,11 +96,16 @@ def program(fn: Callable[[Any, Any], Array], size: int | None) -> Callable[[Any,
     return jax.jit(lambda args, xs: jax.lax.map(lambda x: fn(args, x), xs, batch_size=size))
 
 
-def run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None, loop: bool) -> Array:
+def run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None, loop: bool,
+            mesh: Any = None, data_axis: str = "data") -> Array:
     """``[fn(args, x) for x in xs]``: one ``jit(lax.map(..., batch_size=chunk))``, or a Python loop of one
-    jitted call per item. ``xs[0]`` is the clean intervention (no change); the result is
-    ``fn(xs[1:]) - fn(xs[0])``, both from the same compiled program."""
+    jitted call per item, or with ``mesh`` the items split over its ``data_axis`` (:mod:`._mesh`). ``xs[0]``
+    is the clean intervention (no change); the result is ``fn(xs[1:]) - fn(xs[0])``, both from the same
+    compiled program."""
     total = jax.tree.leaves(xs)[0].shape[0]
+    if mesh is not None:
+        values = _mesh.mesh_map(fn, args, xs, chunk, mesh, data_axis)
+        return _mesh.run(lambda v: v[1:] - v[0], mesh, values, replicate=True)
     if loop:
         one = program(fn, None)
         values = jnp.stack([one(args, jax.tree.map(lambda a: a[i], xs)) for i in range(total)])
@@ -290,15 +296,17 @@ def _layout(L: int, G: int, chunk: int | None) -> tuple[np.ndarray, np.ndarray, 
 
 
 def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: Any, chunk: int | None,
-                    name: str | None = None, shape: tuple[int, ...] = (), labels: np.ndarray | None = None) -> Array:
+                    name: str | None = None, shape: tuple[int, ...] = (), labels: np.ndarray | None = None,
+                    mesh: Any = None, data_axis: str = "data") -> Array:
     """``[L, G]``: ``metric(intervention g of layer l) - metric(clean)``, every intervention resumed at its
     layer. ``labels [G]`` are the indices the interventions take (heads ``0..G-1`` when ``None``, or the
-    selected positions); ``shape`` is the intervened tensor's ``[L, ...]`` (``(L, N)`` for gates)."""
+    selected positions); ``shape`` is the intervened tensor's ``[L, ...]`` (``(L, N)`` for gates). With
+    ``mesh``, the batches of interventions are split over its ``data_axis`` (:func:`._mesh.split`)."""
     L = bound.n_layers
     T = int(bound.args["ids"].shape[-1])
     rows = logit_rows(metric, T)
     prefix = _prefix_program(bound.apply, _unembed(bound, rows), bound.config, metric, rows)
-    resid_pre, maps, clean, alone = prefix(bound.args)
+    resid_pre, maps, clean, alone = prefix(bound.args) if mesh is None else _mesh.run(prefix, mesh, bound.args)
     if rows is not None and not bool(jnp.abs(clean - alone) <= 1e-5 * jnp.maximum(1.0, jnp.abs(clean))):
         raise ValueError(f"metric.logit_rows = {rows} leaves out logits rows the metric reads: on the clean run "
                          f"it gives {float(clean)!r} from every row and {float(alone)!r} from those rows alone")
@@ -314,10 +322,15 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
             extra = (value, extra[1]) if kind == "head" else value
     program = _resumed_program(bound.resume, _unembed(bound, rows), bound.config, bound.batch is not None, metric,
                                rows, kind, name, tuple(shape), pk is not None)
-    values = program(bound.args, extra, resid_pre, maps, pk, jnp.asarray(layers), jnp.asarray(items))  # [n, C]
-    effects = values[:, 1:] - values[:, :1]  # [n, C - 1], each batch against its own clean run
-    table = jnp.zeros((L, G), effects.dtype)
-    for b in range(per):  # slot j of batch b holds intervention b + j·per
-        picked = np.arange(b, G, per)
-        table = table.at[:, picked].set(effects[b::per, :picked.size])
-    return table
+    fixed, xs = (bound.args, extra, resid_pre, maps, pk), (jnp.asarray(layers), jnp.asarray(items))
+    values = program(*fixed, *xs) if mesh is None else _mesh.split(program, fixed, xs, mesh, data_axis)  # [n, C]
+
+    def assemble(values):
+        effects = values[:, 1:] - values[:, :1]  # [n, C - 1], each batch against its own clean run
+        table = jnp.zeros((L, G), effects.dtype)
+        for b in range(per):  # slot j of batch b holds intervention b + j·per
+            picked = np.arange(b, G, per)
+            table = table.at[:, picked].set(effects[b::per, :picked.size])
+        return table
+
+    return assemble(values) if mesh is None else _mesh.run(assemble, mesh, values, replicate=True)

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 Array = jax.Array
 
@@ -96,7 +97,8 @@ def head_scores(maps: Any, ids: Any, kind: str, *, attention_mask: Any = None) -
 
     Returns:
       float ``[L, N]`` (``[B, L, N]`` for a batch), at least float32: one compiled program per kind and
-      shape; works under ``jax.jit`` too (the checks read shapes and dtypes only).
+      shape; works under ``jax.jit`` too (the checks read shapes and dtypes only). Maps on a mesh (from a
+      sharded forward, ``docs/scaling.md``) are scored there, the ids following their batch split.
 
     Raises:
       ValueError, TypeError: naming ``kind``, ``maps``, ``ids`` or ``attention_mask``, with the expected
@@ -128,4 +130,9 @@ def head_scores(maps: Any, ids: Any, kind: str, *, attention_mask: Any = None) -
         if not (mask.dtype == np.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
             raise TypeError(f"attention_mask must be integer or boolean (1 = token), received dtype {mask.dtype.name}")
         keep = mask != 0
+    sharding = getattr(maps, "sharding", None)
+    if isinstance(sharding, NamedSharding) and not isinstance(maps, jax.core.Tracer):
+        # maps on a mesh (a sharded forward's): the ids and mask follow the maps' batch split
+        spec = PartitionSpec(tuple(sharding.spec)[0] if batched and len(sharding.spec) else None)
+        ids, keep = jax.device_put((ids, keep), NamedSharding(sharding.mesh, spec))
     return _scores(maps, ids, keep, kind=kind, batched=batched)

@@ -14,7 +14,8 @@ The benchmark times five tables (ablation, mean-ablation, patching z, patching t
 patching the residual stream by layer and position: 4 x 270 + 30 x 27 = 1,890 interventions on
 SmolLM2) each way, medians of --repeats runs, wall and CPU time, against a quoted (not measured) NumPy
 float64 reference.
-Writes heads.json, heads.md, heads.png, bench.json and bound.json into --out.
+Writes heads.json, heads.md, heads.png, heads.html (the tables beside the maps, for causal LMs), bench.json and
+bound.json into --out.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import bert, gpt2, interventions, lab, llama
+from jaxattn import bert, gpt2, interventions, lab, llama, viz
 from jaxattn.checkpoint import CheckpointError
 from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
 
 BIG, SMALL = lab.SENTENCES["big"], lab.SENTENCES["small"]
 CHOICES = [lab.RESOLUTIONS["trophy"], lab.RESOLUTIONS["suitcase"]]
 # What each part writes into --out (checked before the model loads).
-OUTPUTS = {"effects": ("heads.json", "heads.md", "heads.png"), "bench": ("bench.json",), "bound": ("bound.json",)}
+OUTPUTS = {"effects": ("heads.json", "heads.md", "heads.png", "heads.html"), "bench": ("bench.json",), "bound": ("bound.json",)}
 
 
 def load(args):
@@ -206,7 +207,13 @@ def page_tables(bound, tok, pair_ids, tables, checks):
     for kind in interventions.HEAD_KINDS:
         out[f"score: {kind}"] = np.asarray(interventions.head_scores(maps, ids[0], kind, attention_mask=mask[0]),
                                            np.float64)
-    return out
+    return out, maps, tok.labels(ids[0].tolist())
+
+
+def page(name, metric_text, tables, maps, labels):
+    """heads.html: the tables as a panel beside the maps they come from (click a head to see its map)."""
+    return viz.html(maps, labels, tables=tables, names=("too big + ' trophy'", "-"),
+                    title=f"{name}: heads behind {metric_text}")
 
 
 def effects_part(module, params, config, tok, name, args, out):
@@ -274,13 +281,16 @@ def effects_part(module, params, config, tok, name, args, out):
     atomic_write(out / "heads.md", text + "\n")
     atomic_write(out / "heads.png", interventions.heatmaps_png({**tables, "pref[it]": attention["pref[it]"]},
                                                                 title=f"{name}: {metric_text}"))
+    shown = page_tables(bound, tok, pair_ids, tables, checks) if pair_ids is not None else None
+    if shown is not None:
+        atomic_write(out / "heads.html", page(name, metric_text, *shown))
     write_json(out / "heads.json", {
         "model": name, "metric": metric_text, "methods": interventions.METHODS, "tables": tables,
         "attention": attention, "spans": spans, "rows": rows, "correlations": rho,
         "correlations_attention": rho_attention, "correlations_magnitude": rho_abs,
         "top_by_ablation": by_effect, "top_by_patch_z": by_patch, "top_by_attention": by_look,
         "patching_checks": checks,
-        "page_tables": page_tables(bound, tok, pair_ids, tables, checks) if pair_ids is not None else None,
+        "page_tables": None if shown is None else shown[0],
     })
 
 

@@ -141,7 +141,7 @@ def test_check_grads_float64(x64, is_causal, mask_kind):
     _close(out, jaxattn.attention(q, k, v, mask=mask, is_causal=is_causal)[0], np.float64)
 
 
-@pytest.mark.parametrize("is_causal,mask_kind", [(False, None), (True, "per_head")])
+@pytest.mark.parametrize("is_causal,mask_kind", [pytest.param(False, None, marks=pytest.mark.slow), (True, "per_head")])
 def test_grouped_query_heads_match_multi_head_attention(mask_kind, is_causal):
     T, S, N, K, H = 10, 12, 6, 2, 4
     rng = np.random.default_rng(6)

@@ -85,7 +85,8 @@ def test_an_attention_mask_with_no_real_token_is_refused(model):
             call()
 
 
-@pytest.mark.parametrize("temperature", [1e-38, 1e-30, np.float32(1e-20)])
+@pytest.mark.parametrize("temperature", [1e-38, pytest.param(1e-30, marks=pytest.mark.slow),
+                                         pytest.param(np.float32(1e-20), marks=pytest.mark.slow)])
 def test_a_tiny_temperature_picks_the_argmax(model, temperature):
     module, config, params = model
     greedy = module.generate(params, config, IDS[:4], max_new_tokens=4)

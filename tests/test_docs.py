@@ -163,6 +163,7 @@ def _ring_example() -> str:
     return ring[0]
 
 
+@pytest.mark.slow  # a 4-device subprocess; make test runs the ring on one device (tests/test_ring.py)
 def test_the_ring_example_of_core_md_runs_as_written_and_matches_the_float64_reference(tmp_path):
     saved = tmp_path / "ring.npz"
     script = tmp_path / "ring_example.py"

@@ -107,6 +107,7 @@ def test_mean_ablation_uses_the_reference_mean_over_real_tokens(tiny):
     assert effects.shape == (2, 4) and bool(jnp.all(jnp.isfinite(effects)))
 
 
+@pytest.mark.slow  # make test-slow: float64 finite differences of every gate; make test checks the gradients' other properties
 def test_gate_gradient_equals_finite_differences(tiny, x64):
     config = tiny["config"]
     params = jax.tree.map(lambda x: x.astype(jnp.float64), tiny["params"])

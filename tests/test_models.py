@@ -25,6 +25,7 @@ def params():
 # --- pure in the params ---
 
 
+@pytest.mark.slow  # make test-slow: float64 finite differences through a whole model
 def test_gradient_with_respect_to_the_params_matches_float64_finite_differences(x64):
     p = jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), tiny_params(seed=1, scale=5.0))
     loss = lambda p: jnp.sum(jnp.sin(gpt2.forward(p, TINY, IDS).logits))  # a loss that weighs every logit
@@ -149,6 +150,7 @@ def test_one_compiled_step_serves_every_new_token(params):
     assert _decoder._generate._cache_size() == before
 
 
+@pytest.mark.slow  # make test-slow: make test checks padded prompts in tests/test_decoder.py
 def test_batched_prompts_of_different_lengths_through_left_padding(params):
     prompts = [IDS[:3], IDS[1:6]]
     width = max(map(len, prompts))

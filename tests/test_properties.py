@@ -34,6 +34,7 @@ def test_rows_sum_to_one(p):
     assert np.all(w >= 0.0)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(problems(), st.floats(-50.0, 50.0))
 def test_adding_a_constant_to_a_row_of_logits_changes_nothing(p, c):

@@ -342,6 +342,7 @@ def test_patching_the_stream_by_layer_and_position_matches_a_loop_of_patched_for
     np.testing.assert_allclose(own, 0.0, atol=1e-6)
 
 
+@pytest.mark.slow  # make test-slow: make test patches the stream of an unbatched bound
 def test_patching_the_stream_at_some_positions_of_a_batch_with_a_broadcast_value():
     m = _run("gpt2")
     pick = np.zeros(len(IDS), bool)
@@ -445,8 +446,9 @@ def _close(fast, full):
     np.testing.assert_allclose(fast, full, rtol=0, atol=1e-5 * scale)
 
 
-def test_fast_tables_equal_a_loop_of_whole_forwards_on_a_padded_batch_with_a_shared_prefix(model):
-    m = model
+@pytest.mark.parametrize("name", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])  # gpt2 in make test-slow
+def test_fast_tables_equal_a_loop_of_whole_forwards_on_a_padded_batch_with_a_shared_prefix(name):
+    m = _run(name)
     bound = interventions.bind(m.module, m.params, m.config, SHARED, attention_mask=SHARED_MASK)
     source = interventions.bind(m.module, m.params, m.config, SHARED_SOURCE, attention_mask=SHARED_MASK)
     captured = source(capture=("resid_mid",)).captured

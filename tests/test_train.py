@@ -210,6 +210,7 @@ def test_same_seed_is_bit_for_bit_reproducible(history):
     assert not np.array_equal(history["loss"], other["loss"])
 
 
+@pytest.mark.slow  # make test-slow: a second training program
 def test_logit_grad_matches_the_gradient_at_a_zero_logit_bias():
     """The logged logit_grad is the probes' ∂loss/∂logits: check it against jax.grad of loss_fn directly."""
     state = train.init_state(2, CONFIG, STEP_OPT)

@@ -19,7 +19,6 @@ skips its step then).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -36,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxattn import interventions, llama
 from jaxattn.checkpoint import cast_params
+from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
 
 MODELS = {  # random Llama shapes (NumPy init, nothing downloaded); smollm2 is the bundled checkpoint
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -94,7 +94,7 @@ def _row(name: str, t: dict, base: dict | None) -> str:
             f"cpu {t['cpu'] * 1e3:10.1f} ms  {ratio}")
 
 
-def main() -> None:
+def main() -> int | None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", "1b", "smollm2"], default="1b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -107,6 +107,13 @@ def main() -> None:
     parser.add_argument("--no-table", action="store_true")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args()
+    if args.json:
+        try:  # before any work: nothing wasted, nothing half-written
+            json_path = Path(args.json).absolute()
+            prepare_output_folder(json_path.parent, (json_path.name,), argument="--json", create=False)
+        except OutputFolderError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     n = len(jax.devices())
     print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
     if n < 2:
@@ -155,9 +162,10 @@ def main() -> None:
         base = results[names[i - 1]] if "mesh" in k else None
         print(_row(k, results[k], base))
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(model=args.model, dtype=args.dtype, mesh=[data, model],
-                                                   batch=args.batch, T=args.T, results=results), indent=2))
+        write_json(json_path, dict(model=args.model, dtype=args.dtype, mesh=[data, model], batch=args.batch,
+                                   T=args.T, results=results))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -66,7 +66,7 @@ def test_bert_out_of_vocabulary_id_is_nan_under_jit():
     bad[2] = config.vocab_size + 3
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size="):
         bert.forward(params, config, bad)
-    out = jax.jit(lambda i: bert.forward(params, config, i).last_hidden_state)(bad)
+    out = jax.jit(lambda p, i: bert.forward(p, config, i).last_hidden_state)(params, bad)  # params as an argument
     assert np.isnan(out).any(-1).all()  # bidirectional: every position attends to it
 
 

@@ -371,8 +371,12 @@ def test_cache_folder_that_cannot_be_written_warns_and_turns_nothing_on(tmp_path
         monkeypatch.setattr(tempfile, "mkstemp", refuse)
         says = "Read-only file system"
     before = jax.config.jax_compilation_cache_dir
-    with pytest.warns(RuntimeWarning, match=rf"cannot be used \({says}\)"):
+    with pytest.warns(RuntimeWarning, match=rf"cannot be used \({says}\)") as said:
         assert jio.use_compilation_cache() is None
+    assert len(said) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jio.use_compilation_cache() is None  # said once
     assert jax.config.jax_compilation_cache_dir == before
 
 
@@ -506,6 +510,24 @@ def test_experiment_with_an_unusable_out_exits_2_in_one_line_and_writes_nothing(
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], captured.err
     assert captured.out == ""  # nothing ran
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("case", ["json is a folder", "json inside a file"])
+def test_bench_mesh_with_an_unusable_json_exits_2_in_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, case):
+    monkeypatch.chdir(tmp_path)
+    if case == "json is a folder":
+        (tmp_path / "b.json").mkdir()
+        target, says = tmp_path / "b.json", "b.json' is a folder, but "
+    else:
+        (tmp_path / "f").write_text("x")
+        target, says = tmp_path / "f" / "b.json", "exists and is not a folder"
+    before = _tree(tmp_path)
+    assert _run_script("bench_mesh.py", ["--model", "tiny", "--json", str(target)], monkeypatch) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], captured.err
+    assert captured.out == ""
     assert _tree(tmp_path) == before
 
 

@@ -46,15 +46,16 @@ def _mask(kind, T, S, seed=1):
 
 # (T, S, block_q, block_k, is_causal, mask): blocks dividing the lengths, not dividing them, larger than
 # them, T != S both ways; each shape causal and not, unmasked, padded and randomly masked.
+# make test runs four (T < S and T > S, causal and not, padded and random); make test-slow all eight.
 CASES = [
-    (16, 16, 4, 8, False, None),
+    pytest.param(16, 16, 4, 8, False, None, marks=pytest.mark.slow),
     (16, 16, 4, 8, True, "random"),
-    (13, 13, 4, 5, True, None),
+    pytest.param(13, 13, 4, 5, True, None, marks=pytest.mark.slow),
     (13, 13, 4, 5, False, "padding"),
     (7, 19, 3, 4, True, "padding"),
-    (7, 19, 3, 4, False, "random"),
+    pytest.param(7, 19, 3, 4, False, "random", marks=pytest.mark.slow),
     (19, 6, 8, 4, True, "random"),
-    (5, 5, 64, 64, True, "padding"),
+    pytest.param(5, 5, 64, 64, True, "padding", marks=pytest.mark.slow),
 ]
 
 
@@ -125,7 +126,7 @@ def test_gradient_through_lse_and_scale_matches_dense():
         _close(g, g_ref)
 
 
-@pytest.mark.parametrize("is_causal,mask_kind", [(False, None), (True, "padding")])
+@pytest.mark.parametrize("is_causal,mask_kind", [pytest.param(False, None, marks=pytest.mark.slow), (True, "padding")])
 def test_check_grads_float64(x64, is_causal, mask_kind):
     q, k, v = _qkv(5, 7, 9, H=4, V=3, dtype=np.float64)
     mask = _mask(mask_kind, 7, 9)
@@ -175,7 +176,7 @@ def test_grouped_query_heads_match_multi_head_attention(mask_kind, is_causal):
     _close(lse[n], lse1)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(np.float16, marks=pytest.mark.slow)])
 def test_half_precision_inputs_accumulate_in_float32(dtype):
     q, k, v = _qkv(7, 33, 40, H=16, V=8)
     half = [jnp.asarray(x, dtype) for x in (q, k, v)]
@@ -430,8 +431,8 @@ BLOCK_NONFINITE_CASES = [
 # NaN in `make test`; ±Inf (each case compiles its own programs) in `make test-slow`.
 @pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow), pytest.param(-np.inf, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("T,S,bq,bk,is_causal,mask_kind,field,where", [
-    c if i in (0, 11) else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(BLOCK_NONFINITE_CASES)
-])  # `make test`: v causal with block_k = 1, q under a general mask; `make test-slow`: every case
+    c if i == 11 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(BLOCK_NONFINITE_CASES)
+])  # `make test`: q under a general mask (a query row with no kept key); `make test-slow`: every case
 def test_masked_non_finite_inputs_do_not_leak_blockwise(T, S, bq, bk, is_causal, mask_kind, field, where, value):
     mask, keep = _nonfinite_case(T, S, mask_kind, is_causal)
     rng = np.random.default_rng(11)

@@ -30,8 +30,15 @@ MODELS = {
 }
 
 
-@pytest.fixture(params=sorted(MODELS))
+# The decoder is one skeleton: make test runs its behaviours on the Llama family, make test-slow on GPT-2
+# as well; the protocol and the refusals run on both in make test.
+@pytest.fixture(params=[pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def model(request):
+    return MODELS[request.param]
+
+
+@pytest.fixture(params=sorted(MODELS))
+def each_model(request):
     return MODELS[request.param]
 
 
@@ -75,7 +82,8 @@ def test_generate_from_a_padded_prompt_continues_the_prompt_alone(model, side):
     np.testing.assert_allclose(logits, alone_logits, atol=1e-4, rtol=1e-5)
 
 
-def test_an_attention_mask_with_no_real_token_is_refused(model):
+def test_an_attention_mask_with_no_real_token_is_refused(each_model):
+    model = each_model
     module, config, params = model
     zeros = np.zeros(len(IDS), np.int32)
     for call in (lambda: module.generate(params, config, IDS, attention_mask=zeros, max_new_tokens=2),
@@ -106,13 +114,15 @@ def test_numpy_numbers_are_temperatures_and_bad_ones_are_refused(model):
             module.generate(params, config, IDS[:4], max_new_tokens=4, temperature=bad, key=0)
 
 
-def test_a_key_seed_too_large_names_key(model):
+def test_a_key_seed_too_large_names_key(each_model):
+    model = each_model
     module, config, params = model
     with pytest.raises(ValueError, match=r"key as an int seed must fit in 64 bits, received 1180591620717411303424"):
         module.generate(params, config, IDS[:4], max_new_tokens=2, temperature=1.0, key=2**70)
 
 
-def test_capture_of_a_non_name_names_capture(model):
+def test_capture_of_a_non_name_names_capture(each_model):
+    model = each_model
     module, config, params = model
     with pytest.raises(TypeError, match=r"capture must be a sequence of names \(str\), received an entry \['z'\]"):
         module.forward(params, config, IDS, capture=[["z"]])
@@ -221,7 +231,8 @@ def test_load_of_a_folder_with_a_file_nested_too_deeply_is_a_checkpoint_error_na
 # --- the model protocol ---
 
 
-def test_logits_are_unembed_of_final_norm_of_the_last_residual(model):
+def test_logits_are_unembed_of_final_norm_of_the_last_residual(each_model):
+    model = each_model
     module, config, params = model
     out = module.forward(params, config, IDS, capture=("resid_post",), return_hidden_states=True)
     h = module.final_norm(params, config, out.captured["resid_post"][-1])
@@ -231,7 +242,8 @@ def test_logits_are_unembed_of_final_norm_of_the_last_residual(model):
     assert set(out.captured) == {"resid_post"}  # the sugar's own captures are not returned
 
 
-def test_head_projections_rebuild_attn_out(model):
+def test_head_projections_rebuild_attn_out(each_model):
+    model = each_model
     module, config, params = model
     out = module.forward(params, config, IDS, capture=("z", "attn_out"))
     w = module.head_projections(params, config)  # [L, N, H, D]

@@ -19,7 +19,8 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n == "1L1H" else n
+                                        for n in sorted(CONFIGS)])  # make test: two configs; make test-slow: all
 def case(request, tmp_path_factory):
     model = hf_model(seed=len(request.param), **CONFIGS[request.param])
     directory = save_checkpoint(tmp_path_factory.mktemp(request.param), model)

@@ -277,3 +277,38 @@ def test_a_zero_patch_of_one_heads_z_is_that_heads_ablation_in_both_models(param
 def test_bad_capture_and_patch_arguments_are_refused_by_name(params, capture, patch, error, match):
     with pytest.raises(error, match=match):
         gpt2.forward(params, TINY, IDS, capture=capture, patch=patch)
+
+
+# --- left_pad ---
+
+
+def test_left_pad_puts_each_sequence_at_the_right_end_with_its_mask():
+    ids, mask = models.left_pad([[5, 6, 7], [8], np.array([1, 2], np.int64)], pad_id=9)
+    np.testing.assert_array_equal(ids, [[5, 6, 7], [9, 9, 8], [9, 1, 2]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 1], [0, 1, 1]])
+    assert ids.dtype == jnp.int32 and mask.dtype == jnp.bool_
+    ids, mask = models.left_pad([[5, 6]], length=4)
+    np.testing.assert_array_equal(ids, [[0, 0, 5, 6]])
+    np.testing.assert_array_equal(mask, [[0, 0, 1, 1]])
+
+
+def test_left_padded_log_prob_indexes_the_padded_columns(params):
+    # Sequence b's position t is column t + T - len(b): the span [1 + 2, None) of the padded row is the
+    # span [1, None) of the sequence alone.
+    ids, mask = models.left_pad([IDS, IDS[2:]])
+    alone = gpt2.log_prob(params, TINY, IDS[2:], start=1)
+    padded = gpt2.log_prob(params, TINY, ids[1], attention_mask=mask[1], start=1 + 2)
+    np.testing.assert_allclose(padded, alone, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("sequences,length,message", [
+    ([], None, "sequences must hold at least one sequence"),
+    ([[1, 2], []], None, r"sequences\[1\] must be a non-empty list of integer token ids"),
+    ([[1.5, 2.0]], None, r"sequences\[0\] must be a non-empty list of integer token ids, received dtype float64"),
+    ([[[1, 2]]], None, r"sequences\[0\] .* shape \(1, 2\)"),
+    ([[1, 2, 3]], 2, r"length must be an int >= the longest sequence \(3\), received 2"),
+    ([[1, 2, 3]], True, r"length must be an int >= the longest sequence \(3\), received True"),
+])
+def test_left_pad_refuses_bad_sequences_by_name(sequences, length, message):
+    with pytest.raises(ValueError, match=message):
+        models.left_pad(sequences, length=length)

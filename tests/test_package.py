@@ -160,6 +160,46 @@ def test_experiments_use_public_names_only():
     assert not private, "\n".join(private)
 
 
+def _puts_the_checkout_first(tree: ast.Module) -> int | None:
+    """The line of a top-level ``sys.path.insert(0, <the checkout>)``, or None."""
+    for node in tree.body:
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and ast.unparse(node.value.func) == "sys.path.insert" and ast.unparse(node.value.args[0]) == "0"
+                and "parent.parent" in ast.unparse(node.value.args[1])):
+            return node.lineno
+    return None
+
+
+def test_experiments_import_the_checkouts_own_jaxattn():
+    # Each script that imports jaxattn at its top level first puts its checkout at the head of sys.path;
+    # the two that import it only in child processes hand those the checkout through PYTHONPATH.
+    problems = []
+    for path in sorted((ROOT / "experiments").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+               and any(m.split(".")[0] == "jaxattn" for m in
+                       ([n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]))]
+        first = _puts_the_checkout_first(tree)
+        if top and (first is None or first > min(top)):
+            problems.append(f"{path.name}:{min(top)} imports jaxattn before putting its checkout first on sys.path")
+        if not top and _imports(path) and "PYTHONPATH" not in path.read_text():
+            problems.append(f"{path.name} imports jaxattn in child processes without handing them the checkout")
+    assert not problems, "\n".join(problems)
+
+
+def test_an_experiment_runs_its_checkouts_jaxattn_over_an_installed_one(tmp_path):
+    # Another "jaxattn" first on PYTHONPATH (as another checkout installed in development mode would be):
+    # the script must still import the package beside it.
+    impostor = tmp_path / "jaxattn"
+    impostor.mkdir()
+    (impostor / "__init__.py").write_text("raise ImportError('the other jaxattn was imported')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_sweep.py"), "--help"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "usage" in run.stdout, run.stderr[-2000:]
+    assert "the other jaxattn" not in run.stderr
+
+
 def test_no_public_module_only_reexports_a_private_one():
     # A public x.py that re-exports _x.py hides where its names live: define them in x.py instead.
     for path in PACKAGE.glob("*.py"):

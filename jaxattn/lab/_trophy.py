@@ -407,7 +407,7 @@ def _resolution_scores(score: Callable[[str, str], float], sentences: dict[str, 
 def _why_it_row(c: Comparison) -> str:
     if c.causal:
         return (
-            f"Why: under the causal mask (chapter 04) query {c.it_index} (' it') sees only keys 0..{c.it_index}, "
+            f"Why: under the causal mask query {c.it_index} (' it') sees only keys 0..{c.it_index}, "
             f"and the sentences first differ at token {c.first_difference}, after ' it'. Every layer "
             f"computes the same numbers for the shared prefix, so the row is identical in every head: "
             f"when {c.model} reads ' it', it cannot know yet whether the thing was too big or too small. "

@@ -10,6 +10,11 @@ cache, --first-repeats times each, alternating: jaxattn's forward and FlaxLlamaF
 jaxattn's generate (a 5-token prompt, 15 new tokens) against jaxattn's forward on the same prompt. Targets:
 forward's first call <= Flax's, generate's first call <= 2x the forward's.
 
+    python experiments/bench_llama.py --phases         # where each first call goes (and nothing else)
+
+--phases splits one first call of each forward at T, in a fresh process each, into trace, lower, XLA
+compile and the first run (then a second run), and prints them; it writes nothing.
+
 The Flax Llama of transformers 4.57 builds its RoPE table with base 10000 whatever the config says, so
 both run at base 10000 here (SmolLM2's is 100000; the base changes no cost) and their outputs can be
 compared. Its head is never tied: it gets the embedding's transpose. Needs transformers 4.x with its Flax
@@ -63,16 +68,43 @@ def _flax_model(config, T):
         rms_norm_eps=config.rms_norm_eps), _do_init=False)
 
 
+def _phases(fn, *args) -> dict[str, float]:
+    """Seconds of each phase of ``jax.jit(fn)``'s first call on ``args``, then of a second run."""
+    jitted, times = jax.jit(fn), {}
+    t = time.perf_counter()
+    traced = jitted.trace(*args)
+    times["trace"], t = time.perf_counter() - t, time.perf_counter()
+    lowered = traced.lower()
+    times["lower"], t = time.perf_counter() - t, time.perf_counter()
+    compiled = lowered.compile()
+    times["compile"], t = time.perf_counter() - t, time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times["first run"], t = time.perf_counter() - t, time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times["second run"] = time.perf_counter() - t
+    return times
+
+
 def _first_call(what: str, T: int, seed: int) -> None:
     """In a fresh process: load (untimed), then time one first call of ``what``; print it as JSON."""
     params, config, _ = llama.load()
     config = config._replace(rope_theta=10000.0)
     jax.block_until_ready(params)
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, T).astype(np.int32)
-    if what == "flax":
+    if what == "phases-forward":
+        times = _phases(lambda p, i: (lambda o: (o.logits, o.attentions))(llama.forward(p, config, i)), params, ids)
+        print(json.dumps({"what": what, "T": T, **times}))
+        return
+    if what in ("flax", "phases-flax"):
         hf = _flax_model(config, T)
         flat = flatten(params)
         hf_params = unflatten({**flat, "lm_head/kernel": flat["model/embed_tokens/embedding"].T})
+        if what == "phases-flax":
+            with jax.numpy_rank_promotion("allow"):
+                times = _phases(lambda p, x: (lambda o: (o.logits, o.attentions))(hf(x, params=p, output_attentions=True)),
+                                hf_params, ids[None])
+            print(json.dumps({"what": what, "T": T, **times}))
+            return
         run = jax.jit(lambda p, x: hf(x, params=p, output_attentions=True))
 
         def fn():
@@ -112,7 +144,9 @@ def _spread(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--first-repeats", type=int, default=3, help="fresh processes per first-call timing (0: skip)")
-    parser.add_argument("--child", choices=("forward", "flax", "generate"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("forward", "flax", "generate", "phases-forward", "phases-flax"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--phases", action="store_true", help="only split each forward's first call into its phases")
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--load-repeats", type=int, default=3)
@@ -121,6 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         _first_call(args.child, args.T, args.seed)
+        return 0
+    if args.phases:
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        print(f"first call of each forward at T={args.T}, a fresh process each (seconds):")
+        for what, label in (("phases-forward", "jaxattn.llama.forward"), ("phases-flax", "FlaxLlamaForCausalLM")):
+            proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(args.T), "--seed", str(args.seed)],
+                                  capture_output=True, text=True, env=env, check=True)
+            record = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"  {label:22s} " + ", ".join(f"{k} {record[k]:.2f}" for k in ("trace", "lower", "compile", "first run",
+                                                                                    "second run")))
         return 0
     try:  # before any work: nothing wasted, nothing half-written
         prepare_output_folder(args.out, ("bench_llama.json",), create=False)

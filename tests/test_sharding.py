@@ -25,17 +25,17 @@ import pytest
 FAST = ["llama_explicit_forward"]
 SLOW = [
     "llama_explicit_forward_log_prob_generate",
-    "gpt2_explicit_forward",
+    "gpt2_explicit_forward_log_prob",
     "bert_explicit_forward",
     "llama_auto_forward_log_prob_generate",
-    "gpt2_auto_forward_generate",
+    "gpt2_auto_forward_log_prob_generate",
     "gpt2_explicit_generate",
     "bert_auto_forward",
     "llama_gqa_qk_norm_explicit_forward",
     "split_vocab_explicit_forward",
     "llama_inside_shard_map_over_data",
     "smollm2_2x3_explicit_forward_log_prob_generate",
-    "smollm2_2x3_auto_forward_generate",
+    "smollm2_2x3_auto_forward_log_prob_generate",
     "smollm2_load_streams_to_mesh",
     "tables_explicit",
     "tables_auto",
@@ -458,11 +458,12 @@ def _main(group):  # pragma: no cover - runs in the subprocess
             errs[kw["model_type"]] = e
         return errs
 
-    def gpt2_explicit_forward():
+    def gpt2_explicit_forward_log_prob():
         params, config = tiny_gpt2()
         m = mesh((2, 2), AxisType.Explicit)
         ids, mask = batch(4, 10, config.vocab_size)
         sharded, errs = compare_forward(gpt2, params, config, m, ids, mask, N=4)
+        errs["log_prob"] = compare_log_prob(gpt2, params, sharded, config, m, ids, mask)
         expect_param_specs(sharded, {
             "transformer/h/0/attn/c_attn/kernel": ("model", None), "transformer/h/0/attn/c_proj/kernel": (None, "model"),
             "transformer/h/0/mlp/c_fc/bias": ("model",), "transformer/wte/embedding": (None, None),
@@ -475,11 +476,12 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         ids, mask = batch(4, 6, config.vocab_size)
         return compare_generate(gpt2, params, gpt2.shard(params, config, m), config, m, ids, mask)
 
-    def gpt2_auto_forward_generate():
+    def gpt2_auto_forward_log_prob_generate():
         params, config = tiny_gpt2()
         m = mesh((2, 2), AxisType.Auto)
         ids, mask = batch(4, 6, config.vocab_size)
         sharded, errs = compare_forward(gpt2, params, config, m, ids, mask, N=4)
+        errs["log_prob"] = compare_log_prob(gpt2, params, sharded, config, m, ids, mask)
         errs["generate"] = compare_generate(gpt2, params, sharded, config, m, ids, mask)
         return errs
 
@@ -564,15 +566,14 @@ def _main(group):  # pragma: no cover - runs in the subprocess
             for s in leaf.addressable_shards:
                 shard_bytes[s.device.id] += s.data.nbytes
         errs["bytes_per_device"] = sorted(set(shard_bytes.values()))
-        if kind == AxisType.Explicit:
-            errs["log_prob"] = compare_log_prob(llama, params, sharded, config, m, ids, mask)
+        errs["log_prob"] = compare_log_prob(llama, params, sharded, config, m, ids, mask)
         errs["generate"] = compare_generate(llama, params, sharded, config, m, ids, mask, new=6)
         return errs
 
     def smollm2_2x3_explicit_forward_log_prob_generate():
         return smollm2_checks(AxisType.Explicit)
 
-    def smollm2_2x3_auto_forward_generate():
+    def smollm2_2x3_auto_forward_log_prob_generate():
         return smollm2_checks(AxisType.Auto)
 
     def smollm2_load_streams_to_mesh():
@@ -624,6 +625,8 @@ def _main(group):  # pragma: no cover - runs in the subprocess
                 b, metric, source.captured["resid_pre"], name="resid_pre", **kw),
             "gate_gradients": lambda b, **kw: iv.gate_gradients(b, metric, **kw),
             "attribution_patching": lambda b, **kw: iv.attribution_patching(b, metric, source.captured["z"], **kw),
+            "layer_gradients": lambda b, **kw: iv.layer_gradients(b, metric, "z", **kw)[1],  # the gradient
+            "attention_gradient": lambda b, **kw: iv.attention_gradient(b, metric, **kw),
         }
         for name, table in tables.items():
             ref, out = table(one), table(on_mesh, mesh=m)

@@ -25,7 +25,6 @@ from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import causal_layer, check_span, positions, sampling, span_log_prob, token_ids
-from jaxattn._nn import positions as positions_
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
@@ -274,7 +273,7 @@ def _packed_keep(mask: Any, pos: Any, T: int, max_length: int, max_name: str) ->
         raise ValueError("positions are given only with a [T, T] attention_mask (packed sequences); a [T] mask "
                          "makes them from the real tokens")
     keep = _keep(mask, T)
-    return keep, positions_(keep)
+    return keep, positions(keep)
 
 
 def _stream(x: Any, D: int) -> Array:

@@ -97,11 +97,13 @@ def mesh_map(fn: Callable[[Any, Any], Array], args: Any, xs: Any, chunk: int | N
     total = jax.tree.leaves(xs)[0].shape[0]
     per = -(-total // mesh.shape[data_axis])
     size = per if chunk is None else min(int(chunk), per)
-    return split(_map_program(fn, size), (args,), (xs,), mesh, data_axis, multiple=size)
+    return split(map_program(fn, size), (args,), (xs,), mesh, data_axis, multiple=size)
 
 
 @functools.lru_cache(maxsize=64)
-def _map_program(fn: Callable[[Any, Any], Array], size: int) -> Callable[[Any, Any], Array]:
+def map_program(fn: Callable[[Any, Any], Array], size: int) -> Callable[[Any, Any], Array]:
+    """``jit(lax.map(fn, xs, batch_size=size))``, kept per ``(fn, size)``: on one device or on each
+    device group of a mesh, the same program."""
     return jax.jit(lambda args, xs: jax.lax.map(lambda x: fn(args, x), xs, batch_size=size))
 
 

@@ -89,11 +89,11 @@ def check_chunk(chunk: Any, total: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def program(fn: Callable[[Any, Any], Array], size: int | None) -> Callable[[Any, Any], Array]:
-    """``jit(lax.map(fn, xs, batch_size=size))``, or ``jit(fn)`` for one item (``size=None``); kept per
-    ``(fn, size)`` so a second table of the same shapes compiles nothing."""
+    """``jit(lax.map(fn, xs, batch_size=size))`` (:func:`._mesh.map_program`), or ``jit(fn)`` for one item
+    (``size=None``); kept per ``(fn, size)`` so a second table of the same shapes compiles nothing."""
     if size is None:
         return jax.jit(fn)
-    return jax.jit(lambda args, xs: jax.lax.map(lambda x: fn(args, x), xs, batch_size=size))
+    return _mesh.map_program(fn, size)
 
 
 def run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None, loop: bool,

@@ -94,7 +94,7 @@ def _row(name: str, t: dict, base: dict | None) -> str:
             f"cpu {t['cpu'] * 1e3:10.1f} ms  {ratio}")
 
 
-def main() -> int | None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", "1b", "smollm2"], default="1b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -118,7 +118,7 @@ def main() -> int | None:
     print(f"jax {jax.__version__}, {n} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
     if n < 2:
         print("one device: a mesh needs 2 or more; nothing to compare (skipped)")
-        return
+        return 0
     dtype = jnp.dtype(args.dtype)
     params, config = _model(args.model, dtype)
     data, model = _mesh_shape(n, config, args.mesh)

@@ -19,12 +19,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import causal_layer, check_span, positions, sampling, span_log_prob, token_ids
+from jaxattn._nn import causal_layer, check_span, maps_buffer, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import Sites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
@@ -152,19 +153,76 @@ def _unembed(family: Family, config: Any, params: Any, h: Array) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The forward
+# The forward: one compiled block, run by a loop over the layers
 # ----------------------------------------------------------------------------------------------------
 
 
+@jax.tree_util.register_pytree_node_class
+class LayerWeight:
+    """Block ``i``'s weight matrix inside the loop over the layers: every layer's matrix (as they lie in the
+    params, never stacked) and the loop's traced index ``i``.
+
+    It supports what a family's block functions do with a matrix, ``x @ w`` and ``w.T``: the product is a
+    ``lax.switch`` over the layers whose branch ``j`` multiplies by layer ``j``'s matrix, so every weight
+    is read where it lies. Picking layer ``i``'s matrix first (a switch that returns it, or a slice of a
+    stacked copy) would copy all the weights on every call.
+
+    A one-row ``x [1, D]`` (a generated token) is multiplied as two rows, itself and a row of zeros: XLA
+    compiles a matrix-vector product to machine code of its own, one per product (a switch over 30
+    layers would compile 30 of each), and hands products of two or more rows to its matrix library,
+    which compiles nothing and reads the matrix once either way.
+    """
+
+    def __init__(self, layers: tuple[Array, ...], i: Array, transposed: bool = False):
+        self.layers, self.i, self.transposed = layers, i, transposed
+
+    def tree_flatten(self):
+        return (self.layers, self.i), self.transposed
+
+    @classmethod
+    def tree_unflatten(cls, transposed, children):
+        return cls(*children, transposed)
+
+    @property
+    def T(self) -> "LayerWeight":
+        return LayerWeight(self.layers, self.i, not self.transposed)
+
+    def __rmatmul__(self, x: Array) -> Array:
+        def product(w, x):
+            return x @ (w.T if self.transposed else w)
+
+        one_row = x.ndim == 2 and x.shape[0] == 1
+        if one_row:
+            x = jnp.concatenate([x, jnp.zeros_like(x)])  # [2, D]
+        y = jax.lax.switch(self.i, [functools.partial(product, w) for w in self.layers], x)
+        return y[:1] if one_row else y
+
+
+def _layers(family: Family, config: Any, params: Any) -> Any:
+    """Every block's params as the loop over the layers reads them (:func:`_layer_at`): a pytree shaped like
+    one block's, each matrix (two or more axes) a tuple of the layers' own arrays, each vector (a norm's
+    scale, a bias) stacked ``[L, ...]`` (a copy of a few numbers per layer)."""
+    blocks = [family.layer(params, j) for j in range(family.sizes(config).layers)]
+    return jax.tree.map(lambda *a: tuple(a) if a[0].ndim >= 2 else jnp.stack(a), *blocks)
+
+
+def _layer_at(layers: Any, i: Array) -> Any:
+    """Block ``i``'s params (``i`` traced) from :func:`_layers`: its vectors, and a :class:`LayerWeight` for
+    each matrix."""
+    return jax.tree.map(lambda a: LayerWeight(a, i) if isinstance(a, tuple) else a[i], layers,
+                        is_leaf=lambda a: isinstance(a, tuple))
+
+
 def _block(family: Family, config: Any, p: Any, i: Any, x: Array, rot: Any, mask: Array, scale: Array,
-           heads: Array, weights: Array | None, sites: Sites) -> tuple[Array, Array]:
-    """Block ``i`` (an int, or a traced index inside a loop) on the stream ``x [T, D]`` entering it:
-    ``(x [T, D] leaving it, weights [L, N, T, T] with row i written)``; every named site passes ``sites``."""
+           heads: Array, weights: Array | None, sites: Sites) -> tuple[Array, Array | None]:
+    """Block ``i`` (an int, or a traced index inside the loop) on the stream ``x [T, D]`` entering it:
+    ``(x [T, D] leaving it, weights [L, N, T, T] with row i written)``; ``p`` is the block's params (in the
+    loop, :func:`_layer_at`'s); every named site passes ``sites``."""
     s = family.sizes(config)
     N, K = s.heads, s.kv_heads
     x = sites("resid_pre", i, x)  # [T, D]
     q, k, v = (sites(name, i, a) for name, a in zip("qkv", family.qkv(p, config, x, rot)))  # [T, N|K, H]
-    z, weights = causal_layer(q, k, v, mask, scale, weights, i, s.layers, sites)  # [T, N, H], [L, N, T, T]
+    z, weights = causal_layer(q, k, v, mask, scale, weights, i, sites)  # [T, N, H], [L, N, T, T]
     if "attn_logits" in sites.capture:  # per query head, against its key head: the softmax's own input
         sites("attn_logits", i, _attn_logits(q, k, scale, N // K))  # [N, T, T]
     z = sites("z", i, z) * heads[i][None, :, None].astype(z.dtype)  # [T, N, H], each head times its gate
@@ -174,50 +232,128 @@ def _block(family: Family, config: Any, p: Any, i: Any, x: Array, rot: Any, mask
     return sites("resid_post", i, x + m), weights  # [T, D]
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config", "capture"))
-def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, capture) -> ModelOutput:
+class _Run(NamedTuple):
+    """What runs the blocks besides the stream: the same for every block."""
+
+    rot: Any  # the family's rotation of the positions (None without RoPE)
+    mask: Array  # the keep-mask [S] or [T, S]; causality comes from the slot order
+    scale: Array  # the logit scale, float32
+    heads: Array  # head_mask [L, N]
+
+
+def _buffers(family: Family, config: Any, params: Any, x: Array, run: _Run, capture: tuple[str, ...], patch: Any,
+             maps: bool) -> tuple[Array | None, dict[str, Array]]:
+    """Zeroed ``[L, ...]`` buffers for what the blocks write, made before the loop that carries them: every
+    layer's maps (None without ``maps``) and each captured tensor, shaped (and, under Explicit mesh axes,
+    split) like block 0's."""
+    L = family.sizes(config).layers
+
+    def block0(x):  # what block 0 writes, as a Sites keeps it: [L, ...] buffers
+        sites = Sites(tuple(sorted({*capture, "attn_weights"})), patch, L)
+        _block(family, config, family.layer(params, 0), 0, x, *run, None, sites)
+        return sites.kept
+
+    shapes = jax.eval_shape(block0, x)
+    weights = maps_buffer(shapes["attn_weights"]) if maps else None  # [L, N, T, T]
+    return weights, {name: _sharding.zeros(shapes[name].shape, shapes[name].dtype, shapes[name]) for name in capture}
+
+
+def _blocks(family: Family, config: Any, params: Any, x: Array, start: Any, run: _Run, weights: Array | None,
+            sites: Sites) -> tuple[Array, Array | None, dict[str, Array]]:
+    """Blocks ``start..L-1`` on the stream ``x [T, D]`` entering block ``start`` (an int or a traced int32
+    scalar), as one ``lax.fori_loop``: one compiled block serves every layer (and every start).
+
+    Returns ``(x [T, D] leaving the last block, weights, captured)``: ``weights [L, N, T, T]`` with rows
+    ``start..L-1`` written (None stays None), ``captured`` the ``[L, ...]`` buffers of ``sites``, which
+    must be made before the loop (:func:`_buffers`)."""
+    L = family.sizes(config).layers
+    layers = _layers(family, config, params)
+
+    def body(i, carry):
+        x, weights, kept = carry
+        sites_i = Sites(sites.capture, sites.patch, L, kept)
+        x, weights = _block(family, config, _layer_at(layers, i), i, x, *run, weights, sites_i)
+        return x, weights, sites_i.kept
+
+    return jax.lax.fori_loop(start, L, body, (x, weights, sites.kept))
+
+
+def _unrolled(family: Family, config: Any, capture: tuple[str, ...], params: Any, x: Array, run: _Run,
+              patch: Any) -> tuple[Array, Array, dict[str, Array]]:
+    """Every block from the stream ``x [T, D]`` entering block 0, written out one after the other (what
+    the derivatives of :func:`_all_blocks` run): ``(x, weights [L, N, T, T], captured)``."""
+    L = family.sizes(config).layers
+    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=True)
+    sites = Sites(capture, patch, L, kept)
+    for i in range(L):
+        x, weights = _block(family, config, family.layer(params, i), i, x, *run, weights, sites)
+    return x, weights, sites.kept
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _all_blocks(family: Family, config: Any, capture: tuple[str, ...], params: Any, x: Array, run: _Run,
+                patch: Any) -> tuple[Array, Array, dict[str, Array]]:
+    """Every block from the stream ``x [T, D]`` entering block 0: ``(x, weights [L, N, T, T], captured)``.
+
+    Evaluated as the loop of :func:`_blocks` (one compiled block). Its derivatives, forward and reverse,
+    are those of :func:`_unrolled`, the same blocks written out: reverse mode through the loop would add
+    the cotangents of EVERY layer's params at every step (each branch of the switch returns zeros for
+    the params it does not read), where the written-out blocks give each layer's params their own.
+    """
+    L = family.sizes(config).layers
+    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=True)
+    return _blocks(family, config, params, x, 0, run, weights, Sites(capture, patch, L, kept))
+
+
+@functools.partial(_all_blocks.defjvp, symbolic_zeros=True)
+def _all_blocks_jvp(family: Family, config: Any, capture: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
+    """The JVP of :func:`_unrolled`, taken in the inputs that are perturbed only (a parameter without a
+    tangent, or an integer input, stays a constant instead of carrying zeros through every product)."""
+    leaves, tree = jax.tree.flatten(primals)
+    moving = [not isinstance(t, SymbolicZero) for t in jax.tree.leaves(
+        tangents, is_leaf=lambda t: isinstance(t, SymbolicZero))]
+    t_moving = [t for t, m in zip(jax.tree.leaves(tangents, is_leaf=lambda t: isinstance(t, SymbolicZero)), moving)
+                if m]
+
+    def of_moving(*xs):
+        it = iter(xs)
+        return _unrolled(family, config, capture, *jax.tree.unflatten(tree, [next(it) if m else a
+                                                                            for a, m in zip(leaves, moving)]))
+
+    return jax.jvp(of_moving, tuple(a for a, m in zip(leaves, moving) if m), tuple(t_moving))
+
+
+def _run(family: Family, config: Any, keep: Array, pos: Array, T: int, heads: Array, scale: Array) -> _Run:
     s = family.sizes(config)
-    T = ids.shape[0]
-    sites = Sites(capture, patch)
-    pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
-    x = _embed(family, config, params, ids, pos)  # [T, D]
-    rot = _rotation(family, config, pos, T)
-    mask = _key_mask(keep, pos, s.window)  # [S] or [T, S]
-    weights = None  # [L, N, T, T], filled in place layer by layer (no stacking copy at the end)
-    for i in range(s.layers):
-        x, weights = _block(family, config, family.layer(params, i), i, x, rot, mask, scale, heads, weights, sites)
+    return _Run(_rotation(family, config, pos, T), _key_mask(keep, pos, s.window), scale, heads)
+
+
+def _head(family: Family, config: Any, params: Any, x: Array, weights: Array, captured: dict) -> ModelOutput:
     h = family.final_norm(params, config, x)  # [T, D]
     return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights,
-                       captured=sites.captured())
+                       captured=captured)
+
+
+@functools.partial(jax.jit, static_argnames=("family", "config", "capture"))
+def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, capture) -> ModelOutput:
+    T = ids.shape[0]
+    pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
+    x = _embed(family, config, params, ids, pos)  # [T, D]
+    x, weights, captured = _all_blocks(family, config, capture, params, x, _run(family, config, keep, pos, T, heads,
+                                                                             scale), patch)
+    return _head(family, config, params, x, weights, {name: captured[name] for name in capture})
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config"))
 def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, family: Family, config) -> ModelOutput:
     """Blocks ``layer..L-1`` from the stream ``resid [T, D]`` entering block ``layer`` (a traced int32 scalar):
-    one ``lax.fori_loop``, so one compiled block serves every start layer.
-
-    Each step picks its block's params with ``lax.switch`` over the layers, not from a stacked ``[L, ...]``
-    copy of them, which every call would make anew (all the weights, copied).
-    """
-    s = family.sizes(config)
-    L, T = s.layers, resid.shape[0]
-    layers = [functools.partial(family.layer, params, j) for j in range(L)]
-    rot = _rotation(family, config, pos, T)
-    mask = _key_mask(keep, pos, s.window)  # [S] or [T, S]; causality comes from the slot order
-    full = {name: tuple(jnp.broadcast_to(a, (L,) + a.shape[1:]) for a in pair) for name, pair in patch.items()}
-    sites = Sites((), full)  # the layer axis in full: a traced layer index reads row i of every patch
-
-    def body(i, carry):
-        x, w = carry
-        p = jax.lax.switch(i, layers)  # block i's params
-        return _block(family, config, p, i, x, rot, mask, scale, heads, w, sites)
-
-    q0 = jax.eval_shape(lambda: family.qkv(layers[0](), config, resid, rot)[0])  # [T, N, H]
+    the forward's loop, started at ``layer``, so one compiled block serves every start layer."""
+    L = family.sizes(config).layers
+    run = _run(family, config, keep, pos, resid.shape[0], heads, scale)
+    q0 = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[0], resid)  # [T, N, H]
     weights = _sharding.maps_like(weights, q0)  # under Explicit mesh axes: split like the maps written into it
-
-    x, weights = jax.lax.fori_loop(layer, L, body, (resid, weights))  # [T, D], [L, N, T, T]
-    h = family.final_norm(params, config, x)  # [T, D]
-    return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights, captured={})
+    x, weights, _ = _blocks(family, config, params, resid, layer, run, weights, Sites((), patch, L))
+    return _head(family, config, params, x, weights, {})
 
 
 def _checked_resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any, *,
@@ -354,71 +490,83 @@ def _pick(logits: Array, key: Array, temperature: Array, greedy: bool) -> Array:
     return jax.random.categorical(key, scaled).astype(jnp.int32)
 
 
+PROMPT_ROWS = 8  # the most prompt tokens one generation step reads
+
+
+def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, visible: Array, at: Array,
+                cache: tuple[Array, Array], scale: Array, heads: Array) -> tuple[Array, tuple[Array, Array]]:
+    """Every block on rows ``x [R, D]`` that sit at cache slots ``at..at+R-1``: each layer writes their keys
+    and values into ``cache`` (``[L, slots, K, H]`` each) and attends to the cache through
+    :func:`jaxattn.multi_head_attention`, row ``r`` seeing the slots ``visible[r]`` (``[R, slots]``)."""
+
+    def layer(l, c):
+        x, (cache_k, cache_v) = c
+        p = _layer_at(layers, l)
+        q, k, v = family.qkv(p, config, x, rot)  # [R, N, H], 2 x [R, K, H]
+        cache_k, cache_v = (jax.lax.dynamic_update_index_in_dim(c, jax.lax.dynamic_update_slice_in_dim(
+            c[l], a.astype(c.dtype), at, 0), l, 0) for c, a in ((cache_k, k), (cache_v, v)))
+        z = _attend(q, cache_k[l].astype(q.dtype), cache_v[l].astype(q.dtype), visible, scale)  # [R, N, H]
+        z = z * heads[l][None, :, None].astype(z.dtype)
+        x = x + _attn_out(family, config, p, z)
+        return x + _mlp(family, config, p, x), (cache_k, cache_v)  # [R, D]
+
+    return jax.lax.fori_loop(0, family.sizes(config).layers, layer, (x, cache))
+
+
 @functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy"))
 def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: Family, config, max_new_tokens,
               greedy):
+    """ONE compiled step of ``R = min(T, PROMPT_ROWS)`` rows, run ``C + new - 1`` times (a ``lax.scan``): the
+    first ``C = ceil(T / R)`` steps read the prompt, ``R`` tokens at a time, into cache slots ``0..C·R-1``
+    (its padding to whole steps stays out of sight); each later step reads the newest token into the next
+    slot, its ``R - 1`` other rows repeating it (slots after the token's, which no real row sees before the
+    next token is written there). Every step unembeds one row, the last real prompt token's or the new
+    token's, and picks from it."""
     s = family.sizes(config)
     T, new = prompt.shape[0], max_new_tokens
-    total = T + new
-    window = s.window
-    blocks = jax.tree.map(lambda *a: jnp.stack(a), *[family.layer(params, i) for i in range(s.layers)])  # [L, ...]
-    pos = positions(keep)  # [T]
-    next_pos = jnp.sum(keep).astype(jnp.int32)  # the first new token's position
-    key_pos = jnp.concatenate([pos, next_pos + jnp.arange(new, dtype=jnp.int32)])  # [total]
-    key_keep = jnp.concatenate([keep, jnp.ones((new,), bool)])  # [total]: new tokens are real
-
-    def block(x, p, gate, rot, q_pos, k_all, v_all, at):
-        """One block on rows ``x [w, D]`` written at cache slots ``at..at+w-1`` of ``k_all, v_all [total, K, H]``."""
-        q, k, v = family.qkv(p, config, x, rot)  # [w, N, H], 2 x [w, K, H]
-        k_all = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype), (at, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype), (at, 0, 0))
-        rows = at + jnp.arange(x.shape[0])  # [w], cache slots of the rows
-        visible = (jnp.arange(total)[None, :] <= rows[:, None]) & key_keep[None, :]  # [w, total]
-        if window is not None:
-            visible &= q_pos[:, None] - key_pos[None, :] < window
-        z = _attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), visible, scale)  # [w, N, H]
-        z = z * gate[None, :, None].astype(z.dtype)  # [w, N, H]
-        x = x + _attn_out(family, config, p, z)
-        return x + _mlp(family, config, p, x), k_all, v_all  # [w, D]
-
-    # The prompt, at once: each layer's keys and values become the cache's first T slots.
-    x = _embed(family, config, params, prompt, pos)  # [T, D]
-    rot = _rotation(family, config, pos, total)
-    k0 = jax.eval_shape(lambda: family.qkv(family.layer(params, 0), config, x, rot))[1]  # [T, K, H]
-    empty = _sharding.zeros((total, s.kv_heads, s.head_dim), k0.dtype, k0)  # [total, K, H], split like k
-
-    def prompt_layer(x, layer):
-        p, gate = layer
-        x, k_all, v_all = block(x, p, gate, rot, pos, empty, empty, 0)
-        return x, (k_all, v_all)
-
-    x, (cache_k, cache_v) = jax.lax.scan(prompt_layer, x, (blocks, heads))  # [T, D], 2 x [L, total, K, H]
+    R = min(T, PROMPT_ROWS)
+    C = -(-T // R)
+    P = C * R  # the prompt's slots
+    slots = P + new + R - 2  # the prompt, new tokens but the last, the last step's other rows
+    prompt_p = jnp.pad(prompt, (0, P - T))  # [P]; padding reads token 0, never seen
+    keep_p = jnp.pad(keep, (0, P - T))  # [P]
+    pos_p = positions(keep_p)  # [P]
+    real = jnp.sum(keep).astype(jnp.int32)  # the first new token's position
+    key_pos = jnp.concatenate([pos_p, real + jnp.arange(slots - P, dtype=jnp.int32)])  # [slots]
+    key_keep = jnp.concatenate([keep_p, jnp.ones((slots - P,), bool)])  # [slots]: new tokens are real
     last = jnp.max(jnp.where(keep, jnp.arange(T), -1))  # the last real token: it predicts the first new one
-    logits0 = _sharding.auto(lambda params, x, last: family.unembed(params, config, family.final_norm(
-        params, config, x[last])))(params, x, last)  # [V], from the last real token's row
+    layers = _layers(family, config, params)
+    cache = tuple(_sharding.zeros((s.layers, slots, s.kv_heads, s.head_dim), k.dtype, k) for k in jax.eval_shape(
+        lambda: family.qkv(family.layer(params, 0), config, _embed(family, config, params, prompt[:R], pos_p[:R]),
+                           _rotation(family, config, pos_p[:R], slots))[1:]))  # 2 x [L, slots, K, H], split like k
     keys = jax.random.split(key, new)
-    first = _pick(logits0, keys[0], temperature, greedy)
 
-    def token_step(carry, i):  # one compiled step serves every new token
-        token, cache_k, cache_v = carry
-        at = T + i
-        q_pos = (next_pos + i)[None]  # [1]
-        x = _embed(family, config, params, token[None], q_pos)  # [1, D]
-        rot = _rotation(family, config, q_pos, total)
+    def step(carry, k):
+        cache, token = carry
+        reading = k < C  # a prompt step
+        j = k - C  # a later step's token: the j-th new one, at slot P + j
+        at = jnp.where(reading, k * R, P + j)
+        ids = jnp.where(reading, jax.lax.dynamic_slice_in_dim(prompt_p, k * R, R), token)  # [R]
+        pos = jnp.where(reading, jax.lax.dynamic_slice_in_dim(pos_p, k * R, R), real + j)  # [R]
+        rows = at + jnp.where(reading, jnp.arange(R), 0)  # [R], the slot each row sees up to
+        visible = (jnp.arange(slots)[None, :] <= rows[:, None]) & key_keep[None, :]  # [R, slots]
+        if s.window is not None:
+            visible &= pos[:, None] - key_pos[None, :] < s.window
+        x = _embed(family, config, params, ids, pos)  # [R, D]
+        rot = _rotation(family, config, pos, slots)
+        x, cache = _cache_step(family, config, layers, x, rot, visible, at, cache, scale, heads)  # [R, D]
+        row = jnp.where(reading, jnp.clip(last - k * R, 0, R - 1), 0)  # the row that predicts a token
+        logits = _unembed(family, config, params, family.final_norm(params, config, x))[row]  # [V]; every row
+        # unembedded: one row alone would be a matrix-vector product, compiled to machine code of its own
+        picked = _pick(logits, keys[jnp.maximum(j + 1, 0)], temperature, greedy)
+        token = jnp.where(reading & (k != last // R), token, picked)
+        return (cache, token), (picked, logits)
 
-        def layer_step(c, layer):
-            x, cache_k, cache_v = c
-            p, gate, l = layer
-            x, k_l, v_l = block(x, p, gate, rot, q_pos, cache_k[l], cache_v[l], at)
-            return (x, cache_k.at[l].set(k_l), cache_v.at[l].set(v_l)), None
-
-        (x, cache_k, cache_v), _ = jax.lax.scan(layer_step, (x, cache_k, cache_v), (blocks, heads, jnp.arange(s.layers)))
-        logits = _unembed(family, config, params, family.final_norm(params, config, x[0]))  # [V]
-        return (_pick(logits, keys[i + 1], temperature, greedy), cache_k, cache_v), (token, logits)
-
-    (final, _, _), (tokens, step_logits) = jax.lax.scan(token_step, (first, cache_k, cache_v), jnp.arange(new - 1))
-    ids = jnp.concatenate([prompt, tokens, final[None]])  # [T + new]
-    return ids, jnp.concatenate([logits0[None], step_logits])  # [T + new], [new, V]: each token's logits
+    token = prompt[0]  # a placeholder (read only once the prompt's last real token has picked one), split like prompt
+    _, (picked, logits) = jax.lax.scan(step, (cache, token), jnp.arange(C + new - 1))
+    emitted = jnp.concatenate([picked[last // R][None], picked[C:]])  # [new]: the prompt's, then each step's
+    ids = jnp.concatenate([prompt, emitted])  # [T + new]
+    return ids, jnp.concatenate([logits[last // R][None], logits[C:]])  # [T + new], [new, V]: each token's logits
 
 
 def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_new_tokens: Any,

@@ -50,26 +50,31 @@ def embed_ids(table: Array, ids: Array) -> Array:
     return jnp.where(valid[:, None], rows, jnp.nan)
 
 
-def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array | None, layer: int,
-                 num_layers: int, sites: Sites) -> tuple[Array, Array]:
+def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array | None, layer: Any,
+                 sites: Sites) -> tuple[Array, Array | None]:
     """One layer's causal attention in a model forward: ``(z [T, N, H], weights [L, N, T, T])``.
 
-    The layer's map passes the ``attn_weights`` site and is written in place into ``weights``, the zeroed
-    ``[L, N, T, T]`` buffer (made at the first layer, where ``weights`` is None, split like the map under
-    Explicit mesh axes), so that the maps are never copied into a stack at the end. With an
-    ``attn_weights`` patch, ``z`` is remade from the patched weights. ``q [T, N, H]``, ``k, v [T, K, H]``;
-    ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
+    The layer's map passes the ``attn_weights`` site and is written in place into row ``layer`` (an int
+    or a traced index) of ``weights``, the buffer of every layer's maps (:func:`maps_buffer`), so that the
+    maps are never copied into a stack at the end; ``weights=None`` keeps no map (and returns None).
+    With an ``attn_weights`` patch, ``z`` is remade from the patched weights. ``q [T, N, H]``,
+    ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
     """
     def attend(q, k, v, mask, scale):
         return multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)
 
     z, w = _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)  # [T, N, H], [N, T, T]
     w = sites("attn_weights", layer, w)  # [N, T, T]
-    if weights is None:  # the barrier keeps XLA from turning zeros + the first write into a slow pad
-        weights = jax.lax.optimization_barrier(_sharding.zeros((num_layers, *w.shape), q.dtype, w))  # [L, N, T, T]
     if sites.patches("attn_weights"):
         z = mix(w, v)  # [T, N, H] from the patched weights
-    return z, weights.at[layer].set(w)  # [L, N, T, T], written in place
+    return z, None if weights is None else weights.at[layer].set(w.astype(weights.dtype))  # [L, N, T, T], in place
+
+
+def maps_buffer(like: Any) -> Array:
+    """A zeroed buffer ``[L, N, T, S]`` for every layer's map (:func:`causal_layer` writes them into it),
+    shaped like ``like`` (an array or a ``jax.ShapeDtypeStruct``) and, under Explicit mesh axes, split
+    like it. The barrier keeps XLA from turning the zeros and the first write into a slow pad."""
+    return jax.lax.optimization_barrier(_sharding.zeros(like.shape, like.dtype, like))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -268,11 +268,16 @@ def maps_like(weights: Array, q: Any) -> Array:
 def zeros(shape: tuple[int, ...], dtype: Any, like: Any) -> Array:
     """``jnp.zeros(shape, dtype)``; under Explicit axes with the sharding of ``like`` (an array or a
     ``jax.ShapeDtypeStruct``), whose dims are the trailing dims of ``shape`` (the leading ones
-    replicated): a buffer ``like`` is written into."""
+    replicated), and inside ``shard_map`` varying over the Manual axes ``like`` varies over: a buffer
+    ``like`` is written into (a loop's carry must keep one type)."""
     sharding = _sharding_of(like)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not mesh.explicit_axes:
-        return jnp.zeros(shape, dtype)
-    spec = tuple(sharding.spec) + (None,) * (len(like.shape) - len(sharding.spec))
-    return jnp.zeros(shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(
-        *(None,) * (len(shape) - like.ndim), *spec)))
+        out = jnp.zeros(shape, dtype)
+    else:
+        spec = tuple(sharding.spec) + (None,) * (len(like.shape) - len(sharding.spec))
+        out = jnp.zeros(shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(
+            *(None,) * (len(shape) - like.ndim), *spec)))
+    aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
+    varying = tuple(sorted(getattr(getattr(aval, "manual_axis_type", None), "varying", ())))
+    return jax.lax.pcast(out, varying, to="varying") if varying else out

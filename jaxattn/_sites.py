@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import _sharding
+
 Array = jax.Array
 
 # Stable names, the per-layer shape (stacked over layers as [L, ...]) and what each holds.
@@ -99,19 +101,30 @@ def check_patch(patch: Any, shapes: Mapping[str, tuple[int, ...]], L: int) -> di
 
 
 class Sites:
-    """One forward's sites: applies ``patch`` and keeps the ``capture``d tensors (used inside one trace)."""
+    """One forward's sites: applies ``patch`` and keeps the ``capture``d tensors (used inside one trace).
 
-    def __init__(self, capture: tuple[str, ...], patch: Mapping[str, tuple[Array, Array]]):
+    Each captured tensor is written into row ``layer`` of an ``[L, ...]`` buffer (``kept``; zeros made at
+    its first write, shaped and split like the tensor), so a block run inside a loop over the layers, with
+    ``layer`` a traced index, captures and patches as an unrolled one does: the loop carries ``kept``.
+    A patch ``(value, where)`` is read at row ``layer`` (row 0 when its layer axis has size 1).
+    """
+
+    def __init__(self, capture: tuple[str, ...], patch: Mapping[str, tuple[Array, Array]], layers: int,
+                 kept: Mapping[str, Array] | None = None):
         self.capture = capture
         self.patch = dict(patch)
-        self._kept: dict[str, list[Array]] = {name: [] for name in capture}
+        self.layers = layers
+        self.kept: dict[str, Array] = dict(kept or {})
 
-    def __call__(self, name: str, layer: int, x: Array) -> Array:
+    def __call__(self, name: str, layer: Any, x: Array) -> Array:
         if name in self.patch:
             value, where = self.patch[name]
-            x = jnp.where(where[layer], value[layer].astype(x.dtype), x)
-        if name in self._kept:
-            self._kept[name].append(x)
+            x = jnp.where(_row(where, layer), _row(value, layer).astype(x.dtype), x)
+        if name in self.capture:
+            kept = self.kept.get(name)
+            if kept is None:
+                kept = _sharding.zeros((self.layers, *x.shape), x.dtype, x)  # [L, ...]
+            self.kept[name] = kept.at[layer].set(x)
         return x
 
     def patches(self, name: str) -> bool:
@@ -119,8 +132,13 @@ class Sites:
         return name in self.patch
 
     def captured(self) -> dict[str, Array]:
-        """The requested tensors, each stacked over layers ``[L, ...]``."""
-        return {name: jnp.stack(xs) for name, xs in self._kept.items()}
+        """The requested tensors, each ``[L, ...]`` over layers."""
+        return {name: self.kept[name] for name in self.capture}
+
+
+def _row(a: Array, layer: Any) -> Array:
+    """Row ``layer`` of a patch's ``[L or 1, ...]`` value or where (an int or a traced index)."""
+    return a[0] if a.shape[0] == 1 else a[layer]
 
 
 def mix(weights: Array, v: Array) -> Array:

@@ -412,7 +412,7 @@ def _ffn(intermediate: dict, output: dict, x: Array) -> Array:
 @functools.partial(jax.jit, static_argnames=("config", "capture"))
 def _forward(params: dict, config: BertConfig, input_ids: Array, token_type_ids: Array, keep: Array, heads: Array,
              scale: Array, patch: dict, *, capture: tuple[str, ...]):
-    sites = Sites(capture, patch)
+    sites = Sites(capture, patch, config.num_hidden_layers)
     embed = functools.partial(_embeddings, eps=config.layer_norm_eps)
     x = _sharding.auto(embed)(params["embeddings"], input_ids, token_type_ids)  # [T, D]
     attentions = []

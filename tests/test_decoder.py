@@ -6,11 +6,12 @@ interventions with no model-specific code."""
 import types
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import bert, gpt2, interventions, llama, models
+from jaxattn import _decoder, bert, gpt2, interventions, llama, models
 from jaxattn.checkpoint import CheckpointError
 
 GPT2 = gpt2.GPT2Config.make(vocab_size=23, n_positions=24, n_embd=8, n_layer=2, n_head=2)
@@ -80,6 +81,64 @@ def test_generate_from_a_padded_prompt_continues_the_prompt_alone(model, side):
     np.testing.assert_array_equal(np.asarray(out[8:]), np.asarray(alone[5:]))
     np.testing.assert_array_equal(np.asarray(out[:8]), ids)
     np.testing.assert_allclose(logits, alone_logits, atol=1e-4, rtol=1e-5)
+
+
+# left and right padding; the right-padded prompt's last real token is read a step before its last step
+@pytest.mark.parametrize("left, right", [(0, 0), (3, 0), (0, 6)])
+def test_generate_reads_a_long_prompt_over_several_steps(model, left, right):
+    """A prompt longer than PROMPT_ROWS tokens is read a few tokens a step, by the step that then reads each
+    new token: every new token's logits are the full forward's at the token before it, padded or not."""
+    module, config, params = model
+    prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)  # 11 tokens: two or three steps of 8
+    assert len(prompt) > _decoder.PROMPT_ROWS
+    ids = np.concatenate([np.zeros(left, np.int32), prompt, np.zeros(right, np.int32)])
+    mask = np.array([0] * left + [1] * len(prompt) + [0] * right)
+    out, logits = module.generate(params, config, ids, attention_mask=mask, max_new_tokens=4, return_logits=True)
+    new = np.asarray(out[len(ids):])
+    full = module.forward(params, config, np.concatenate([prompt, new])).logits[len(prompt) - 1:-1]  # [4, V]
+    np.testing.assert_allclose(logits, full, atol=1e-4, rtol=1e-5)
+    np.testing.assert_array_equal(new, np.argmax(np.asarray(full), axis=-1))
+    assert len(set(new.tolist())) > 1  # the check can fail: the continuation varies
+
+
+def test_generate_keeps_a_sliding_window_over_several_steps():
+    config = LLAMA._replace(model_type="mistral", sliding_window=3)
+    params = MODELS["llama"][2]
+    prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)
+    out, logits = llama.generate(params, config, prompt, max_new_tokens=4, return_logits=True)
+    full = llama.forward(params, config, np.asarray(out)).logits[len(prompt) - 1:-1]
+    np.testing.assert_allclose(logits, full, atol=1e-4, rtol=1e-5)
+    assert not np.allclose(full, llama.forward(params, LLAMA, np.asarray(out)).logits[len(prompt) - 1:-1], atol=1e-3)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, its sub-jaxprs' included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= _primitives(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+def test_the_forward_loops_over_its_layers_and_its_derivatives_do_not(model):
+    """The forward runs one block in a loop (its weights picked by a switch over the layers); its derivatives
+    run the blocks written out, whose values are the loop's, so that each layer's params get their own
+    cotangent (a reverse pass through the switch would add zeros for every other layer's, every step)."""
+    module, config, params = model
+    loss = lambda p: module.forward(p, config, IDS).logits[-1, 3]
+    plain = _primitives(jax.make_jaxpr(loss)(params).jaxpr)
+    assert "cond" in plain and {"scan", "while"} & plain  # fori_loop with fixed bounds is a scan
+    assert not {"scan", "while", "cond"} & _primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    tangent = jax.tree.map(jnp.ones_like, params)
+    out, _ = jax.jvp(lambda p: module.forward(p, config, IDS, capture=("z",)), (params,), (tangent,))
+    plain = module.forward(params, config, IDS, capture=("z",))
+    for a, b in ((out.logits, plain.logits), (out.attentions, plain.attentions), (out.captured["z"], plain.captured["z"])):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_an_attention_mask_with_no_real_token_is_refused(each_model):

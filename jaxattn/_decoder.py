@@ -6,6 +6,12 @@ the unembedding. Everything else, the residual stream, the named sites (capture,
 causal attention through :func:`jaxattn.multi_head_attention`, padding, the cache and sampling, is
 written here once.
 
+The forward, :func:`resume` and generation run the blocks as ONE compiled block in a ``lax.fori_loop``
+over the layers: the block's params reach the family as a pytree whose matrices are :class:`LayerWeight`
+(a product with one is a ``lax.switch`` over the layers' own matrices, so no weight is copied or
+stacked) and whose vectors are stacked ``[L, ...]``. The forward's derivatives run the blocks written
+out (:func:`_all_blocks`).
+
 Axis alphabet: T tokens (queries; keys are the same tokens, S = T), N query heads, K key/value heads, H
 head dim, D width, V vocabulary, L layers.
 """
@@ -49,6 +55,8 @@ class Family(NamedTuple):
       qkv: ``(p, config, x [T, D], rot) -> (q [T, N, H], k [T, K, H], v [T, K, H])``.
       attn_out: ``(p, config, z [T, N, H]) -> [T, D]``, the output projection.
       mlp: ``(p, config, x [T, D]) -> [T, D]``, the MLP sublayer's contribution (its norm included).
+        These three get a block's params ``p``; inside the loop over the layers each matrix of ``p`` is a
+        :class:`LayerWeight`, which takes ``x @ w`` and ``w.T`` (all a family does with a matrix).
       final_norm, unembed: ``(params, config, x [..., D])``.
       max_name: the config field of the longest input, for messages.
     """
@@ -140,10 +148,11 @@ def _attn_logits(q: Array, k: Array, scale: Array, group: int) -> Array:
     return _sharding.auto(logits, _sharding.head_specs(q)[1])(q, k, scale)
 
 
-def _attend(q: Array, k: Array, v: Array, mask: Array, scale: Array) -> Array:
-    """``z [w, N, H]`` of :func:`jaxattn.multi_head_attention` (non-causal: ``mask`` says what is visible)."""
+def _attend(q: Array, k: Array, v: Array, mask: Array, scale: Array, offset: int) -> Array:
+    """``z [R, N, H]`` of :func:`jaxattn.multi_head_attention` of ``R`` queries that continue ``offset`` earlier
+    keys (causal with ``causal_offset=offset``; ``mask`` says which keys are real)."""
     def attend(q, k, v, mask, scale):
-        return multi_head_attention(q, k, v, mask=mask, scale=scale)
+        return multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True, causal_offset=offset)
 
     return _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)[0]
 
@@ -476,7 +485,7 @@ def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, 
 # ----------------------------------------------------------------------------------------------------
 
 
-def _pick(logits: Array, key: Array, temperature: Array, greedy: bool) -> Array:
+def _pick(logits: Array, key: Array | None, temperature: Array, greedy: bool) -> Array:
     """The next token from ``logits [V]``: the argmax, or a draw from ``softmax(logits / temperature)``.
 
     The draw uses ``(logits - max) / temperature`` with the maximum's entries exactly 0, so a tiny
@@ -493,19 +502,22 @@ def _pick(logits: Array, key: Array, temperature: Array, greedy: bool) -> Array:
 PROMPT_ROWS = 8  # the most prompt tokens one generation step reads
 
 
-def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, visible: Array, at: Array,
+def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, seen: Array, own: Array, at: Array,
                 cache: tuple[Array, Array], scale: Array, heads: Array) -> tuple[Array, tuple[Array, Array]]:
-    """Every block on rows ``x [R, D]`` that sit at cache slots ``at..at+R-1``: each layer writes their keys
-    and values into ``cache`` (``[L, slots, K, H]`` each) and attends to the cache through
-    :func:`jaxattn.multi_head_attention`, row ``r`` seeing the slots ``visible[r]`` (``[R, slots]``)."""
+    """Every block on rows ``x [R, D]`` that go to cache slots ``at..at+R-1``. Each layer attends, through
+    :func:`jaxattn.multi_head_attention`, to the cached keys and values (``cache``, ``[L, S, K, H]`` each)
+    that ``seen`` keeps (``[S]``, or ``[R, S]`` under a sliding window) and, causally, to the rows' own
+    (``own [R]`` keeps the real ones, ``[R, R]`` under a window); then writes the rows' own into the cache."""
+    S = cache[0].shape[1]
 
     def layer(l, c):
         x, (cache_k, cache_v) = c
         p = _layer_at(layers, l)
         q, k, v = family.qkv(p, config, x, rot)  # [R, N, H], 2 x [R, K, H]
+        keys, values = (jnp.concatenate([c[l].astype(q.dtype), a]) for c, a in ((cache_k, k), (cache_v, v)))  # [S + R, K, H]
+        z = _attend(q, keys, values, jnp.concatenate([seen, own], axis=-1), scale, S)  # [R, N, H]
         cache_k, cache_v = (jax.lax.dynamic_update_index_in_dim(c, jax.lax.dynamic_update_slice_in_dim(
             c[l], a.astype(c.dtype), at, 0), l, 0) for c, a in ((cache_k, k), (cache_v, v)))
-        z = _attend(q, cache_k[l].astype(q.dtype), cache_v[l].astype(q.dtype), visible, scale)  # [R, N, H]
         z = z * heads[l][None, :, None].astype(z.dtype)
         x = x + _attn_out(family, config, p, z)
         return x + _mlp(family, config, p, x), (cache_k, cache_v)  # [R, D]
@@ -513,9 +525,9 @@ def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, vi
     return jax.lax.fori_loop(0, family.sizes(config).layers, layer, (x, cache))
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy"))
+@functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy", "return_logits"))
 def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: Family, config, max_new_tokens,
-              greedy):
+              greedy, return_logits):
     """ONE compiled step of ``R = min(T, PROMPT_ROWS)`` rows, run ``C + new - 1`` times (a ``lax.scan``): the
     first ``C = ceil(T / R)`` steps read the prompt, ``R`` tokens at a time, into cache slots ``0..C·R-1``
     (its padding to whole steps stays out of sight); each later step reads the newest token into the next
@@ -539,7 +551,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     cache = tuple(_sharding.zeros((s.layers, slots, s.kv_heads, s.head_dim), k.dtype, k) for k in jax.eval_shape(
         lambda: family.qkv(family.layer(params, 0), config, _embed(family, config, params, prompt[:R], pos_p[:R]),
                            _rotation(family, config, pos_p[:R], slots))[1:]))  # 2 x [L, slots, K, H], split like k
-    keys = jax.random.split(key, new)
+    keys = None if greedy else jax.random.split(key, new)
 
     def step(carry, k):
         cache, token = carry
@@ -548,24 +560,26 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         at = jnp.where(reading, k * R, P + j)
         ids = jnp.where(reading, jax.lax.dynamic_slice_in_dim(prompt_p, k * R, R), token)  # [R]
         pos = jnp.where(reading, jax.lax.dynamic_slice_in_dim(pos_p, k * R, R), real + j)  # [R]
-        rows = at + jnp.where(reading, jnp.arange(R), 0)  # [R], the slot each row sees up to
-        visible = (jnp.arange(slots)[None, :] <= rows[:, None]) & key_keep[None, :]  # [R, slots]
-        if s.window is not None:
-            visible &= pos[:, None] - key_pos[None, :] < s.window
+        seen = key_keep & (jnp.arange(slots) < at)  # [slots]: the real tokens of earlier steps
+        own = jnp.where(reading, jax.lax.dynamic_slice_in_dim(keep_p, k * R, R), True)  # [R]
+        if s.window is not None:  # query t sees keys s with t - s < window
+            seen = seen[None, :] & (pos[:, None] - key_pos[None, :] < s.window)  # [R, slots]
+            own = own[None, :] & (pos[:, None] - pos[None, :] < s.window)  # [R, R]
         x = _embed(family, config, params, ids, pos)  # [R, D]
         rot = _rotation(family, config, pos, slots)
-        x, cache = _cache_step(family, config, layers, x, rot, visible, at, cache, scale, heads)  # [R, D]
+        x, cache = _cache_step(family, config, layers, x, rot, seen, own, at, cache, scale, heads)  # [R, D]
         row = jnp.where(reading, jnp.clip(last - k * R, 0, R - 1), 0)  # the row that predicts a token
         logits = _unembed(family, config, params, family.final_norm(params, config, x))[row]  # [V]; every row
         # unembedded: one row alone would be a matrix-vector product, compiled to machine code of its own
-        picked = _pick(logits, keys[jnp.maximum(j + 1, 0)], temperature, greedy)
+        picked = _pick(logits, None if greedy else keys[jnp.maximum(j + 1, 0)], temperature, greedy)
         token = jnp.where(reading & (k != last // R), token, picked)
-        return (cache, token), (picked, logits)
+        return (cache, token), (picked, logits if return_logits else None)
 
     token = prompt[0]  # a placeholder (read only once the prompt's last real token has picked one), split like prompt
     _, (picked, logits) = jax.lax.scan(step, (cache, token), jnp.arange(C + new - 1))
-    emitted = jnp.concatenate([picked[last // R][None], picked[C:]])  # [new]: the prompt's, then each step's
-    ids = jnp.concatenate([prompt, emitted])  # [T + new]
+    ids = jnp.concatenate([prompt, picked[last // R][None], picked[C:]])  # [T + new]: the prompt's, then each step's
+    if not return_logits:
+        return ids
     return ids, jnp.concatenate([logits[last // R][None], logits[C:]])  # [T + new], [new, V]: each token's logits
 
 
@@ -584,10 +598,9 @@ def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any,
     heads = head_mask_(head_mask, s.layers, s.heads)
     scale = check_scale(scale, s.head_dim)
     greedy, key = sampling(temperature, key)
-    out, logits = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
-                            jnp.asarray(0.0 if greedy else temperature, jnp.float32), key, family=family,
-                            config=config, max_new_tokens=new, greedy=greedy)
-    return (out, logits) if return_logits else out
+    return _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
+                     jnp.asarray(0.0 if greedy else temperature, jnp.float32), None if greedy else key, family=family,
+                     config=config, max_new_tokens=new, greedy=greedy, return_logits=bool(return_logits))
 
 
 def stack_layers(family: Family, params: Any, config: Any) -> Any:
@@ -608,6 +621,11 @@ _FORWARD_DOC = """{title} forward pass on one sequence, with every layer's atten
     ``scale``, a patch value), ``jax.jit`` with params as an argument, and ``jax.vmap`` over stacked
     params or over a batch of sequences all work. Only static shapes are checked here; :func:`load` and
     :func:`check_params` check a checkpoint's structure.
+
+    The blocks run as ONE compiled block in a loop over the layers, each layer's weights read where they
+    lie in ``params``, so the first call compiles one block whatever the depth; derivatives (``jax.grad``,
+    ``jax.jvp``) run the same blocks written out one after another, which gives each layer's params
+    their own cotangent.
 
     Args:
       params: the params pytree (the module docstring's layout), e.g. from :func:`load`.
@@ -666,14 +684,15 @@ _LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real
 
 _GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
 
-    The cache (``[L, T + max_new_tokens, K, H]`` keys, after any rotation, and values) is preallocated;
-    the prompt runs in one pass, then ONE compiled step (a ``lax.scan``) produces every new token,
-    attending to the cache through :func:`jaxattn.multi_head_attention`. Both run the layers as a
-    ``lax.scan`` over the stacked blocks, so generation compiles one block, whatever the depth. Greedy
-    (``temperature=0``) output is the argmax of the full :func:`forward` at every step. The first new
-    token is predicted from the last REAL prompt token, so a left- or right-padded prompt continues as
-    the prompt alone (the new tokens come after the whole padded array); a batch of prompts is
-    ``jax.vmap`` of this over padded prompts with their ``attention_mask``.
+    The cache (every layer's keys, after any rotation, and values: ``[L, slots, K, H]``) is preallocated,
+    and ONE compiled step (a ``lax.scan``) reads the prompt, ``R = min(T, 8)`` tokens a step, then each new
+    token, attending to the cache and causally to its own rows through
+    :func:`jaxattn.multi_head_attention`; the step runs the layers as the forward does, one compiled block
+    in a loop, so generation compiles one block whatever the depth. Greedy (``temperature=0``) output is
+    the argmax of the full :func:`forward` at every step. The first new token is predicted from the last
+    REAL prompt token, so a left- or right-padded prompt continues as the prompt alone (the new tokens
+    come after the whole padded array); a batch of prompts is ``jax.vmap`` of this over padded prompts
+    with their ``attention_mask``.
 
     Args:
       prompt_ids: ``[T]`` token ids.

@@ -194,16 +194,17 @@ def _real_scalar(x: Any) -> bool:
     return isinstance(x, (int, float))
 
 
-def sampling(temperature: Any, key: Any) -> tuple[bool, Array]:
-    """``(greedy, key)`` for ``generate``: temperature 0 is greedy; a finite ``> 0`` samples and needs a key.
+def sampling(temperature: Any, key: Any) -> tuple[bool, Array | None]:
+    """``(greedy, key)`` for ``generate``: temperature 0 is greedy (the key, if any, only checked); a finite
+    ``> 0`` samples and needs a key.
 
     Python and NumPy numbers (and 0-d arrays) are accepted alike; a traced temperature samples.
     """
     if not isinstance(temperature, jax.core.Tracer):
         if not _real_scalar(temperature) or not np.isfinite(float(temperature)) or float(temperature) < 0:
             raise ValueError(f"temperature must be 0 (greedy) or a finite number > 0, received {temperature!r}")
-        if float(temperature) == 0:
-            return True, as_key(0 if key is None else key)
+        if float(temperature) == 0:  # greedy: a key given is checked, none is made
+            return True, None if key is None else as_key(key)
     elif jnp.ndim(temperature) != 0:
         raise ValueError(f"temperature must be a scalar, received shape {tuple(jnp.shape(temperature))}")
     if key is None:

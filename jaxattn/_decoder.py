@@ -197,8 +197,11 @@ class LayerWeight:
         return LayerWeight(self.layers, self.i, not self.transposed)
 
     def __rmatmul__(self, x: Array) -> Array:
+        dims = (((x.ndim - 1,), (1 if self.transposed else 0,)), ((), ()))  # x's last axis against w's rows (or columns)
+        dtype = jnp.result_type(x, self.layers[0])
+
         def product(w, x):
-            return x @ (w.T if self.transposed else w)
+            return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), dims)
 
         one_row = x.ndim == 2 and x.shape[0] == 1
         if one_row:
@@ -254,17 +257,20 @@ def _buffers(family: Family, config: Any, params: Any, x: Array, run: _Run, capt
              maps: bool) -> tuple[Array | None, dict[str, Array]]:
     """Zeroed ``[L, ...]`` buffers for what the blocks write, made before the loop that carries them: every
     layer's maps (None without ``maps``) and each captured tensor, shaped (and, under Explicit mesh axes,
-    split) like block 0's."""
+    split; inside ``shard_map``, varying) like block 0's."""
     L = family.sizes(config).layers
+    q, k = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[:2], x)
+    weights = maps_buffer(_sharding.maps_struct(L, x.shape[0], q, k)) if maps else None  # [L, N, T, T]
+    if not capture:
+        return weights, {}
 
-    def block0(x):  # what block 0 writes, as a Sites keeps it: [L, ...] buffers
-        sites = Sites(tuple(sorted({*capture, "attn_weights"})), patch, L)
+    def block0(x):  # what block 0 captures, as a Sites keeps it: [L, ...] buffers
+        sites = Sites(capture, patch, L)
         _block(family, config, family.layer(params, 0), 0, x, *run, None, sites)
         return sites.kept
 
     shapes = jax.eval_shape(block0, x)
-    weights = maps_buffer(shapes["attn_weights"]) if maps else None  # [L, N, T, T]
-    return weights, {name: _sharding.zeros(shapes[name].shape, shapes[name].dtype, shapes[name]) for name in capture}
+    return weights, {name: _sharding.zeros(a.shape, a.dtype, a) for name, a in shapes.items()}
 
 
 def _blocks(family: Family, config: Any, params: Any, x: Array, start: Any, run: _Run, weights: Array | None,

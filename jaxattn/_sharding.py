@@ -256,6 +256,20 @@ def head_specs(q: Any) -> tuple[PartitionSpec, PartitionSpec]:
     return PartitionSpec(t, n, None), PartitionSpec(n, t, None)
 
 
+def maps_struct(layers: int, S: int, q: Any, k: Any) -> jax.ShapeDtypeStruct:
+    """A buffer ``[L, N, T, S]`` for every layer's maps of the queries ``q [T, N, H]`` against keys like ``k``
+    (``jax.ShapeDtypeStruct`` s): its dtype, its split under Explicit axes (the maps' own, as :func:`auto`
+    of an attention with :func:`head_specs` gives them) and the Manual axes it varies over (``q``'s)."""
+    T, N = q.shape[:2]
+    mesh = getattr(_sharding_of(q), "mesh", None)
+    sharding = None
+    if mesh is not None and mesh.explicit_axes:
+        sharding = NamedSharding(mesh, PartitionSpec(None, *head_specs(q)[1]))
+    aval = q if isinstance(q, jax.ShapeDtypeStruct) else jax.typeof(q)
+    return jax.ShapeDtypeStruct((layers, N, T, S), jnp.result_type(q.dtype, k.dtype), sharding=sharding,
+                                manual_axis_type=getattr(aval, "manual_axis_type", None))
+
+
 def maps_like(weights: Array, q: Any) -> Array:
     """``weights [L, N, T, S]`` (a buffer of every layer's maps) split like the maps of ``q [T, N, H]`` under
     Explicit axes (``jax.sharding.reshard``); as it is otherwise."""

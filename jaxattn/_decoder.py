@@ -486,8 +486,9 @@ def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, 
 
 
 # ----------------------------------------------------------------------------------------------------
-# Generation with a key/value cache: the layers run as one lax.scan over stacked block params, so the
-# prompt pass and the one-token step each compile ONE block, whatever the depth.
+# Generation with a key/value cache: one compiled step reads the prompt a few tokens at a time, then each
+# new token, and runs the layers as the forward does (one block in a loop), so generation compiles ONE
+# block, whatever the depth.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -536,10 +537,11 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
               greedy, return_logits):
     """ONE compiled step of ``R = min(T, PROMPT_ROWS)`` rows, run ``C + new - 1`` times (a ``lax.scan``): the
     first ``C = ceil(T / R)`` steps read the prompt, ``R`` tokens at a time, into cache slots ``0..C·R-1``
-    (its padding to whole steps stays out of sight); each later step reads the newest token into the next
-    slot, its ``R - 1`` other rows repeating it (slots after the token's, which no real row sees before the
-    next token is written there). Every step unembeds one row, the last real prompt token's or the new
-    token's, and picks from it."""
+    (its padding to whole steps is masked out); each later step reads the newest token into the next
+    slot, its ``R - 1`` other rows repeating it. A step's rows attend to the cache before its first slot
+    and causally to their own keys, so what a step writes after its real rows is never seen: the next
+    step writes over it first. Every step unembeds its rows and picks from one, the last real prompt
+    token's or the new token's."""
     s = family.sizes(config)
     T, new = prompt.shape[0], max_new_tokens
     R = min(T, PROMPT_ROWS)

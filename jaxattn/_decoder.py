@@ -506,7 +506,7 @@ def _pick(logits: Array, key: Array | None, temperature: Array, greedy: bool) ->
     return jax.random.categorical(key, scaled).astype(jnp.int32)
 
 
-PROMPT_ROWS = 8  # the most prompt tokens one generation step reads
+PROMPT_ROWS = 8  # a prompt this long or shorter is read by the generation step itself
 
 
 def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, seen: Array, own: Array, at: Array,
@@ -535,60 +535,63 @@ def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, se
 @functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy", "return_logits"))
 def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: Family, config, max_new_tokens,
               greedy, return_logits):
-    """ONE compiled step of ``R = min(T, PROMPT_ROWS)`` rows, run ``C + new - 1`` times (a ``lax.scan``): the
-    first ``C = ceil(T / R)`` steps read the prompt, ``R`` tokens at a time, into cache slots ``0..C·R-1``
-    (its padding to whole steps is masked out); each later step reads the newest token into the next
-    slot, its ``R - 1`` other rows repeating it. A step's rows attend to the cache before its first slot
-    and causally to their own keys, so what a step writes after its real rows is never seen: the next
-    step writes over it first. Every step unembeds its rows and picks from one, the last real prompt
-    token's or the new token's."""
+    """ONE compiled step of ``R`` rows reads each new token into the next cache slot (a ``lax.scan``), its
+    ``R - 1`` other rows repeating it; its rows attend to the cache before the token's slot and causally
+    to their own keys, so what a step writes after its token is never seen (the next token's step writes
+    over it first). A prompt of at most ``PROMPT_ROWS`` tokens is read by that same step (``R = T``, the
+    scan's first step), so generation compiles one block; a longer one in one pass of the forward's loop
+    (``R = 1``), which costs a second compiled block and saves reading the prompt a few rows a step.
+    Every step unembeds its rows and picks from one, the last real prompt token's or the new token's."""
     s = family.sizes(config)
-    T, new = prompt.shape[0], max_new_tokens
-    R = min(T, PROMPT_ROWS)
-    C = -(-T // R)
-    P = C * R  # the prompt's slots
-    slots = P + new + R - 2  # the prompt, new tokens but the last, the last step's other rows
-    prompt_p = jnp.pad(prompt, (0, P - T))  # [P]; padding reads token 0, never seen
-    keep_p = jnp.pad(keep, (0, P - T))  # [P]
-    pos_p = positions(keep_p)  # [P]
+    L, T, new = s.layers, prompt.shape[0], max_new_tokens
+    short = T <= PROMPT_ROWS
+    R = T if short else 1  # rows a step reads
+    slots = T + new + R - 2  # the prompt, new tokens but the last, the last step's other rows
+    pos = positions(keep)  # [T]
     real = jnp.sum(keep).astype(jnp.int32)  # the first new token's position
-    key_pos = jnp.concatenate([pos_p, real + jnp.arange(slots - P, dtype=jnp.int32)])  # [slots]
-    key_keep = jnp.concatenate([keep_p, jnp.ones((slots - P,), bool)])  # [slots]: new tokens are real
+    key_pos = jnp.concatenate([pos, real + jnp.arange(slots - T, dtype=jnp.int32)])  # [slots]
+    key_keep = jnp.concatenate([keep, jnp.ones((slots - T,), bool)])  # [slots]: new tokens are real
     last = jnp.max(jnp.where(keep, jnp.arange(T), -1))  # the last real token: it predicts the first new one
     layers = _layers(family, config, params)
-    cache = tuple(_sharding.zeros((s.layers, slots, s.kv_heads, s.head_dim), k.dtype, k) for k in jax.eval_shape(
-        lambda: family.qkv(family.layer(params, 0), config, _embed(family, config, params, prompt[:R], pos_p[:R]),
-                           _rotation(family, config, pos_p[:R], slots))[1:]))  # 2 x [L, slots, K, H], split like k
     keys = None if greedy else jax.random.split(key, new)
+    x = _embed(family, config, params, prompt, pos)  # [T, D]
+    run = _run(family, config, keep, pos, T, heads, scale)
+    k0 = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[1], x)  # [T, K, H]
+    cache = tuple(_sharding.zeros((L, slots, s.kv_heads, s.head_dim), k0.dtype, k0) for _ in "kv")  # split like k
 
-    def step(carry, k):
+    def step(carry, k):  # feeds new token k - 1 (or, when short, the prompt at k = 0) and picks token k
         cache, token = carry
-        reading = k < C  # a prompt step
-        j = k - C  # a later step's token: the j-th new one, at slot P + j
-        at = jnp.where(reading, k * R, P + j)
-        ids = jnp.where(reading, jax.lax.dynamic_slice_in_dim(prompt_p, k * R, R), token)  # [R]
-        pos = jnp.where(reading, jax.lax.dynamic_slice_in_dim(pos_p, k * R, R), real + j)  # [R]
-        seen = key_keep & (jnp.arange(slots) < at)  # [slots]: the real tokens of earlier steps
-        own = jnp.where(reading, jax.lax.dynamic_slice_in_dim(keep_p, k * R, R), True)  # [R]
+        reading = (k == 0) if short else False  # the step that reads the prompt
+        at = jnp.where(reading, 0, T + k - 1)  # the first slot the step writes
+        ids = jnp.where(reading, prompt, token) if short else token[None]  # [R]
+        rows_pos = jnp.where(reading, pos, real + k - 1) if short else (real + k - 1)[None]  # [R]
+        seen = key_keep & (jnp.arange(slots) < at)  # [slots]: the real tokens before the step
+        own = jnp.where(reading, keep, True) if short else jnp.ones((1,), bool)  # [R]
         if s.window is not None:  # query t sees keys s with t - s < window
-            seen = seen[None, :] & (pos[:, None] - key_pos[None, :] < s.window)  # [R, slots]
-            own = own[None, :] & (pos[:, None] - pos[None, :] < s.window)  # [R, R]
-        x = _embed(family, config, params, ids, pos)  # [R, D]
-        rot = _rotation(family, config, pos, slots)
-        x, cache = _cache_step(family, config, layers, x, rot, seen, own, at, cache, scale, heads)  # [R, D]
-        row = jnp.where(reading, jnp.clip(last - k * R, 0, R - 1), 0)  # the row that predicts a token
-        logits = _unembed(family, config, params, family.final_norm(params, config, x))[row]  # [V]; every row
-        # unembedded: one row alone would be a matrix-vector product, compiled to machine code of its own
-        picked = _pick(logits, None if greedy else keys[jnp.maximum(j + 1, 0)], temperature, greedy)
-        token = jnp.where(reading & (k != last // R), token, picked)
-        return (cache, token), (picked, logits if return_logits else None)
+            seen = seen[None, :] & (rows_pos[:, None] - key_pos[None, :] < s.window)  # [R, slots]
+            own = own[None, :] & (rows_pos[:, None] - rows_pos[None, :] < s.window)  # [R, R]
+        h = _embed(family, config, params, ids, rows_pos)  # [R, D]
+        rot = _rotation(family, config, rows_pos, slots)
+        h, cache = _cache_step(family, config, layers, h, rot, seen, own, at, cache, scale, heads)  # [R, D]
+        logits = _unembed(family, config, params, family.final_norm(params, config, h))  # [R, V]
+        logits = logits[jnp.where(reading, last, 0)] if short else logits[0]  # [V]
+        picked = _pick(logits, None if greedy else keys[k], temperature, greedy)
+        return (cache, picked), (picked, logits if return_logits else None)
 
-    token = prompt[0]  # a placeholder (read only once the prompt's last real token has picked one), split like prompt
-    _, (picked, logits) = jax.lax.scan(step, (cache, token), jnp.arange(C + new - 1))
-    ids = jnp.concatenate([prompt, picked[last // R][None], picked[C:]])  # [T + new]: the prompt's, then each step's
-    if not return_logits:
-        return ids
-    return ids, jnp.concatenate([logits[last // R][None], logits[C:]])  # [T + new], [new, V]: each token's logits
+    if short:  # the scan's first step reads the prompt
+        first, steps = prompt[0], jnp.arange(new)  # prompt[0]: a placeholder, never read
+    else:  # the prompt in one pass of the forward's loop: its keys and values fill the cache's first T slots
+        _, kept = _buffers(family, config, params, x, run, ("k", "v"), {}, maps=False)
+        x, _, kept = _blocks(family, config, params, x, 0, run, None, Sites(("k", "v"), {}, L, kept))  # [T, D]
+        cache = tuple(jax.lax.dynamic_update_slice(c, kept[n].astype(c.dtype), (0, 0, 0, 0)) for c, n in zip(cache, "kv"))
+        logits0 = _unembed(family, config, params, family.final_norm(params, config, x[last]))  # [V]
+        first, steps = _pick(logits0, None if greedy else keys[0], temperature, greedy), jnp.arange(1, new)
+    _, (picked, logits) = jax.lax.scan(step, (cache, first), steps)
+    if not short:
+        picked = jnp.concatenate([first[None], picked])  # [new]
+        logits = jnp.concatenate([logits0[None], logits]) if return_logits else None  # [new, V]
+    ids = jnp.concatenate([prompt, picked])  # [T + new]
+    return (ids, logits) if return_logits else ids
 
 
 def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_new_tokens: Any,

@@ -83,13 +83,13 @@ def test_generate_from_a_padded_prompt_continues_the_prompt_alone(model, side):
     np.testing.assert_allclose(logits, alone_logits, atol=1e-4, rtol=1e-5)
 
 
-# left and right padding; the right-padded prompt's last real token is read a step before its last step
 @pytest.mark.parametrize("left, right", [(0, 0), (3, 0), (0, 6)])
-def test_generate_reads_a_long_prompt_over_several_steps(model, left, right):
-    """A prompt longer than PROMPT_ROWS tokens is read a few tokens a step, by the step that then reads each
-    new token: every new token's logits are the full forward's at the token before it, padded or not."""
+def test_generate_from_a_prompt_longer_than_prompt_rows(model, left, right):
+    """A prompt longer than PROMPT_ROWS tokens is read in one pass of the forward's loop (a shorter one by
+    the generation step itself, the other tests): every new token's logits are the full forward's at the
+    token before it, padded or not."""
     module, config, params = model
-    prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)  # 11 tokens: two or three steps of 8
+    prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)  # 11 tokens
     assert len(prompt) > _decoder.PROMPT_ROWS
     ids = np.concatenate([np.zeros(left, np.int32), prompt, np.zeros(right, np.int32)])
     mask = np.array([0] * left + [1] * len(prompt) + [0] * right)
@@ -101,14 +101,15 @@ def test_generate_reads_a_long_prompt_over_several_steps(model, left, right):
     assert len(set(new.tolist())) > 1  # the check can fail: the continuation varies
 
 
-def test_generate_keeps_a_sliding_window_over_several_steps():
+@pytest.mark.parametrize("T", [6, 11])  # the prompt read by the generation step, or in one pass
+def test_generate_keeps_a_sliding_window(T):
     config = LLAMA._replace(model_type="mistral", sliding_window=3)
     params = MODELS["llama"][2]
-    prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)
+    prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)[:T]
     out, logits = llama.generate(params, config, prompt, max_new_tokens=4, return_logits=True)
-    full = llama.forward(params, config, np.asarray(out)).logits[len(prompt) - 1:-1]
+    full = llama.forward(params, config, np.asarray(out)).logits[T - 1:-1]
     np.testing.assert_allclose(logits, full, atol=1e-4, rtol=1e-5)
-    assert not np.allclose(full, llama.forward(params, LLAMA, np.asarray(out)).logits[len(prompt) - 1:-1], atol=1e-3)
+    assert not np.allclose(full, llama.forward(params, LLAMA, np.asarray(out)).logits[T - 1:-1], atol=1e-3)
 
 
 def _primitives(jaxpr) -> set[str]:

@@ -696,10 +696,10 @@ _LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real
 _GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
 
     The cache (every layer's keys, after any rotation, and values: ``[L, slots, K, H]``) is preallocated,
-    and ONE compiled step (a ``lax.scan``) reads the prompt, ``R = min(T, 8)`` tokens a step, then each new
-    token, attending to the cache and causally to its own rows through
-    :func:`jaxattn.multi_head_attention`; the step runs the layers as the forward does, one compiled block
-    in a loop, so generation compiles one block whatever the depth. Greedy (``temperature=0``) output is
+    and ONE compiled step (a ``lax.scan``) reads each new token, attending to the cache and to itself
+    through :func:`jaxattn.multi_head_attention`, the layers run as the forward runs them (one compiled
+    block in a loop). A prompt of at most 8 tokens is read by that same step, so generation compiles one
+    block whatever the depth; a longer one in one pass of the forward's loop (a second compiled block). Greedy (``temperature=0``) output is
     the argmax of the full :func:`forward` at every step. The first new token is predicted from the last
     REAL prompt token, so a left- or right-padded prompt continues as the prompt alone (the new tokens
     come after the whole padded array); a batch of prompts is ``jax.vmap`` of this over padded prompts

@@ -325,10 +325,9 @@ def _all_blocks_jvp(family: Family, config: Any, capture: tuple[str, ...], prima
     """The JVP of :func:`_unrolled`, taken in the inputs that are perturbed only (a parameter without a
     tangent, or an integer input, stays a constant instead of carrying zeros through every product)."""
     leaves, tree = jax.tree.flatten(primals)
-    moving = [not isinstance(t, SymbolicZero) for t in jax.tree.leaves(
-        tangents, is_leaf=lambda t: isinstance(t, SymbolicZero))]
-    t_moving = [t for t, m in zip(jax.tree.leaves(tangents, is_leaf=lambda t: isinstance(t, SymbolicZero)), moving)
-                if m]
+    t_leaves = jax.tree.leaves(tangents, is_leaf=lambda t: isinstance(t, SymbolicZero))
+    moving = [not isinstance(t, SymbolicZero) for t in t_leaves]
+    t_moving = [t for t, m in zip(t_leaves, moving) if m]
 
     def of_moving(*xs):
         it = iter(xs)
@@ -356,7 +355,7 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
     x = _embed(family, config, params, ids, pos)  # [T, D]
     x, weights, captured = _all_blocks(family, config, capture, params, x, _run(family, config, keep, pos, T, heads,
                                                                              scale), patch)
-    return _head(family, config, params, x, weights, {name: captured[name] for name in capture})
+    return _head(family, config, params, x, weights, captured)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config"))
@@ -486,9 +485,9 @@ def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, 
 
 
 # ----------------------------------------------------------------------------------------------------
-# Generation with a key/value cache: one compiled step reads the prompt a few tokens at a time, then each
-# new token, and runs the layers as the forward does (one block in a loop), so generation compiles ONE
-# block, whatever the depth.
+# Generation with a key/value cache: one compiled step reads each new token (and a short prompt) and runs
+# the layers as the forward does (one block in a loop), so generation compiles ONE block, whatever the
+# depth; a long prompt runs in one pass of the forward's loop.
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -554,9 +553,9 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     last = jnp.max(jnp.where(keep, jnp.arange(T), -1))  # the last real token: it predicts the first new one
     layers = _layers(family, config, params)
     keys = None if greedy else jax.random.split(key, new)
-    x = _embed(family, config, params, prompt, pos)  # [T, D]
     run = _run(family, config, keep, pos, T, heads, scale)
-    k0 = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[1], x)  # [T, K, H]
+    k0 = jax.eval_shape(lambda: family.qkv(family.layer(params, 0), config, _embed(family, config, params, prompt, pos),
+                                           run.rot)[1])  # [T, K, H]
     cache = tuple(_sharding.zeros((L, slots, s.kv_heads, s.head_dim), k0.dtype, k0) for _ in "kv")  # split like k
 
     def step(carry, k):  # feeds new token k - 1 (or, when short, the prompt at k = 0) and picks token k
@@ -581,6 +580,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     if short:  # the scan's first step reads the prompt
         first, steps = prompt[0], jnp.arange(new)  # prompt[0]: a placeholder, never read
     else:  # the prompt in one pass of the forward's loop: its keys and values fill the cache's first T slots
+        x = _embed(family, config, params, prompt, pos)  # [T, D]
         _, kept = _buffers(family, config, params, x, run, ("k", "v"), {}, maps=False)
         x, _, kept = _blocks(family, config, params, x, 0, run, None, Sites(("k", "v"), {}, L, kept))  # [T, D]
         cache = tuple(jax.lax.dynamic_update_slice(c, kept[n].astype(c.dtype), (0, 0, 0, 0)) for c, n in zip(cache, "kv"))
@@ -699,11 +699,11 @@ _GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a k
     and ONE compiled step (a ``lax.scan``) reads each new token, attending to the cache and to itself
     through :func:`jaxattn.multi_head_attention`, the layers run as the forward runs them (one compiled
     block in a loop). A prompt of at most 8 tokens is read by that same step, so generation compiles one
-    block whatever the depth; a longer one in one pass of the forward's loop (a second compiled block). Greedy (``temperature=0``) output is
-    the argmax of the full :func:`forward` at every step. The first new token is predicted from the last
-    REAL prompt token, so a left- or right-padded prompt continues as the prompt alone (the new tokens
-    come after the whole padded array); a batch of prompts is ``jax.vmap`` of this over padded prompts
-    with their ``attention_mask``.
+    block whatever the depth; a longer one in one pass of the forward's loop (a second compiled block).
+    Greedy (``temperature=0``) output is the argmax of the full :func:`forward` at every step. The first
+    new token is predicted from the last REAL prompt token, so a left- or right-padded prompt continues
+    as the prompt alone (the new tokens come after the whole padded array); a batch of prompts is
+    ``jax.vmap`` of this over padded prompts with their ``attention_mask``.
 
     Args:
       prompt_ids: ``[T]`` token ids.

@@ -265,9 +265,8 @@ def maps_struct(layers: int, S: int, q: Any, k: Any) -> jax.ShapeDtypeStruct:
     sharding = None
     if mesh is not None and mesh.explicit_axes:
         sharding = NamedSharding(mesh, PartitionSpec(None, *head_specs(q)[1]))
-    aval = q if isinstance(q, jax.ShapeDtypeStruct) else jax.typeof(q)
     return jax.ShapeDtypeStruct((layers, N, T, S), jnp.result_type(q.dtype, k.dtype), sharding=sharding,
-                                manual_axis_type=getattr(aval, "manual_axis_type", None))
+                                manual_axis_type=_manual_axis_type(q))
 
 
 def maps_like(weights: Array, q: Any) -> Array:
@@ -292,6 +291,11 @@ def zeros(shape: tuple[int, ...], dtype: Any, like: Any) -> Array:
         spec = tuple(sharding.spec) + (None,) * (len(like.shape) - len(sharding.spec))
         out = jnp.zeros(shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(
             *(None,) * (len(shape) - like.ndim), *spec)))
-    aval = like if isinstance(like, jax.ShapeDtypeStruct) else jax.typeof(like)
-    varying = tuple(sorted(getattr(getattr(aval, "manual_axis_type", None), "varying", ())))
+    varying = tuple(sorted(getattr(_manual_axis_type(like), "varying", ())))
     return jax.lax.pcast(out, varying, to="varying") if varying else out
+
+
+def _manual_axis_type(x: Any) -> Any:
+    """The Manual mesh axes ``x`` (an array or a ``jax.ShapeDtypeStruct``) varies over, as its type says
+    (None outside ``shard_map``'s types)."""
+    return getattr(x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x), "manual_axis_type", None)

@@ -19,7 +19,10 @@ The Flax Llama of transformers 4.57 builds its RoPE table with base 10000 whatev
 both run at base 10000 here (SmolLM2's is 100000; the base changes no cost) and their outputs can be
 compared. Its head is never tied: it gets the embedding's transpose. Needs transformers 4.x with its Flax
 classes (the dev extra). Prints the load time, the median forward times and the ratio jaxattn / Hugging
-Face (target <= 1.0), and writes them to bench_llama.json in the output folder it names.
+Face (target <= 1.0), and writes them to bench_llama.json in the output folder it names. Beside each
+steady median it prints the CPU time split into user and system time and the minor page faults per call
+(Unix): the system time is mostly the kernel providing fresh pages for the memory a call writes, which
+depends on the allocator (see docs/models.md, "Speed").
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+try:
+    import resource  # Unix: user/system time and page faults per call
+except ImportError:  # Windows
+    resource = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
@@ -50,12 +58,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def _usage() -> tuple[float, float, int]:
+    """``(user s, system s, minor page faults)`` of this process so far (every thread); zeros where the
+    platform has no ``resource`` module."""
+    if resource is None:
+        return 0.0, 0.0, 0
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
 def _timed_both(fn) -> tuple[float, float]:
     """``(wall, cpu)`` seconds of one call; cpu sums every thread of this process, so it moves less than
     the wall time when other jobs share the machine."""
     t, c = time.perf_counter(), time.process_time()
     jax.block_until_ready(fn())
     return time.perf_counter() - t, time.process_time() - c
+
+
+def _timed_split(fn) -> dict[str, float]:
+    """One call's wall seconds, its CPU seconds split into user and system (the kernel's share: mostly
+    the page faults of memory the call touches for the first time) and its minor page faults."""
+    u, s, f = _usage()
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    wall = time.perf_counter() - t
+    u2, s2, f2 = _usage()
+    return {"wall": wall, "user": u2 - u, "sys": s2 - s, "faults": f2 - f}
 
 
 def _flax_model(config, T):
@@ -209,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     max_att = max(float(np.abs(np.asarray(a[1][i]) - np.asarray(b[1][i][0])).max())
                   for i in range(config.num_hidden_layers))
     del a, b
-    t_ours, t_theirs, c_ours, c_theirs = [], [], [], []
+    runs: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": []}
     for _ in range(args.repeats):  # alternate, so load on the machine hits both alike
-        for fn, wall, cpu in ((ours, t_ours, c_ours), (theirs, t_theirs, c_theirs)):
-            w, c = _timed_both(fn)
-            wall.append(w), cpu.append(c)
+        for label, fn in (("ours", ours), ("theirs", theirs)):
+            runs[label].append(_timed_split(fn))
+    t_ours, t_theirs = ([r["wall"] for r in runs[k]] for k in ("ours", "theirs"))
+    c_ours, c_theirs = ([r["user"] + r["sys"] for r in runs[k]] for k in ("ours", "theirs"))
+    split = {k: {m: statistics.median(r[m] for r in runs[k]) for m in ("user", "sys", "faults")} for k in runs}
     m_ours, m_theirs = statistics.median(t_ours), statistics.median(t_theirs)
     ratio = m_ours / m_theirs
     pair_ratio = statistics.median(a / b for a, b in zip(t_ours, t_theirs))  # each run against its neighbour
@@ -226,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio jaxattn / Hugging Face = {ratio:.3f}  (target <= 1.0: {'met' if ratio <= 1.0 else 'NOT met'}); "
           f"median of paired ratios {pair_ratio:.3f}; CPU time {statistics.median(c_ours):.2f} s vs "
           f"{statistics.median(c_theirs):.2f} s, ratio {cpu_ratio:.3f}")
+    if resource is not None:
+        o, h = split["ours"], split["theirs"]
+        print(f"CPU time split (medians per call): user {o['user']:.2f} s vs {h['user']:.2f} s, ratio "
+              f"{o['user'] / h['user']:.3f}; system {o['sys']:.2f} s vs {h['sys']:.2f} s; minor page faults "
+              f"{o['faults']:.0f} vs {h['faults']:.0f} (system time is mostly the kernel handing out fresh "
+              f"pages for memory a call writes)")
 
     first = {}
     if args.first_repeats > 0:
@@ -248,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
               "jaxattn_s": t_ours, "huggingface_s": t_theirs, "median_jaxattn_s": m_ours,
               "median_huggingface_s": m_theirs, "ratio": ratio, "paired_ratio": pair_ratio,
               "jaxattn_cpu_s": c_ours, "huggingface_cpu_s": c_theirs, "cpu_ratio": cpu_ratio,
+              "jaxattn_runs": runs["ours"], "huggingface_runs": runs["theirs"],
               "max_abs_logits_diff": max_logit, "max_abs_logit": logit_scale, "max_abs_attention_diff": max_att}
     write_json(out / "bench_llama.json", record)
     print(f"wrote {out}/bench_llama.json")

@@ -293,22 +293,23 @@ def _blocks(family: Family, config: Any, params: Any, x: Array, start: Any, run:
     return jax.lax.fori_loop(start, L, body, (x, weights, sites.kept))
 
 
-def _unrolled(family: Family, config: Any, capture: tuple[str, ...], params: Any, x: Array, run: _Run,
-              patch: Any) -> tuple[Array, Array, dict[str, Array]]:
+def _unrolled(family: Family, config: Any, capture: tuple[str, ...], maps: bool, params: Any, x: Array, run: _Run,
+              patch: Any) -> tuple[Array, Array | None, dict[str, Array]]:
     """Every block from the stream ``x [T, D]`` entering block 0, written out one after the other (what
-    the derivatives of :func:`_all_blocks` run): ``(x, weights [L, N, T, T], captured)``."""
+    the derivatives of :func:`_all_blocks` run): ``(x, weights [L, N, T, T] (None without maps), captured)``."""
     L = family.sizes(config).layers
-    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=True)
+    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=maps)
     sites = Sites(capture, patch, L, kept)
     for i in range(L):
         x, weights = _block(family, config, family.layer(params, i), i, x, *run, weights, sites)
     return x, weights, sites.kept
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _all_blocks(family: Family, config: Any, capture: tuple[str, ...], params: Any, x: Array, run: _Run,
-                patch: Any) -> tuple[Array, Array, dict[str, Array]]:
-    """Every block from the stream ``x [T, D]`` entering block 0: ``(x, weights [L, N, T, T], captured)``.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _all_blocks(family: Family, config: Any, capture: tuple[str, ...], maps: bool, params: Any, x: Array, run: _Run,
+                patch: Any) -> tuple[Array, Array | None, dict[str, Array]]:
+    """Every block from the stream ``x [T, D]`` entering block 0: ``(x, weights [L, N, T, T], captured)``;
+    without ``maps`` no map is kept (``weights`` is None: nothing of ``[L, N, T, T]`` is allocated).
 
     Evaluated as the loop of :func:`_blocks` (one compiled block). Its derivatives, forward and reverse,
     are those of :func:`_unrolled`, the same blocks written out: reverse mode through the loop would add
@@ -316,12 +317,13 @@ def _all_blocks(family: Family, config: Any, capture: tuple[str, ...], params: A
     the params it does not read), where the written-out blocks give each layer's params their own.
     """
     L = family.sizes(config).layers
-    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=True)
+    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=maps)
     return _blocks(family, config, params, x, 0, run, weights, Sites(capture, patch, L, kept))
 
 
 @functools.partial(_all_blocks.defjvp, symbolic_zeros=True)
-def _all_blocks_jvp(family: Family, config: Any, capture: tuple[str, ...], primals: tuple, tangents: tuple) -> tuple:
+def _all_blocks_jvp(family: Family, config: Any, capture: tuple[str, ...], maps: bool, primals: tuple,
+                    tangents: tuple) -> tuple:
     """The JVP of :func:`_unrolled`, taken in the inputs that are perturbed only (a parameter without a
     tangent, or an integer input, stays a constant instead of carrying zeros through every product)."""
     leaves, tree = jax.tree.flatten(primals)
@@ -331,7 +333,7 @@ def _all_blocks_jvp(family: Family, config: Any, capture: tuple[str, ...], prima
 
     def of_moving(*xs):
         it = iter(xs)
-        return _unrolled(family, config, capture, *jax.tree.unflatten(tree, [next(it) if m else a
+        return _unrolled(family, config, capture, maps, *jax.tree.unflatten(tree, [next(it) if m else a
                                                                             for a, m in zip(leaves, moving)]))
 
     return jax.jvp(of_moving, tuple(a for a, m in zip(leaves, moving) if m), tuple(t_moving))
@@ -348,13 +350,13 @@ def _head(family: Family, config: Any, params: Any, x: Array, weights: Array, ca
                        captured=captured)
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config", "capture"))
-def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, capture) -> ModelOutput:
+@functools.partial(jax.jit, static_argnames=("family", "config", "capture", "maps"))
+def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, capture, maps=True) -> ModelOutput:
     T = ids.shape[0]
     pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
     x = _embed(family, config, params, ids, pos)  # [T, D]
-    x, weights, captured = _all_blocks(family, config, capture, params, x, _run(family, config, keep, pos, T, heads,
-                                                                             scale), patch)
+    run = _run(family, config, keep, pos, T, heads, scale)
+    x, weights, captured = _all_blocks(family, config, capture, maps, params, x, run, patch)
     return _head(family, config, params, x, weights, captured)
 
 
@@ -476,11 +478,21 @@ def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *
 def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
              start: Any = 0, end: Any = None, scale: Any = None) -> Array:
     """The checked span score of a family (each model module's ``log_prob`` documents it)."""
-    check_config(family, config)
+    s = check_config(family, config)
+    family.check_params(params, config)
     ids = _ids(family, config, input_ids)
     end = check_span(start, end, ids.shape[0])
     keep = _keep(attention_mask, ids.shape[0])
-    out = _checked_forward(family, params, config, ids, attention_mask=keep, scale=scale)
+    heads = head_mask_(None, s.layers, s.heads)
+    scale = jnp.asarray(check_scale(scale, s.head_dim), jnp.float32)
+    return _log_prob(params, ids, keep, heads, scale, start, end, family=family, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("family", "config"))
+def _log_prob(params, ids, keep, heads, scale, start, end, *, family: Family, config) -> Array:
+    """The span score as one compiled program: the forward without its maps (nothing of ``[L, N, T, T]``
+    is allocated), then :func:`span_log_prob` on its logits."""
+    out = _forward(params, ids, keep, heads, scale, {}, family=family, config=config, capture=(), maps=False)
     return _sharding.auto(span_log_prob)(out.logits, ids, keep, start, end)
 
 

@@ -112,18 +112,39 @@ def test_generate_keeps_a_sliding_window(T):
     assert not np.allclose(full, llama.forward(params, LLAMA, np.asarray(out)).logits[T - 1:-1], atol=1e-3)
 
 
-def _primitives(jaxpr) -> set[str]:
-    """Every primitive of a jaxpr, its sub-jaxprs' included."""
-    names = set()
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, its sub-jaxprs' included."""
     for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
+        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    names |= _primitives(sub.jaxpr)
+                    yield from _eqns(sub.jaxpr)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    names |= _primitives(sub)
-    return names
+                    yield from _eqns(sub)
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, its sub-jaxprs' included."""
+    return {eqn.primitive.name for eqn in _eqns(jaxpr)}
+
+
+def _shapes(jaxpr) -> set[tuple[int, ...]]:
+    """The shape of every value a jaxpr makes, its sub-jaxprs' included."""
+    return {tuple(v.aval.shape) for eqn in _eqns(jaxpr) for v in eqn.outvars if hasattr(v.aval, "shape")}
+
+
+def test_log_prob_keeps_no_attention_map(each_model):
+    """log_prob reads the logits only: its program makes no [L, N, T, T] buffer of maps (the forward's
+    does), and its score is the forward's logits' own."""
+    module, config, params = each_model
+    s = module.sizes(config)
+    maps = (s.layers, s.heads, len(IDS), len(IDS))
+    assert maps in _shapes(jax.make_jaxpr(lambda p: module.forward(p, config, IDS).logits)(params).jaxpr)
+    assert maps not in _shapes(jax.make_jaxpr(lambda p: module.log_prob(p, config, IDS, start=2))(params).jaxpr)
+    logp = jax.nn.log_softmax(np.asarray(module.forward(params, config, IDS).logits, np.float64), axis=-1)
+    expected = sum(logp[t - 1, IDS[t]] for t in range(2, len(IDS)))
+    np.testing.assert_allclose(float(module.log_prob(params, config, IDS, start=2)), expected, rtol=1e-5)
 
 
 def test_the_forward_loops_over_its_layers_and_its_derivatives_do_not(model):

@@ -344,7 +344,7 @@ def _run(family: Family, config: Any, keep: Array, pos: Array, T: int, heads: Ar
     return _Run(_rotation(family, config, pos, T), _key_mask(keep, pos, s.window), scale, heads)
 
 
-def _head(family: Family, config: Any, params: Any, x: Array, weights: Array, captured: dict) -> ModelOutput:
+def _head(family: Family, config: Any, params: Any, x: Array, weights: Array | None, captured: dict) -> ModelOutput:
     h = family.final_norm(params, config, x)  # [T, D]
     return ModelOutput(logits=_unembed(family, config, params, h), last_hidden_state=h, attentions=weights,
                        captured=captured)

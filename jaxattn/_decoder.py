@@ -483,15 +483,16 @@ def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, 
     ids = _ids(family, config, input_ids)
     end = check_span(start, end, ids.shape[0])
     keep = _keep(attention_mask, ids.shape[0])
-    heads = head_mask_(None, s.layers, s.heads)
     scale = jnp.asarray(check_scale(scale, s.head_dim), jnp.float32)
-    return _log_prob(params, ids, keep, heads, scale, start, end, family=family, config=config)
+    return _log_prob(params, ids, keep, scale, start, end, family=family, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config"))
-def _log_prob(params, ids, keep, heads, scale, start, end, *, family: Family, config) -> Array:
+def _log_prob(params, ids, keep, scale, start, end, *, family: Family, config) -> Array:
     """The span score as one compiled program: the forward without its maps (nothing of ``[L, N, T, T]``
     is allocated), then :func:`span_log_prob` on its logits."""
+    s = family.sizes(config)
+    heads = jnp.ones((s.layers, s.heads), jnp.float32)  # no head masked
     out = _forward(params, ids, keep, heads, scale, {}, family=family, config=config, capture=(), maps=False)
     return _sharding.auto(span_log_prob)(out.logits, ids, keep, start, end)
 
@@ -593,8 +594,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         first, steps = prompt[0], jnp.arange(new)  # prompt[0]: a placeholder, never read
     else:  # the prompt in one pass of the forward's loop: its keys and values fill the cache's first T slots
         x = _embed(family, config, params, prompt, pos)  # [T, D]
-        _, kept = _buffers(family, config, params, x, run, ("k", "v"), {}, maps=False)
-        x, _, kept = _blocks(family, config, params, x, 0, run, None, Sites(("k", "v"), {}, L, kept))  # [T, D]
+        x, _, kept = _all_blocks(family, config, ("k", "v"), False, params, x, run, {})  # [T, D]
         cache = tuple(jax.lax.dynamic_update_slice(c, kept[n].astype(c.dtype), (0, 0, 0, 0)) for c, n in zip(cache, "kv"))
         logits0 = _unembed(family, config, params, family.final_norm(params, config, x[last]))  # [V]
         first, steps = _pick(logits0, None if greedy else keys[0], temperature, greedy), jnp.arange(1, new)

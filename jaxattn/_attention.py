@@ -76,21 +76,30 @@ def _masked_softmax(logits: Array, keep: Array | None) -> Array:
     division is guarded), and both the value and its gradient stay finite.
 
     Masked logits never matter, whatever their value (NaN and Inf included). A kept logit of -inf is a
-    weight of 0; a kept NaN or +inf makes the whole row NaN (through the row maximum or the row sum).
+    weight of 0; a kept NaN or +inf makes the whole row NaN (a flag per row,
+    set by a ``where``, never by NaN travelling through the maximum or the exponential).
 
     The derivative is the closed form ``dp = p ⊙ (dl − Σ p ⊙ dl)`` (see :func:`_masked_softmax_jvp`), so
     the backward pass costs what ``jax.nn.softmax``'s does instead of differentiating every step above.
     """
     fill = jnp.finfo(logits.dtype).min
+    poison = jnp.logical_or(jnp.isnan(logits), logits == jnp.inf)  # [T, S], a NaN or +inf logit
+    live = logits > -jnp.inf  # [T, S], False at -inf and at NaN
     if keep is not None:
-        logits = jnp.where(keep, logits, fill)  # [T, S]
+        poison = jnp.logical_and(keep, poison)  # [T, S]
+        live = jnp.logical_and(keep, live)  # [T, S]
+    live = jnp.logical_and(live, ~poison)  # [T, S], the keys that get a positive weight
+    nan_row = jnp.any(poison, axis=-1, keepdims=True)  # [T, 1]
+    # Only finite numbers reach the row maximum and the exponential: how a backend's max, exp or clamp
+    # treats NaN (XLA's CPU fusion emitters drop it in places) cannot change the answer. NaN is put in
+    # by the final ``where``, from the row's own flag.
+    logits = jnp.where(live, logits, fill)  # [T, S], finite
     row_max = jnp.max(logits, axis=-1, keepdims=True, initial=fill)  # [T, 1]
     row_max = jax.lax.stop_gradient(row_max)  # softmax is shift-invariant
-    e = jnp.exp(logits - row_max)  # [T, S], every entry in [0, 1]
-    if keep is not None:
-        e = jnp.where(keep, e, 0.0)  # [T, S]
-    total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row is fully masked
-    return e / jnp.where(total == 0.0, 1.0, total)  # [T, S]
+    e = jnp.where(live, jnp.exp(logits - row_max), 0.0)  # [T, S], every entry in [0, 1]
+    total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row has no live key
+    p = e / jnp.where(total == 0.0, 1.0, total)  # [T, S]
+    return jnp.where(nan_row, jnp.nan, p)  # [T, S]
 
 
 @_masked_softmax.defjvp

@@ -1,18 +1,22 @@
-"""Strict test configuration: rank promotion raises, float64 only where a test asks for it; XLA's backend
-optimisations off.
+"""Strict test configuration: rank promotion raises, float64 only where a test asks for it; and one of two
+XLA configurations, named by ``JAXATTN_TEST_XLA``.
 
-The tests run hundreds of tiny programs, so compiling them costs far more than running them: with
-``jax_disable_most_optimizations`` XLA skips its expensive LLVM passes (backend optimisation level 0),
-which cuts the suite's compile time by about a quarter. XLA's HLO passes (fusion, algebraic rewrites)
-still run, so the programs tested are the ones users run; only their machine code is less optimised,
-which can move a float result in its last bits where an order of summation changes (the suite passes
-either way: ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 make test``). Subprocesses the tests start inherit the
-setting through the environment.
+- ``fast`` (the default; ``make test``): XLA's backend optimisations off and its older CPU emitters on.
+  The tests run hundreds of tiny programs, so compiling them costs far more than running them: with
+  ``jax_disable_most_optimizations`` XLA skips its expensive LLVM passes (backend optimisation level 0),
+  which cuts the suite's compile time by about a quarter, and ``--xla_cpu_use_fusion_emitters=false``
+  (added to ``XLA_FLAGS`` unless it names the flag) compiles the same fused HLO with the older emitters,
+  faster (a Qwen3 test that compiles 54 programs: 9.1-10.0 s against 13.2-16.9 s). XLA's HLO passes
+  (fusion, algebraic rewrites) still run, but the machine code is NOT what users run: it can move a
+  float result in its last bits, and the two code generators differ in how ``max``, ``exp`` and clamps
+  treat NaN (a softmax that left NaN to travel through its row maximum lost a NaN row under the defaults
+  and kept it here). So this configuration alone proves nothing about the defaults' numerics.
+- ``defaults`` (``make test-defaults``, a step of its own in CI): XLA exactly as users run it: no flag
+  added, ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``, the MLIR fusion emitters on. The whole suite runs so;
+  tests/test_compiler_defaults.py also checks the NaN rows in a fresh process under the defaults
+  whichever configuration runs it.
 
-XLA's CPU fusion emitters (the MLIR ones, the default) are switched off for the tests too
-(``--xla_cpu_use_fusion_emitters=false`` added to ``XLA_FLAGS`` unless it names the flag): the older
-emitters compile the same fused HLO into machine code faster (a Qwen3 test that compiles 54 programs:
-9.1-10.0 s against 13.2-16.9 s), and make test is mostly compiling.
+Subprocesses the tests start inherit the configuration through the environment.
 
 The two test processes (``pytest -n 2``) share one compilation cache for the run, in a fresh temporary
 folder removed at the end: a program that tests in both compile (the same sweep, the same tiny model) is
@@ -23,9 +27,17 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+_XLA = os.environ.setdefault("JAXATTN_TEST_XLA", "fast")
+if _XLA not in ("fast", "defaults"):
+    raise ValueError(f"JAXATTN_TEST_XLA must be 'fast' or 'defaults', received {_XLA!r}")
+if _XLA == "defaults":
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+    if "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", ""):
+        raise ValueError(f"JAXATTN_TEST_XLA=defaults, but XLA_FLAGS sets the CPU emitters: {os.environ['XLA_FLAGS']!r}")
+else:
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist): the workers inherit it
     os.environ["JAXATTN_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jaxattn-tests-cache-")
 

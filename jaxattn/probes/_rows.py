@@ -98,10 +98,13 @@ def _normalized(h: Array, n: Array) -> Array:
 
 
 def _max_kept(p: Array, keep: Array | None) -> Array:
-    """Each row's largest weight at a kept key; 0 for a row with none."""
+    """Each row's largest weight at a kept key; 0 for a row with none, NaN for a row with a kept NaN.
+
+    The NaN is put in from the row's flag, not left to the maximum (a backend's max may drop NaN)."""
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
-    return jnp.max(p, axis=-1, initial=0.0)
+    nan_row = jnp.any(jnp.isnan(p), axis=-1)  # [...]
+    return jnp.where(nan_row, jnp.nan, jnp.max(jnp.where(jnp.isnan(p), 0.0, p), axis=-1, initial=0.0))
 
 
 def _num_keys(p: Array, keep: Array | None) -> Array:

@@ -53,10 +53,34 @@ def _model(name: str, dtype) -> tuple[dict, llama.LlamaConfig]:
     return cast_params(llama.init_params(0, config), dtype), config
 
 
-def _mesh_shape(n: int, config: llama.LlamaConfig, asked: str | None) -> tuple[int, int]:
+def mesh_arg(text: str) -> tuple[int, int]:
+    """An argparse ``type=``: ``DATAxMODEL`` (e.g. ``2x4``) as two positive ints (else a usage error, exit 2)."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be DATAxMODEL, two positive ints such as 2x4, received {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def int_at_least(minimum: int):
+    """An argparse ``type=``: the text as an int >= ``minimum`` (anything else is a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {'a positive int' if minimum == 1 else f'an int >= {minimum}'}, "
+                                             f"received {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _mesh_shape(n: int, config: llama.LlamaConfig, asked: tuple[int, int] | None) -> tuple[int, int]:
     if asked:
-        data, model = (int(x) for x in asked.split("x"))
-        return data, model
+        return asked
     # the largest model axis the key/value heads and the MLP divide by that leaves a data axis of 2 or more
     fits = [d for d in range(1, n // 2 + 1)
             if n % d == 0 and math.gcd(config.num_key_value_heads, config.intermediate_size) % d == 0]
@@ -94,19 +118,23 @@ def _row(name: str, t: dict, base: dict | None) -> str:
             f"cpu {t['cpu'] * 1e3:10.1f} ms  {ratio}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["tiny", "1b", "smollm2"], default="1b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--mesh", default=None, help="data x model, e.g. 2x4 (default: every device, the largest "
-                                                     "model axis the heads and MLP divide by with data >= 2)")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--T", type=int, default=512)
-    parser.add_argument("--table-T", type=int, default=64, help="tokens of the ablation table's sequence")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mesh", type=mesh_arg, default=None,
+                        help="data x model, e.g. 2x4 (default: every device, the largest model axis the heads and "
+                             "MLP divide by with data >= 2)")
+    parser.add_argument("--batch", type=int_at_least(1), default=16)
+    parser.add_argument("--T", type=int_at_least(1), default=512)
+    parser.add_argument("--table-T", type=int_at_least(2), default=64, help="tokens of the ablation table's sequence")
+    parser.add_argument("--repeats", type=int_at_least(1), default=5)
     parser.add_argument("--no-table", action="store_true")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not args.no_table and args.table_T > args.T:
+        parser.error(f"--table-T {args.table_T} must be at most --T {args.T} (the table's sequence is the first "
+                     f"--table-T tokens of a batch row), or give --no-table")
     if args.json:
         try:  # before any work: nothing wasted, nothing half-written
             json_path = Path(args.json).absolute()
@@ -119,9 +147,16 @@ def main() -> int:
     if n < 2:
         print("one device: a mesh needs 2 or more; nothing to compare (skipped)")
         return 0
+    if args.mesh:  # before the model loads
+        if args.mesh[0] * args.mesh[1] > n:
+            parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]} needs {args.mesh[0] * args.mesh[1]} devices, and there are {n}")
+        if args.batch % args.mesh[0]:
+            parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({args.mesh[0]})")
     dtype = jnp.dtype(args.dtype)
     params, config = _model(args.model, dtype)
     data, model = _mesh_shape(n, config, args.mesh)
+    if args.batch % data:  # the default mesh's data axis depends on the model's sizes
+        parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({data}); give --batch or --mesh")
     mesh = jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[:data * model])
     print(f"model {args.model} ({sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M params, {args.dtype}), "
           f"mesh data={data} x model={model}, batch {args.batch} x T={args.T}")

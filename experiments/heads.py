@@ -362,22 +362,43 @@ def bound_part(module, params, config, tok, name, out):
     write_json(out / "bound.json", {"model": name, "sentence": BIG, **summary})
 
 
+def int_at_least(minimum: int):
+    """An argparse ``type=``: the text as an int >= ``minimum`` (anything else is a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, received {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, gpt2 or a GPT-2 directory")
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None, help="a RANDOM GPT-2 of this size")
     parser.add_argument("--parts", default="effects,bound", help="comma-separated: effects, bench, bound")
-    parser.add_argument("--chunk", type=int, default=16, help="interventions run at once in each compiled program")
-    parser.add_argument("--repeats", type=int, default=3, help="steady runs per way in the benchmark (after one that compiles)")
+    parser.add_argument("--chunk", type=int_at_least(1), default=16, help="interventions run at once in each compiled program")
+    parser.add_argument("--repeats", type=int_at_least(1), default=3, help="steady runs per way in the benchmark (after one that compiles)")
     parser.add_argument("--ways", default="fast,loop", help="the benchmark's ways, comma-separated, the first the "
                                                             "baseline of the ratios: fast, map, loop")
-    parser.add_argument("--reference", type=int, default=16, help="Winograd sentences for mean-ablation (0: none)")
-    parser.add_argument("--top", type=int, default=10, help="heads per table")
+    parser.add_argument("--reference", type=int_at_least(0), default=16, help="Winograd sentences for mean-ablation (0: none)")
+    parser.add_argument("--top", type=int_at_least(1), default=10, help="heads per table")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/heads/<model>)")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts <= {"effects", "bench", "bound"}:
         parser.error(f"--parts: unknown {sorted(parts - {'effects', 'bench', 'bound'})}")
+    ways = args.ways.split(",")
+    if "bench" in parts and (not set(ways) <= set(interventions.WAYS) or len(set(ways)) != len(ways)):
+        parser.error(f"--ways takes a comma-separated list of distinct ways of {', '.join(interventions.WAYS)}, "
+                     f"received {args.ways!r}")
     out = Path(args.out or f"lab-output/heads/{args.random_gpt2 and 'random-gpt2-' + args.random_gpt2 or Path(args.model).name}")
     try:  # before the model loads: nothing wasted, nothing half-written
         prepare_output_folder(out, [name for part in sorted(parts) for name in OUTPUTS[part]], create=False)

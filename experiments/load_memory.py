@@ -80,14 +80,25 @@ def _child(way: str, path: str | None, shape: tuple[int, int]) -> dict:  # runs 
                 device_bytes=device_bytes, bf16_bytes=bf16_bytes, end_rss=end["VmRSS"], end_file=end["RssFile"])
 
 
-def main() -> None:
+def mesh_arg(text: str) -> tuple[int, int]:
+    """An argparse ``type=``: ``DATAxMODEL`` (e.g. ``2x3``) as two positive ints (else a usage error, exit 2)."""
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be DATAxMODEL, two positive ints such as 2x3, received {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", default=None, help="a .gguf file or checkpoint directory (default: the bundled SmolLM2)")
-    parser.add_argument("--mesh", default="2x3", help="data x model host devices (default 2x3)")
+    parser.add_argument("--mesh", type=mesh_arg, default="2x3", help="data x model host devices (default 2x3)")
     parser.add_argument("--ways", nargs="+", default=["mesh", "whole"], choices=["mesh", "whole"])
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    shape = tuple(int(n) for n in args.mesh.split("x"))
+    parser.add_argument("--child", default=None, choices=["mesh", "whole"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    shape = args.mesh
+    mesh_text = f"{shape[0]}x{shape[1]}"
+    if args.path is not None and not os.path.exists(args.path):  # before any process starts or model loads
+        parser.error(f"--path {args.path!r}: no such file or folder")
     if args.child:
         print(json.dumps(_child(args.child, args.path, shape)))
         return
@@ -97,7 +108,7 @@ def main() -> None:
     print(f"{'way':6} {'mesh':5} {'baseline':>9} {'peak':>9} {'peak-base':>10} {'device':>9} {'transient':>10} "
           f"{'bf16 size':>10} {'transient/bf16':>15} {'(peak-base)/bf16':>17} {'seconds':>8}")
     for way in args.ways:
-        cmd = [sys.executable, __file__, "--child", way, "--mesh", args.mesh] + (["--path", args.path] if args.path else [])
+        cmd = [sys.executable, __file__, "--child", way, "--mesh", mesh_text] + (["--path", args.path] if args.path else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"{way}: the load failed:\n{proc.stderr[-3000:]}")

@@ -116,15 +116,18 @@ def prepare_output_folder(
         leaves nothing behind; :func:`atomic_write` creates the folder when the first result is written).
 
     Raises:
-      OutputFolderError: ``out`` is empty, is (or lies inside) a file, cannot be created or written to; a
-        file target is a folder; a folder target (or a folder on a target's path) is a file.
-      ValueError: a target that is absolute or leaves the folder (``..``).
+      OutputFolderError: ``out`` is empty or holds a null byte, is (or lies inside) a file, cannot be
+        created or written to; a file target is a folder; a folder target (or a folder on a target's path)
+        is a file.
+      ValueError: a target that is absolute, leaves the folder (``..``) or holds a null byte.
     """
     out = os.fspath(out)
     if isinstance(out, bytes):
         out = os.fsdecode(out)
     if out == "":
         raise OutputFolderError(f"{argument} is empty: give the folder to write the results to")
+    if "\x00" in out:  # no file system takes it: refused before anything is made or looked up
+        raise OutputFolderError(f"{argument} {out!r} is not a usable path: it holds a null byte (\\x00)")
     try:
         path = os.path.abspath(out)
         existing = path  # the nearest part of the path that exists
@@ -141,6 +144,8 @@ def prepare_output_folder(
         parts = Path(name.rstrip("/")).parts
         if not parts or Path(name).is_absolute() or ".." in parts:
             raise ValueError(f"targets: {name!r} must be a relative path inside the output folder")
+        if "\x00" in name:
+            raise ValueError(f"targets: {name!r} holds a null byte (\\x00), which no file name can")
         for depth in range(1, len(parts) + 1):
             target = os.path.join(path, *parts[:depth])
             is_folder = depth < len(parts) or name.endswith("/")
@@ -174,7 +179,7 @@ def _remove_empty(folders: Sequence[str]) -> None:
     for folder in folders:
         try:
             os.rmdir(folder)
-        except OSError:
+        except (OSError, ValueError):
             pass
 
 

@@ -120,15 +120,36 @@ def pad_to_bucket(input_ids: Any, *, buckets: Any = BUCKETS, pad_id: int = 0) ->
     model's forward gives at positions ``< T`` the logits and maps of the sequence alone (the pads come
     after them, and are masked as keys), so slice ``[:T]`` (``[..., :T, :T]`` for maps). A ``T`` above
     the largest bucket is returned as it is.
+
+    Raises:
+      ValueError: naming ``input_ids`` (not integer ids ``[T]``, or no token at all), ``buckets`` (not a
+        non-empty sequence of increasing positive ints) or ``pad_id`` (not an int).
     """
     ids = np.asarray(input_ids)
+    if ids.ndim == 1 and ids.shape[0] == 0:  # checked first: np.asarray([]) is float
+        raise ValueError("input_ids must hold at least one token id, received an empty sequence (shape (0,))")
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"input_ids must be integer token ids [T], received dtype {ids.dtype} shape {ids.shape}")
+    sizes = _buckets(buckets)
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise ValueError(f"pad_id must be an int token id, received {pad_id!r}")
     T = ids.shape[0]
-    B = next((int(b) for b in sorted(buckets) if b >= T), T)
+    B = next((b for b in sizes if b >= T), T)
     padded = np.full((B,), pad_id, np.int32)
     padded[:T] = ids
     return jnp.asarray(padded), jnp.asarray(np.arange(B) < T)
+
+
+def _buckets(buckets: Any) -> tuple[int, ...]:
+    """``buckets`` as a tuple of ints, checked: non-empty, positive, increasing."""
+    received = f"received {buckets!r}"
+    if isinstance(buckets, (str, bytes)) or not hasattr(buckets, "__iter__"):
+        raise ValueError(f"buckets must be a non-empty sequence of increasing positive ints, {received}")
+    sizes = tuple(buckets)
+    if (not sizes or any(isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1 for b in sizes)
+            or any(a >= b for a, b in zip(sizes, sizes[1:]))):
+        raise ValueError(f"buckets must be a non-empty sequence of increasing positive ints, {received}")
+    return tuple(int(b) for b in sizes)
 
 
 def left_pad(sequences: Any, *, pad_id: int = 0, length: int | None = None) -> tuple[Array, Array]:

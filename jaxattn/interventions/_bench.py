@@ -35,6 +35,16 @@ def _summary(xs: Sequence[float]) -> dict[str, float]:
     return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
 
 
+def _largest(a: np.ndarray) -> float:
+    """``max |a|``, NaN when ``a`` holds a NaN (0 for no entries)."""
+    return float(np.max(np.abs(np.asarray(a, np.float64)), initial=0.0))
+
+
+def _nan_max(xs: Sequence[float]) -> float:
+    """The largest of ``xs``, NaN when one is NaN (Python's ``max`` keeps or drops a NaN by its place)."""
+    return float(np.max(np.asarray(xs, np.float64)))
+
+
 def benchmark_tables(tables: Mapping[str, Callable[..., Any]], *, ways: Sequence[str] = ("fast", "loop"),
                      repeats: int = 3) -> dict[str, Any]:
     """Time every table each way: one first call (it compiles), then ``repeats`` steady runs of them all.
@@ -51,8 +61,14 @@ def benchmark_tables(tables: Mapping[str, Callable[..., Any]], *, ways: Sequence
       the total over the tables), "compile_wall": first minus the steady median, "per_table": {name:
       {"first_wall", "wall", "cpu"} (medians)}}}``, ``"max_difference"`` ``{way: max |table - the first
       way's|}``, ``"max_relative_difference"`` (over each table's largest entry) and ``"interventions"``
-      (entries of every table).
+      (entries of every table). A NaN in any way's table makes its differences NaN: it never reads as 0.
+
+    Raises:
+      ValueError: naming ``tables`` (not a non-empty mapping), ``repeats`` or ``ways``.
     """
+    if not isinstance(tables, Mapping) or not tables:
+        raise ValueError(f"tables must be a non-empty mapping {{name: run}}, received "
+                         f"{dict(tables) if isinstance(tables, Mapping) else type(tables).__name__}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, received {repeats!r}")
     unknown = [w for w in ways if w not in WAYS]
@@ -76,9 +92,9 @@ def benchmark_tables(tables: Mapping[str, Callable[..., Any]], *, ways: Sequence
                               "cpu": float(np.median([r[n][1] for r in runs]))} for n in tables},
         }
     base = results[ways[0]]
-    out["max_difference"] = {w: max(float(np.max(np.abs(results[w][n] - base[n]))) for n in tables) for w in ways}
+    out["max_difference"] = {w: _nan_max([_largest(results[w][n] - base[n]) for n in tables]) for w in ways}
     out["max_relative_difference"] = {  # each table's largest difference over its largest entry
-        w: max(float(np.max(np.abs(results[w][n] - base[n])) / max(float(np.max(np.abs(base[n]))), 1e-30))
-               for n in tables) for w in ways}
+        w: _nan_max([_largest(results[w][n] - base[n]) / _nan_max([_largest(base[n]), 1e-30]) for n in tables])
+        for w in ways}
     out["interventions"] = int(sum(np.asarray(t).size for t in base.values()))
     return out

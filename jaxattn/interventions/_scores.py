@@ -47,8 +47,14 @@ def _patterns(ids: Array, keep: Array, kind: str) -> tuple[Array, Array]:
 def _one(maps: Array, ids: Array, keep: Array, kind: str) -> Array:
     targets, rows = _patterns(ids, keep, kind)
     dtype = jnp.promote_types(maps.dtype, jnp.float32)
-    on = jnp.where(targets, maps.astype(dtype), 0.0)  # [L, N, T, S]: a NaN on a padded row never counts
-    return jnp.sum(on, axis=(-2, -1)) / jnp.sum(rows).astype(dtype)  # [L, N]; 0 / 0 = NaN with no rows
+    maps = maps.astype(dtype)
+    on = jnp.where(targets, maps, 0.0)  # [L, N, T, S]: a NaN on a padded row never counts
+    score = jnp.sum(on, axis=(-2, -1)) / jnp.sum(rows).astype(dtype)  # [L, N]; 0 / 0 = NaN with no rows
+    # A NaN anywhere among the real rows and keys (a target or not) makes the head's score NaN: a broken map
+    # must not read as a score. Put in explicitly: reductions compiled for CPU may drop a NaN.
+    real = (keep[:, None] & keep[None, :])[None, None]  # [1, 1, T, S]
+    broken = jnp.any(jnp.isnan(maps) & real, axis=(-2, -1))  # [L, N]
+    return jnp.where(broken, jnp.asarray(jnp.nan, dtype), score)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "batched"))
@@ -73,6 +79,9 @@ def head_scores(maps: Any, ids: Any, kind: str, *, attention_mask: Any = None) -
       the target ``j + 1 = t`` is the row's own token).
     - ``"sink"``: rows ``t >= 1``; the target is position 0, the first real token (under left padding,
       the first column that ``attention_mask`` marks real).
+
+    A NaN in the maps at a real row and key (a target or not) makes that head's score NaN, so a broken map
+    never reads as a score; NaN at padded rows or keys is ignored.
 
     A kind with no row that has a target (no repeated token for the duplicate and induction kinds; one
     real token for the others) gives NaN for every head: there is nothing to average, and 0 would read as

@@ -69,20 +69,43 @@ def _matmul_precision(precision: Any) -> Any:
 
 
 def _check_qkv(query: Array, key: Array, value: Array) -> None:
-    if query.ndim < 3:
+    """The shapes of ``query [batch..., T, N, H]``, ``key [batch..., S, K, H]``, ``value [batch..., S, K, V]``.
+
+    Each message names the arguments and their shapes, and ends with the words of Flax's own check
+    (``q, k, v must have same rank``, ``... batch dims must match``, ``k, v lengths must match``,
+    ``q, k depths must match``, ``Query heads (N) must be multiple of Key heads (K)``), so code that
+    matches Flax's errors matches these too.
+    """
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if not len(q) == len(k) == len(v):
         raise ValueError(
-            f"query must have shape [batch..., T, N, H] (3 or more dimensions), received {tuple(query.shape)}"
+            f"query, key and value must have the same rank: query has shape {q} [batch..., T, N, H], key {k} "
+            f"[batch..., S, K, H], value {v} [batch..., S, K, V]; q, k, v must have same rank, but got "
+            f"{len(q)}, {len(k)}, {len(v)}"
         )
-    for name, x, axes in (("key", key, "[batch..., S, K, H]"), ("value", value, "[batch..., S, K, V]")):
-        if x.ndim != query.ndim or x.shape[:-3] != query.shape[:-3]:
+    if len(q) < 3:
+        raise ValueError(f"query must have shape [batch..., T, N, H] (3 or more dimensions), received {q}")
+    for name, x, axes in (("key", k, "[batch..., S, K, H]"), ("value", v, "[batch..., S, K, V]")):
+        if x[:-3] != q[:-3]:
             raise ValueError(
-                f"{name} must have shape {axes} with the batch dims of query {tuple(query.shape)} "
-                f"[batch..., T, N, H], i.e. {tuple(query.shape[:-3])}, received {tuple(x.shape)}"
+                f"{name} must have shape {axes} with the batch dims of query {q} [batch..., T, N, H], i.e. "
+                f"{q[:-3]}, received {x}; q, k, v batch dims must match, but got shapes {q}, {k}, {v}"
             )
-    if key.shape[-3] != value.shape[-3]:
+    if k[-3] != v[-3]:
         raise ValueError(
-            f"key and value must have the same length S: key has shape {tuple(key.shape)}, "
-            f"value has shape {tuple(value.shape)}"
+            f"key and value must have the same length S: key has shape {k}, value has shape {v}; "
+            f"k, v lengths must match, but got {k[-3]} and {v[-3]}"
+        )
+    if q[-1] != k[-1]:
+        raise ValueError(
+            f"query and key must have the same head dimension H: query has shape {q} [batch..., T, N, H], key "
+            f"{k} [batch..., S, K, H]; q, k depths must match, but got {q[-1]} and {k[-1]}"
+        )
+    if k[-2] and q[-2] % k[-2]:  # K = 0: the core names the empty axis
+        raise ValueError(
+            f"the number of query heads N must be a multiple of the number of key/value heads K (grouped-query "
+            f"attention): query has shape {q}, N={q[-2]}, key {k}, K={k[-2]}; Query heads ({q[-2]}) must be "
+            f"multiple of Key heads ({k[-2]})"
         )
 
 

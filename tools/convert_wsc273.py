@@ -36,7 +36,9 @@ import argparse
 import difflib
 import hashlib
 import json
+import os
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -233,17 +235,56 @@ def dumps(data: dict) -> str:
     return f'{lines},\n "problems": [\n  {rows}\n ]\n}}\n'
 
 
+def write_atomically(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` so that a reader sees the old file or the whole new one, never a
+    part: into a temporary file in the same folder, which then replaces ``path`` (``os.replace``). On
+    failure the temporary file is removed and ``path`` is as it was. (:func:`jaxattn.io.atomic_write`
+    does the same; this script keeps to the standard library.)"""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8"))
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the data is meant to be read
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _out_problem(out: str) -> str | None:
+    """Why ``out`` cannot be the JSON file to write (checked before converting), or None."""
+    path = Path(out)
+    if out == "":
+        return "out is empty; give the JSON file to write (e.g. jaxattn/data/wsc273.json)"
+    if path.is_dir():
+        return f"out {out!r} is a folder; give the JSON file to write there (e.g. jaxattn/data/wsc273.json)"
+    if not path.parent.is_dir():
+        return f"out {out!r}: its folder {str(path.parent)!r} does not exist"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("xml", help="WSCollection.xml (the repository keeps a copy in data/)")
-    parser.add_argument("out", help="the JSON to write (jaxattn/data/wsc273.json)")
+    parser.add_argument("out", help="the JSON file to write (jaxattn/data/wsc273.json), replaced atomically")
     args = parser.parse_args(argv)
+    problem = _out_problem(args.out)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         data = convert(args.xml)
     except (ConversionError, ET.ParseError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    Path(args.out).write_text(dumps(data), encoding="utf-8")
+    try:
+        write_atomically(args.out, dumps(data))
+    except OSError as e:
+        reason = e.strerror or str(e)
+        print(f"error: out {args.out!r}: cannot write there ({reason}); nothing was changed", file=sys.stderr)
+        return 2
     n = len(data["problems"])
     print(f"wrote {n} problems in {len({p['schema'] for p in data['problems']})} schemas to {args.out}")
     return 0

@@ -72,8 +72,8 @@
 
   // ---- colours ----------------------------------------------------------------------------------
   function hexToRgb(h) { return [parseInt(h.slice(1, 3), 16), parseInt(h.slice(3, 5), 16), parseInt(h.slice(5, 7), 16)]; }
-  function ramp(stops, x) {  // x in [0, 1]
-    x = Math.min(1, Math.max(0, x));
+  function ramp(stops, x) {  // x in [0, 1]; below 0 (or NaN) is 0, above 1 is 1
+    x = x > 0 ? Math.min(1, x) : 0;
     var p = x * (stops.length - 1), i = Math.min(stops.length - 2, Math.floor(p)), f = p - i;
     var a = hexToRgb(stops[i]), b = hexToRgb(stops[i + 1]);
     return "rgb(" + [0, 1, 2].map(function (k) { return Math.round(a[k] + f * (b[k] - a[k])); }).join(",") + ")";
@@ -82,7 +82,13 @@
     if (v === null) return MASKED;
     return scale ? ramp(DIVERGING, 0.5 + 0.5 * v / scale) : ramp(VIRIDIS, v);
   }
-  function scaled(v, lo, hi) { return hi > lo ? (v - lo) / (hi - lo) : 0.5; }  // a flat scale: its middle colour
+  // v's place on the scale from lo to hi, in [0, 1]; a flat scale: its middle colour. Where hi - lo overflows
+  // to Infinity (values near the largest double, +-1.8e308), from the halves, which cannot.
+  function scaled(v, lo, hi) {
+    if (!(hi > lo)) return 0.5;
+    return isFinite(hi - lo) ? (v - lo) / (hi - lo) : (v / 2 - lo / 2) / (hi / 2 - lo / 2);
+  }
+  function mid(lo, hi) { return isFinite(lo + hi) ? (lo + hi) / 2 : lo / 2 + hi / 2; }
 
   // ---- page -------------------------------------------------------------------------------------
   function el(tag, attrs, text) {
@@ -102,11 +108,13 @@
   function q(s) { return JSON.stringify(s); }
   function fmt(x) { return x.toFixed(4); }
   function signed(x) { return (x >= 0 ? "+" : "\u2212") + Math.abs(x).toFixed(4); }
-  function num(x) { return String(Number(x.toPrecision(4))); }  // a table's value, 4 significant digits
+  // x to `digits` significant digits; x in full where rounding up would pass the largest double (1.8e308)
+  function digits(x, n) { var r = Number(x.toPrecision(n)); return String(isFinite(r) ? r : x); }
+  function num(x) { return digits(x, 4); }  // a table's value, 4 significant digits
 
   document.title = DATA.title;
   var body = document.body;
-  body.appendChild(el("h1", { id: "title" }, DATA.title));
+  body.appendChild(el("h1", { id: "title", title: DATA.title }, DATA.title));
   RUNS.forEach(function (r) {
     body.appendChild(el("p", { "class": "summary" }, r.name + ": " + r.L + " layers \u00d7 " + r.N + " heads, " + r.T +
       " queries \u00d7 " + r.S + " keys" + (r.causal ? " (causal: a query sees no later key; hidden keys are grey)" : "")));
@@ -440,10 +448,10 @@
     ctx.fillStyle = "#222";
     ctx.font = SMALL;
     ctx.textBaseline = "top";
-    [["left", pad, lo], ["center", w / 2, (lo + hi) / 2], ["right", w - pad, hi]].forEach(function (p) {
+    [["left", pad, lo], ["center", w / 2, mid(lo, hi)], ["right", w - pad, hi]].forEach(function (p) {
       if (isNaN(p[2])) return;
       ctx.textAlign = p[0];
-      ctx.fillText(String(Number(p[2].toPrecision(3))), p[1], 19);
+      ctx.fillText(digits(p[2], 3), p[1], 19);
     });
     ctx.textAlign = "left";
     ctx.fillText(fitText(label, bar, SMALL), pad, 31);

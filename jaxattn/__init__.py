@@ -16,7 +16,8 @@ from jaxattn._attention import (
 )
 from jaxattn._blockwise import blockwise_attention, multi_head_blockwise_attention, weights_from_lse
 from jaxattn._conformance import check_conformance, conformance_table
-from jaxattn._masks import causal_mask, combine_masks, padding_mask
+from jaxattn._dpa import dot_product_attention
+from jaxattn._masks import causal_mask, combine_masks, padding_mask, window_mask
 from jaxattn import probes  # jaxattn.probes.entropy, ... (saturation and gradient probes)
 from jaxattn._ring import ring_attention, ring_attention_shard, sharded_attention
 
@@ -32,6 +33,7 @@ __all__ = [
     "check_conformance",
     "combine_masks",
     "conformance_table",
+    "dot_product_attention",
     "init_attention_params",
     "merge_heads",
     "multi_head_attention",
@@ -43,4 +45,5 @@ __all__ = [
     "sharded_attention",
     "split_heads",
     "weights_from_lse",
+    "window_mask",
 ]

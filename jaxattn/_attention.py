@@ -30,11 +30,12 @@ from jaxattn._checks import (
     check_attention_inputs,
     check_flag,
     check_int,
+    check_logit_cap,
     check_multi_head_inputs,
     check_rank,
 )
 from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits
-from jaxattn._masks import causal_mask, clamp_offset
+from jaxattn._masks import causal_mask, check_window, clamp_offset, window_keep
 from jaxattn._typing import ArrayLike, Bool, Float, Key, Real, Shaped, UInt32
 
 Array = jax.Array
@@ -45,21 +46,30 @@ Array = jax.Array
 # ----------------------------------------------------------------------------------------------------
 
 
-def _causal(is_causal: Any, causal_offset: Any) -> int | None:
-    """The causal diagonal's offset (``causal_mask``'s ``offset``), or ``None`` without ``is_causal``."""
+def _diagonal(is_causal: Any, causal_offset: Any, local_window_size: Any = None) -> tuple[int | None, tuple | None]:
+    """``(causal, window)``: the causal diagonal's offset (``causal_mask``'s ``offset``, ``None`` without
+    ``is_causal``) and the window ``(left, right, offset)`` around the same diagonal (``None`` without one)."""
     is_causal = check_flag(is_causal, "is_causal")
+    window = check_window(local_window_size)
     if isinstance(causal_offset, bool) or not isinstance(causal_offset, (int, np.integer)):
         raise TypeError(
             f"causal_offset must be a Python int (it chooses the compiled program), received {causal_offset!r} "
             f"of type {type(causal_offset).__name__}"
         )
-    if causal_offset and not is_causal:
-        raise ValueError(f"causal_offset={causal_offset} moves the causal diagonal and needs is_causal=True")
-    return int(causal_offset) if is_causal else None
+    if causal_offset and not is_causal and window is None:
+        raise ValueError(
+            f"causal_offset={causal_offset} moves the causal diagonal and needs is_causal=True (or "
+            f"local_window_size, whose diagonal it moves too)"
+        )
+    return (int(causal_offset) if is_causal else None), (None if window is None else (*window, int(causal_offset)))
 
 
-def _keep(mask: Array | None, causal: int | None, T: int, S: int) -> Array | None:
-    """The effective keep-mask ``[T, S]`` (or ``None``: keep everything); ``causal``: see :func:`_causal`."""
+def _keep(mask: Array | None, causal: int | None, T: int, S: int, window: tuple | None = None) -> Array | None:
+    """The effective keep-mask ``[T, S]`` (or ``None``: keep everything); ``causal``, ``window``: see :func:`_diagonal`."""
+    if window is not None:
+        left, right, offset = window
+        keep = window_keep((left, right), offset, T, S)  # [T, S]
+        mask = keep if mask is None else jnp.logical_and(mask, keep)
     if causal is not None:
         causal = causal_mask(T, S, offset=causal)  # [T, S]
         return causal if mask is None else jnp.logical_and(mask, causal)
@@ -137,19 +147,23 @@ def _weighted_sum(weights: Array, v: Array, hit: Array) -> Array:
 
 
 def _attend(
-    q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None
+    q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None,
+    window: tuple | None = None, cap: Any = None,
 ) -> tuple[Array, Array]:
     """One head, one example: ``(out [T, V], weights [T, S])`` from one softmax.
 
     ``mask``: None or broadcastable to ``[T, S]``, best in its compact shape (a key-padding mask ``[S]``
-    or ``[1, S]``), which makes the non-finite bookkeeping of :func:`kept_nonfinite` O(S·V).
+    or ``[1, S]``), which makes the non-finite bookkeeping of :func:`kept_nonfinite` O(S·V). A window
+    (see :func:`_diagonal`) is folded into a ``[T, S]`` mask with the causal one; ``cap``: the logit soft cap.
     """
     T, S = q.shape[0], k.shape[0]
     if causal is not None:
         causal = clamp_offset(causal, T, S)  # the same mask, and i + causal stays inside int32
     mask = compact_mask(mask)  # [t, s] or None
+    if window is not None:  # no rank-one structure left: one [T, S] mask
+        mask, causal = _keep(mask, causal, T, S, window), None  # [T, S]
     keep = _keep(mask, causal, T, S)  # broadcastable to [T, S], or None
-    weights = _masked_softmax(scaled_logits(q, k, bias, scale), keep)  # [T, S], f32+
+    weights = _masked_softmax(scaled_logits(q, k, bias, scale, cap), keep)  # [T, S], f32+
     hit = kept_nonfinite(mask, causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
     out = _weighted_sum(weights, v, hit)  # [T, V]
     out_dtype = jnp.result_type(q, k, v)
@@ -159,13 +173,15 @@ def _attend(
 # The public functions check their inputs in Python, then run their core as one compiled program: called
 # eagerly on a new shape, one compile instead of one per primitive (several times faster); inside the
 # caller's jit, vmap or grad the inner jit is inlined.
-_attend_jit = jax.jit(_attend, static_argnames=("causal",))
+_attend_jit = jax.jit(_attend, static_argnames=("causal", "window"))
 _logits_jit = jax.jit(scaled_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("causal",))
-def _weights_core(q: Array, k: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None) -> Array:
-    weights = _masked_softmax(scaled_logits(q, k, bias, scale), _keep(mask, causal, q.shape[0], k.shape[0]))
+@functools.partial(jax.jit, static_argnames=("causal", "window"))
+def _weights_core(q: Array, k: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None,
+                  window: tuple | None = None, cap: Any = None) -> Array:
+    keep = _keep(mask, causal, q.shape[0], k.shape[0], window)
+    weights = _masked_softmax(scaled_logits(q, k, bias, scale, cap), keep)
     return weights.astype(jnp.result_type(q, k))
 
 
@@ -180,8 +196,9 @@ def attention_logits(
     *,
     bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
+    logit_cap: Real[ArrayLike, ""] | None = None,
 ) -> Float[Array, "T S"]:
-    """The pre-softmax logits ``scale · q kᵀ + bias`` of one head, before any mask.
+    """The pre-softmax logits ``scale · q kᵀ + bias`` of one head (soft-capped with ``logit_cap``), before any mask.
 
     These are exactly the logits :func:`attention` and :func:`attention_weights` feed to their softmax
     (the same private function computes them), for probes that study the softmax's input. A row of q
@@ -192,12 +209,13 @@ def attention_logits(
       k: keys ``[S, H]``.
       bias: optional additive bias broadcastable to ``[T, S]``.
       scale: logit scale; ``None`` means ``1/sqrt(H)`` (see :func:`attention` for why).
+      logit_cap: ``None``, or ``c`` for ``c · tanh(logits / c)`` (see :func:`attention`).
 
     Returns:
       ``[T, S]`` in at least float32.
     """
     q, k, _, _, bias, scale = check_attention_inputs(q, k, None, None, bias, scale)
-    return _logits_jit(q, k, bias, scale)
+    return _logits_jit(q, k, bias, scale, check_logit_cap(logit_cap))
 
 
 def attention_weights(
@@ -209,6 +227,8 @@ def attention_weights(
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
     causal_offset: int = 0,
+    local_window_size: int | tuple[int, int] | None = None,
+    logit_cap: Real[ArrayLike, ""] | None = None,
 ) -> Float[Array, "T S"]:
     """The attention map ``A = softmax(scale · q kᵀ + bias)`` of one head, restricted to ``mask``.
 
@@ -222,12 +242,14 @@ def attention_weights(
         iff ``j <= i + causal_offset``).
       causal_offset: with ``is_causal``, how many keys past the diagonal each query still sees: 0 for
         self-attention, ``S - T`` for queries that continue ``S - T`` earlier keys (a cache, a row block).
+      local_window_size, logit_cap: see :func:`attention`.
 
     Returns:
       ``[T, S]`` in the dtype of ``q``/``k``; each row sums to 1, or is all zeros if fully masked.
     """
     q, k, _, mask, bias, scale = check_attention_inputs(q, k, None, mask, bias, scale)
-    return _weights_core(q, k, mask, bias, scale, _causal(is_causal, causal_offset))
+    causal, window = _diagonal(is_causal, causal_offset, local_window_size)
+    return _weights_core(q, k, mask, bias, scale, causal, window, check_logit_cap(logit_cap))
 
 
 def attention(
@@ -240,6 +262,8 @@ def attention(
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
     causal_offset: int = 0,
+    local_window_size: int | tuple[int, int] | None = None,
+    logit_cap: Real[ArrayLike, ""] | None = None,
 ) -> tuple[Float[Array, "T V"], Float[Array, "T S"]]:
     """Scaled dot-product attention of one head: ``softmax(scale · q kᵀ + bias) v``.
 
@@ -254,6 +278,16 @@ def attention(
     accumulated in float32 and then multiplied by the scale in float32, so the scale is never rounded to
     the input dtype. The output is computed from the same float32 weights that are returned (cast to the
     input dtype), so the map you inspect is the one that produced the output.
+
+    Sliding windows: ``local_window_size=(left, right)`` (``jax.nn.dot_product_attention``'s meaning; an
+    int ``w`` is ``(w, w)``) keeps key ``j`` for query ``i`` iff ``i + o - left <= j <= i + o + right``, ``o``
+    the ``causal_offset``. A causal window of ``W`` keys (query ``t`` sees key ``s`` iff ``0 <= t - s < W``,
+    as Mistral's and Gemma's ``sliding_window = W``) is ``is_causal=True, local_window_size=(W - 1, 0)``.
+
+    Soft-capping: ``logit_cap=c`` replaces the logits ``x = scale · q kᵀ + bias`` by ``c · tanh(x / c)``
+    before the mask (Gemma 2's attention-logit soft cap), which bounds them to ``(-c, c)`` and so keeps
+    the softmax away from a one-hot row: over S kept keys no weight exceeds ``e^{2c} / (e^{2c} + S - 1)``.
+    Its derivative is ``1 - tanh²(x / c)``; a traced ``c`` is accepted (sweeps), and differentiable.
 
     Masking: ``mask`` is a boolean keep-mask (True = attend). A query row whose keys are all masked
     returns zero weights and a zero output, with finite gradients. ``S = 0`` is the same case (zero
@@ -286,13 +320,17 @@ def attention(
       causal_offset: with ``is_causal``, key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``
         (0: self-attention; ``S - T``: queries that continue ``S - T`` earlier keys). Any Python int:
         ``causal_offset >= S`` keeps every key, ``<= -T`` none (clamped to ``[-T, S]``, the same mask).
+        It moves the window's diagonal too.
+      local_window_size: ``None``, an int ``w`` or ``(left, right)`` Python ints >= 0 (see above).
+      logit_cap: ``None`` (no cap) or the soft cap ``c > 0`` (see above).
 
     Returns:
       ``(out, weights)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``weights [T, S]`` in that
       of q, k.
     """
     q, k, v, mask, bias, scale = check_attention_inputs(q, k, v, mask, bias, scale, broadcast_mask=False)
-    return _attend_jit(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
+    causal, window = _diagonal(is_causal, causal_offset, local_window_size)
+    return _attend_jit(q, k, v, mask, bias, scale, causal, window, check_logit_cap(logit_cap))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -310,6 +348,8 @@ def multi_head_attention(
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
     causal_offset: int = 0,
+    local_window_size: int | tuple[int, int] | None = None,
+    logit_cap: Real[ArrayLike, ""] | None = None,
 ) -> tuple[Float[Array, "T N V"], Float[Array, "N T S"]]:
     """Multi-head (and grouped-query) attention of one example: :func:`attention` vmapped over heads.
 
@@ -326,17 +366,20 @@ def multi_head_attention(
       scale: logit scale, ``None`` for ``1/sqrt(H)``; see :func:`attention` for why it exists.
       is_causal: also apply :func:`causal_mask` ``(T, S, causal_offset)``.
       causal_offset: with ``is_causal``, key ``j`` is visible to query ``i`` iff ``j <= i + causal_offset``.
+      local_window_size, logit_cap: as in :func:`attention`, for every head of this call (a model passes
+        its own per layer).
 
     Returns:
       ``(out [T, N, V], weights [N, T, S])``.
     """
     q, k, v, mask, bias, scale = check_multi_head_inputs(q, k, v, mask, bias, scale)
-    return _multi_head(q, k, v, mask, bias, scale, _causal(is_causal, causal_offset))
+    causal, window = _diagonal(is_causal, causal_offset, local_window_size)
+    return _multi_head(q, k, v, mask, bias, scale, causal, window, check_logit_cap(logit_cap))
 
 
-@functools.partial(jax.jit, static_argnames=("causal",))
+@functools.partial(jax.jit, static_argnames=("causal", "window"))
 def _multi_head(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Any,
-                causal: int | None) -> tuple[Array, Array]:
+                causal: int | None, window: tuple | None = None, cap: Any = None) -> tuple[Array, Array]:
     """:func:`multi_head_attention` of checked inputs: the single-head core vmapped over the heads."""
     T, N, H = q.shape
     S, K, V = v.shape
@@ -349,7 +392,7 @@ def _multi_head(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | 
     def one_head(q1, k1, v1, m1, b1):  # m1 [t, s] in its compact shape (see _attend)
         if b1 is not None:
             b1 = jnp.broadcast_to(b1, (T, S))
-        return _attend(q1, k1, v1, m1, b1, scale, causal)
+        return _attend(q1, k1, v1, m1, b1, scale, causal, window, cap)
 
     over_group = jax.vmap(one_head, in_axes=(0, None, None, 0 if m_axis == 0 else None, 0 if b_axis == 0 else None))
     over_kv = jax.vmap(over_group, in_axes=(0, 0, 0, m_axis, b_axis))

@@ -63,16 +63,22 @@ def _is_concrete(scale: Any) -> bool:
 
 
 def unsupported(name: str, q: Array, k: Array, v: Array, mask: Array | None, scale: Any, is_causal: bool, *,
-                platform: str | None = None, interpret: bool = False) -> str | None:
+                platform: str | None = None, interpret: bool = False, window: Any = None,
+                cap: Any = None) -> str | None:
     """Why implementation ``name`` cannot run this call, or None if it can.
 
     Validated inputs: q ``[T, N, H]``, k ``[S, K, H]``, v ``[S, K, V]``, mask None or broadcastable to
-    ``[N, T, S]``. ``interpret``: the Pallas kernel in interpret mode (any platform, for tests).
+    ``[N, T, S]``, ``window`` ``(left, right)`` or None, ``cap`` the logit soft cap or None.
+    ``interpret``: the Pallas kernel in interpret mode (any platform, for tests).
     """
     platform = platform or _platform()
     dtype = jnp.dtype(jnp.result_type(q, k, v))
     if name == "blockwise":
         return None
+    if cap is not None:
+        return "a logit soft cap (logit_cap) runs in the 'blockwise' kernel only"
+    if name == "pallas" and window is not None:
+        return "the Pallas kernel takes no sliding window (local_window_size); use 'blockwise', 'xla' or 'cudnn'"
     if name == "xla":
         if dtype == jnp.dtype(jnp.float16) and platform in ("cpu", "tpu"):
             return (f"jax.nn.dot_product_attention's xla path multiplies float16 with the F16_F16_F32 dot "
@@ -105,7 +111,8 @@ def unsupported(name: str, q: Array, k: Array, v: Array, mask: Array | None, sca
 
 
 def choose_implementation(implementation: str | None, q: Array, k: Array, v: Array, mask: Array | None, scale: Any,
-            is_causal: bool, *, platform: str | None = None, interpret: bool = False) -> str:
+            is_causal: bool, *, platform: str | None = None, interpret: bool = False, window: Any = None,
+            cap: Any = None) -> str:
     """The implementation to run: the one asked for if it can run this call (else ``ValueError``), or
     None's choice.
 
@@ -117,18 +124,20 @@ def choose_implementation(implementation: str | None, q: Array, k: Array, v: Arr
     """
     platform = platform or _platform()
     if implementation is not None:
-        reason = unsupported(implementation, q, k, v, mask, scale, is_causal, platform=platform, interpret=interpret)
+        reason = unsupported(implementation, q, k, v, mask, scale, is_causal, platform=platform, interpret=interpret,
+                             window=window, cap=cap)
         if reason is not None:
             raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
         return implementation
-    if platform == "gpu" and mask is None:
+    if platform == "gpu" and mask is None and cap is None:
         dtype = jnp.dtype(jnp.result_type(q, k, v))
         half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         H, V = q.shape[-1], v.shape[-1]
         cudnn_shapes = H == V and H % 8 == 0 and H <= 128
-        if half and cudnn_shapes and unsupported("cudnn", q, k, v, mask, scale, is_causal, platform=platform) is None:
+        if half and cudnn_shapes and unsupported("cudnn", q, k, v, mask, scale, is_causal, platform=platform,
+                                                 window=window) is None:
             return "cudnn"
-        if half and unsupported("pallas", q, k, v, mask, scale, is_causal, platform=platform) is None:
+        if half and unsupported("pallas", q, k, v, mask, scale, is_causal, platform=platform, window=window) is None:
             return "pallas"
     return "blockwise"
 
@@ -138,16 +147,21 @@ def choose_implementation(implementation: str | None, q: Array, k: Array, v: Arr
 # ----------------------------------------------------------------------------------------------------
 
 
-def _keep_rows(mask: Array | None, is_causal: bool, N: int, T: int, S: int) -> Array | None:
+def _keep_rows(mask: Array | None, is_causal: bool, N: int, T: int, S: int, window: Any = None) -> Array | None:
     """``[N, T]`` bool: rows that keep at least one key (None: every row does)."""
     if S == 0:
         return jnp.zeros((N, T), bool)
-    if mask is None:
+    if mask is None and window is None:
         return None  # causal row i keeps key 0
+    if mask is None:
+        mask = jnp.ones((1, 1), bool)
     m = mask.reshape((1,) * (3 - mask.ndim) + tuple(mask.shape))  # [n, t, s]
     m = jnp.broadcast_to(m, (m.shape[0], T, S))  # [n, T, S]
     if is_causal:
         m = jnp.logical_and(m, jnp.arange(S)[None, None, :] <= jnp.arange(T)[None, :, None])
+    if window is not None:
+        d = jnp.arange(S)[None, None, :] - jnp.arange(T)[None, :, None]  # [1, T, S]
+        m = jnp.logical_and(m, jnp.logical_and(d >= -window[0], d <= window[1]))
     return jnp.broadcast_to(jnp.any(m, axis=2), (N, T))  # [N, T]
 
 
@@ -157,7 +171,7 @@ def _same_width(q: Array, k: Array, v: Array, width: int) -> tuple[Array, Array,
     return pad(q), pad(k), pad(v)
 
 
-def _jax_nn(q, k, v, mask, scale, is_causal, which):
+def _jax_nn(q, k, v, mask, scale, is_causal, which, window=None):
     """``jax.nn.dot_product_attention(..., implementation=which, return_residual=True)`` -> out, lse [N, T]."""
     T, N, H = q.shape
     V = v.shape[-1]
@@ -169,7 +183,7 @@ def _jax_nn(q, k, v, mask, scale, is_causal, which):
         m4 = jnp.broadcast_to(m, (m.shape[0], T, k.shape[0]))[None]  # [1, n, T, S]
     out, lse = jax.nn.dot_product_attention(
         qd[None], kd[None], vd[None], mask=m4, scale=scale, is_causal=is_causal, implementation=which,
-        return_residual=True,
+        return_residual=True, local_window_size=window,
     )  # [1, T, N, D], [1, T, N]
     return out[0, :, :, :V], lse[0].T  # [T, N, V], [N, T]
 
@@ -275,7 +289,7 @@ def _pallas(q, k, v, scale, is_causal, interpret):
 
 
 def attend(name: str, q: Array, k: Array, v: Array, mask: Array | None, scale: Any, is_causal: bool, *,
-           interpret: bool = False) -> tuple[Array, Array]:
+           interpret: bool = False, window: Any = None) -> tuple[Array, Array]:
     """Multi-head attention through implementation ``name`` (not ``"blockwise"``, which the caller runs).
 
     Validated inputs as in :func:`unsupported`; ``scale`` a Python number or a traced scalar. Returns
@@ -291,13 +305,13 @@ def attend(name: str, q: Array, k: Array, v: Array, mask: Array | None, scale: A
         return jnp.zeros((T, N, v.shape[-1]), out_dtype), jnp.full((N, T), -jnp.inf, acc)
     scale_arr = jnp.asarray(scale, acc)
     if name in ("xla", "cudnn"):  # a concrete scale as a Python float (cuDNN's is a static argument)
-        out, lse = _jax_nn(q, k, v, mask, float(scale) if _is_concrete(scale) else scale_arr, is_causal, name)
+        out, lse = _jax_nn(q, k, v, mask, float(scale) if _is_concrete(scale) else scale_arr, is_causal, name, window)
     elif name == "pallas":
         out, lse = _pallas(q, k, v, scale, is_causal, interpret)
     else:
         raise AssertionError(name)
     lse = jax.lax.stop_gradient(lse.astype(acc))  # [N, T]
-    rows = _keep_rows(mask, is_causal, N, T, S)  # [N, T] or None
+    rows = _keep_rows(mask, is_causal, N, T, S, window)  # [N, T] or None
     if rows is not None:  # the kernels give such rows the mean of v and a finite lse: jaxattn's are 0, -inf
         out = jnp.where(rows.T[:, :, None], out, 0).astype(out_dtype)  # [T, N, V]
         lse = jnp.where(rows, lse, -jnp.inf)  # [N, T]

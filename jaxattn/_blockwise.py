@@ -43,10 +43,12 @@ from jaxattn._checks import (
     check_attention_inputs,
     check_flag,
     check_int,
+    check_logit_cap,
     check_multi_head_inputs,
     softmax_dtype,
 )
-from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits
+from jaxattn._masks import check_window
+from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits, soft_cap
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
 
 Array = jax.Array
@@ -72,6 +74,8 @@ class _Plan:
     nk: int  # number of key blocks (S padded up to nk * bk)
     causal: bool
     has_mask: bool
+    window: tuple[int, int] | None = None  # (left, right): query r sees key c iff r - left <= c <= r + right
+    cap: float | None = None  # the logit soft cap c of c·tanh(x / c)
 
     @property
     def full_k(self) -> int:
@@ -79,10 +83,13 @@ class _Plan:
         return self.S // self.bk
 
 
-def _plan(T: int, S: int, block_q: int, block_k: int, causal: bool, has_mask: bool) -> _Plan:
+def _plan(T: int, S: int, block_q: int, block_k: int, causal: bool, has_mask: bool,
+          window: tuple[int, int] | None = None, cap: float | None = None) -> _Plan:
     bq = max(1, min(block_q, T))
     bk = max(1, min(block_k, S))
-    return _Plan(T, S, bq, bk, -(-T // bq), -(-S // bk), causal, has_mask)
+    if window is not None:  # no wider than the keys: the same mask, and the index arithmetic stays small
+        window = (min(window[0], T + S), min(window[1], T + S))
+    return _Plan(T, S, bq, bk, -(-T // bq), -(-S // bk), causal, has_mask, window, cap)
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -94,14 +101,23 @@ def _max(a: Any, b: Any) -> Any:
     return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
 
 
-def _k_range(plan: _Plan, i: Any) -> tuple[Any, Any]:
-    """For query block ``i``: key blocks ``[0, n_full)`` need no mask, ``[n_full, n_hi)`` need one.
+def _k_range(plan: _Plan, i: Any) -> tuple[Any, Any, Any]:
+    """For query block ``i``: key blocks ``[lo, n_full)`` need no mask, ``[n_full, n_hi)`` need one.
 
     Blocks ``j >= n_hi`` lie wholly above the causal diagonal and are skipped. Causal: key ``c`` is
     visible to row ``r`` iff ``c <= r``. A key block is mask-free for every row of block ``i`` iff its
     last key ``(j+1)·bk - 1`` is at most the block's first row ``i·bq`` and it holds no padding.
+    With a window ``(left, right)`` only the key blocks that hold a key some row of the block sees are
+    visited (``[lo, n_hi)``, each with a mask): the rest are skipped, so the cost grows as T·W, not T·S.
     ``i`` is a Python int (the bounds are then Python ints) or a traced index.
     """
+    if plan.window is not None:
+        left, right = plan.window
+        if plan.causal:
+            right = 0
+        lo = _max((i * plan.bq - left) // plan.bk, 0)
+        hi = _min(_max(((i + 1) * plan.bq - 1 + right) // plan.bk + 1, lo), plan.nk)
+        return lo, lo, hi
     if plan.has_mask:
         n_full = 0
     elif plan.causal:
@@ -112,15 +128,23 @@ def _k_range(plan: _Plan, i: Any) -> tuple[Any, Any]:
         n_hi = _min(((i + 1) * plan.bq + plan.bk - 1) // plan.bk, plan.nk)
     else:
         n_hi = plan.nk
-    return n_full, n_hi
+    return 0, n_full, n_hi
 
 
-def _q_range(plan: _Plan, j: Any) -> tuple[Any, Any]:
-    """For key block ``j``: query blocks ``[i_lo, i_full)`` need a mask, ``[i_full, nq)`` need none.
+def _q_range(plan: _Plan, j: Any) -> tuple[Any, Any, Any]:
+    """For key block ``j``: query blocks ``[i_lo, i_full)`` need a mask, ``[i_full, i_hi)`` need none.
 
     The transpose of :func:`_k_range`, so that the backward visits exactly the tiles the forward did,
     each with the same mask decision. ``j`` is a Python int or a traced index.
     """
+    if plan.window is not None:  # rows r with some key c of the block in [r - left, r + right]
+        left, right = plan.window
+        first_row = j * plan.bk - right
+        if plan.causal:
+            first_row = j * plan.bk
+        i_lo = _min(_max(first_row // plan.bq, 0), plan.nq)
+        i_hi = _min(_max(((j + 1) * plan.bk - 1 + left) // plan.bq + 1, i_lo), plan.nq)
+        return i_lo, i_hi, i_hi
     i_lo = (j * plan.bk) // plan.bq if plan.causal else 0
     if plan.has_mask:
         i_full = plan.nq
@@ -135,7 +159,7 @@ def _q_range(plan: _Plan, j: Any) -> tuple[Any, Any]:
             i_full = free if complete else plan.nq
         else:
             i_full = jnp.where(complete, free, plan.nq)
-    return i_lo, i_full
+    return i_lo, i_full, plan.nq
 
 
 def _loop_counts(plan: _Plan) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -144,8 +168,8 @@ def _loop_counts(plan: _Plan) -> tuple[tuple[int, int], tuple[int, int]]:
     fwd = [_k_range(plan, i) for i in range(plan.nq)]
     bwd = [_q_range(plan, j) for j in range(plan.nk)]
     return (
-        (max(n_full for n_full, _ in fwd), max(n_hi - n_full for n_full, n_hi in fwd)),
-        (max(i_full - i_lo for i_lo, i_full in bwd), max(plan.nq - i_full for _, i_full in bwd)),
+        (max(n_full - lo for lo, n_full, _ in fwd), max(n_hi - n_full for _, n_full, n_hi in fwd)),
+        (max(i_full - i_lo for i_lo, i_full, _ in bwd), max(i_hi - i_full for _, i_full, i_hi in bwd)),
     )
 
 
@@ -200,6 +224,9 @@ def _tile_keep(plan: _Plan, mask: Array | None, i: Any, j: Any) -> Array:
     keep = jnp.broadcast_to(cols < plan.S, (plan.bq, plan.bk))  # [bq, bk], padded keys dropped
     if plan.causal:
         keep = jnp.logical_and(keep, cols[None, :] <= rows[:, None])  # [bq, bk]
+    if plan.window is not None:
+        d = cols[None, :] - rows[:, None]  # [bq, bk]
+        keep = jnp.logical_and(keep, jnp.logical_and(d >= -plan.window[0], d <= plan.window[1]))  # [bq, bk]
     if mask is not None:
         tm, sm = mask.shape
         tile = mask
@@ -247,6 +274,7 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
             s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, bk], scaled logits
             if not pre:
                 s = s * scale  # [bq, bk]
+            s = soft_cap(s, plan.cap)  # [bq, bk]
             if masked:
                 keep = _tile_keep(plan, mask, i, j)  # [bq, bk]
                 s = jnp.where(keep, s, fill)  # [bq, bk]
@@ -259,11 +287,11 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
             acc = alpha[:, None] * acc + jnp.einsum("TS,SV->TV", p, vb)  # [bq, V]
             return m_new, l, acc
 
-        n_full, n_hi = _k_range(plan, i)
+        lo, n_full, n_hi = _k_range(plan, i)
         # initial values made from the data, so that they carry its sharding (heads split over devices)
         zero = jnp.zeros_like(qb[:, 0], acc_dtype)  # [bq]
         carry = (zero + fill, zero, jnp.broadcast_to(zero[:, None], (bq, V)))
-        carry = _tile_loop(0, n_full, n_free, functools.partial(tile, masked=False), carry)
+        carry = _tile_loop(lo, n_full, n_free, functools.partial(tile, masked=False), carry)
         carry = _tile_loop(n_full, n_hi, n_masked, functools.partial(tile, masked=True), carry)
         m, l, acc = carry
         empty = l == 0.0  # [bq], a row with no kept key
@@ -279,7 +307,8 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
     qs = q.reshape(plan.nq, bq, q.shape[1])  # [nq, bq, H]
     _, (out, lse) = jax.lax.scan(scan_body, None, (jnp.arange(plan.nq), qs))  # [nq, bq, V], [nq, bq]
     out = out.reshape(plan.nq * bq, V)  # [Tp, V]
-    hit = kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * bq, plan.nk * bk, v_bad)  # [Tp or 1, V], no [T, S] buffer
+    window = None if plan.window is None else (*plan.window, 0)
+    hit = kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * bq, plan.nk * bk, v_bad, window)  # [Tp or 1, V], no [T, S] buffer
     return jnp.where(hit, jnp.nan, out), lse.reshape(plan.nq * bq)
 
 
@@ -324,21 +353,26 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [bk, bq], scaled logits
             if not pre:
                 s = s * scale  # [bk, bq]
+            if plan.cap is not None:  # c·tanh(s/c), and its derivative 1 - tanh² for ds below
+                t = jnp.tanh(s / plan.cap)  # [bk, bq]
+                s, d_cap = plan.cap * t, 1.0 - t * t  # [bk, bq], [bk, bq]
             p = jnp.exp(s - lse_b[None, :])  # [bk, bq], the forward's weights (transposed), exactly
             if masked:
                 p = jnp.where(_tile_keep(plan, mask, i, j).T, p, 0.0)  # [bk, bq]
             dv = dv + jnp.einsum("ST,TV->SV", p, dob)  # [bk, V]
             dp = jnp.einsum("SV,TV->ST", vb32, dob)  # [bk, bq]
             ds = p * (dp - D_b[None, :])  # [bk, bq]
+            if plan.cap is not None:
+                ds = ds * d_cap  # [bk, bq], through the cap
             ds_t = jax.lax.optimization_barrier(ds.T)  # [bq, bk]
             dq_b = dq_b + jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [bq, H]
             dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
             return dq_b, dk, dv
 
-        i_lo, i_full = _q_range(plan, j)
+        i_lo, i_full, i_hi = _q_range(plan, j)
         carry = (dq, jnp.zeros_like(kb, acc_dtype), jnp.zeros_like(vb, acc_dtype))  # (made from the data: see _forward)
         carry = _tile_loop(i_lo, i_full, n_masked_b, functools.partial(tile, masked=True), carry, dq_rows)
-        carry = _tile_loop(i_full, plan.nq, n_free_b, functools.partial(tile, masked=False), carry, dq_rows)
+        carry = _tile_loop(i_full, i_hi, n_free_b, functools.partial(tile, masked=False), carry, dq_rows)
         return carry
 
     def scan_body(dq, xs):
@@ -466,15 +500,16 @@ def _padded(q, k, v, mask, plan: _Plan):
     return qp, kp, vp, mask
 
 
-def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k):
-    """One head, validated inputs; mask ``[t, s]`` or None; scale an array of the accumulation dtype."""
+def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, cap=None):
+    """One head, validated inputs; mask ``[t, s]`` or None; scale an array of the accumulation dtype;
+    ``window`` ``(left, right)`` or None, ``cap`` a Python float or None (both static)."""
     T, S = q.shape[0], k.shape[0]
     out_dtype = jnp.result_type(q, k, v)
     acc_dtype = scale.dtype
     if T == 0 or S == 0:  # no key: every row is fully masked (zero output, lse = log 0)
         out = jnp.zeros((T, v.shape[1]), out_dtype)  # [T, V]
         return out, jnp.full((T,), -jnp.inf, acc_dtype)
-    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None)
+    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None, window, cap)
     qp, kp, vp, mask = _padded(q, k, v, mask, plan)  # [Tp, H], [Sp, H], [Sp, V], [t, s] padded
     out, lse = _flash(qp, kp, vp, mask, scale, plan)  # [Tp, V], [Tp]
     return out[:T].astype(out_dtype), lse[:T]
@@ -482,10 +517,10 @@ def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k):
 
 # The public functions check their inputs in Python, then run as one compiled program (eagerly on a new
 # shape: one compile instead of one per primitive; inside the caller's jit the inner jit is inlined).
-_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k"))
+_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k", "window", "cap"))
 
 
-def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, block_q, block_k):
+def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, block_q, block_k, window=None, cap=None):
     """One head's ``(dq [T, H], dk [S, H], dv [S, V], dscale)`` given ``out [T, V]``, ``lse [T]``.
 
     :func:`_backward` on the tiling :func:`_blockwise` uses, without a forward: ``out`` and ``lse`` are
@@ -498,7 +533,7 @@ def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, bl
     if T == 0 or S == 0:
         zeros = lambda x: jnp.zeros(x.shape, acc_dtype)
         return zeros(q), zeros(k), zeros(v), jnp.zeros((), acc_dtype)
-    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None)
+    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None, window, cap)
     qp, kp, vp, mask = _padded(q, k, v, mask, plan)  # [Tp, H], [Sp, H], [Sp, V], [t, s] padded
     Tp = plan.nq * plan.bq
     # padded query rows: zero d_out and d_lse, so their ds = p · (0 - 0) = 0 and they add nothing
@@ -528,6 +563,8 @@ def blockwise_attention(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     implementation: str | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logit_cap: float | None = None,
 ) -> tuple[Float[Array, "T V"], Float[Array, "T"]]:
     """Attention of one head, ``softmax(scale · q kᵀ) v``, computed tile by tile in O(T + S) memory.
 
@@ -551,6 +588,13 @@ def blockwise_attention(
     its own shape (a padding mask ``[S]`` costs O(S)). A row with no kept key returns a zero output and
     ``lse = -inf``, with finite gradients, as :func:`jaxattn.attention` does.
 
+    Sliding windows (``local_window_size``, as in :func:`jaxattn.attention`; a causal window of W keys is
+    ``is_causal=True, local_window_size=(W - 1, 0)``): the key blocks wholly outside every row's window
+    are skipped in the forward and the backward, so the cost grows as ``T·(block_q + W)``, not ``T·S``.
+    Soft-capping (``logit_cap=c``: ``c · tanh(logit / c)`` before the mask) runs inside each tile, and the
+    backward multiplies by its derivative ``1 - tanh²``; the cap is a Python number (it is part of the
+    compiled program) and carries no gradient here (the dense :func:`jaxattn.attention` differentiates it).
+
     Non-finite inputs, as in :func:`jaxattn.attention`: a masked position never influences any output or
     gradient, whatever its value, including inside a partly masked tile. A non-finite ``v[s, c]`` at a key
     row ``t`` keeps makes ``out[t, c]`` NaN; a non-finite ``k[s]`` kept by row ``t``, or ``q[t]`` with a
@@ -569,30 +613,45 @@ def blockwise_attention(
       implementation: ``None``, ``"blockwise"``, ``"xla"``, ``"cudnn"`` or ``"pallas"``, named as in
         ``jax.nn.dot_product_attention``: see :func:`multi_head_blockwise_attention`. ``"blockwise"`` is
         the function described here; ``None`` is ``"blockwise"`` on CPU and TPU.
+      local_window_size: ``None``, an int ``w`` or ``(left, right)`` Python ints (see above).
+      logit_cap: ``None`` or a positive Python number (see above).
 
     Returns:
       ``(out, lse)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``lse [T]`` the row log-sum-exp of
       the kept logits, in float32 (float64 for float64 inputs).
     """
     return _blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, block_q=block_q,
-                                block_k=block_k, implementation=implementation, interpret=False)
+                                block_k=block_k, implementation=implementation, interpret=False,
+                                local_window_size=local_window_size, logit_cap=logit_cap)
 
 
-def _blockwise_attention(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret):
+def _static_cap(logit_cap: Any) -> float | None:
+    """The blockwise kernel's soft cap: None or a concrete positive float (it is compiled in)."""
+    cap = check_logit_cap(logit_cap)
+    if cap is not None and not isinstance(cap, float):
+        raise TypeError("logit_cap must be a Python number for the blockwise kernel (it is compiled in), "
+                        "received a traced value; the dense jaxattn.attention takes a traced cap")
+    return cap
+
+
+def _blockwise_attention(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret,
+                         local_window_size=None, logit_cap=None):
     """:func:`blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode (any platform)."""
     q, k, v, mask, _, scale = check_attention_inputs(q, k, v, mask, None, scale, broadcast_mask=False)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
+    window, cap = check_window(local_window_size), _static_cap(logit_cap)
     name = choose_implementation(implementation, q[:, None], k[:, None], v[:, None], mask, scale, is_causal,
-                                 interpret=interpret)
+                                 interpret=interpret, window=window, cap=cap)
     if name != "blockwise":
         out, lse = _attend_library(name, q[:, None], k[:, None], v[:, None], mask, scale, is_causal,
-                                   block_q=block_q, block_k=block_k, interpret=interpret)  # [T, 1, V], [1, T]
+                                   block_q=block_q, block_k=block_k, interpret=interpret, window=window)  # [T, 1, V], [1, T]
         return out[:, 0], lse[0]
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    return _blockwise_jit(q, k, v, compact_mask(mask), _scale_array(scale, acc_dtype), is_causal, block_q, block_k)
+    return _blockwise_jit(q, k, v, compact_mask(mask), _scale_array(scale, acc_dtype), is_causal, block_q, block_k,
+                          window, cap)
 
 
 def multi_head_blockwise_attention(
@@ -606,6 +665,8 @@ def multi_head_blockwise_attention(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     implementation: str | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logit_cap: float | None = None,
 ) -> tuple[Float[Array, "T N V"], Float[Array, "N T"]]:
     """Multi-head and grouped-query :func:`blockwise_attention`: the single-head function mapped over heads.
 
@@ -622,7 +683,8 @@ def multi_head_blockwise_attention(
       k: keys ``[S, K, H]`` with ``N % K == 0``.
       v: values ``[S, K, V]``.
       mask: optional boolean keep-mask broadcastable to ``[N, T, S]`` (e.g. ``[S]``, ``[T, S]``).
-      is_causal, scale, block_q, block_k: as in :func:`blockwise_attention`.
+      is_causal, scale, block_q, block_k, local_window_size, logit_cap: as in :func:`blockwise_attention`
+        (``"xla"`` and ``"cudnn"`` take a window, none but ``"blockwise"`` a cap).
       implementation: which kernel computes it, named as in ``jax.nn.dot_product_attention``; every one
         returns the same ``(out, lse)`` (lse from the kernel, differentiable), so
         :func:`weights_from_lse` recovers rows of the map whichever ran:
@@ -647,27 +709,31 @@ def multi_head_blockwise_attention(
       ``(out [T, N, V], lse [N, T])``.
     """
     return _multi_head_blockwise(q, k, v, mask=mask, is_causal=is_causal, scale=scale, block_q=block_q,
-                                 block_k=block_k, implementation=implementation, interpret=False)
+                                 block_k=block_k, implementation=implementation, interpret=False,
+                                 local_window_size=local_window_size, logit_cap=logit_cap)
 
 
-def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret):
+def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret,
+                          local_window_size=None, logit_cap=None):
     """:func:`multi_head_blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode."""
     q, k, v, mask, _, scale = check_multi_head_inputs(q, k, v, mask, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
-    name = choose_implementation(implementation, q, k, v, mask, scale, is_causal, interpret=interpret)
+    window, cap = check_window(local_window_size), _static_cap(logit_cap)
+    name = choose_implementation(implementation, q, k, v, mask, scale, is_causal, interpret=interpret,
+                                 window=window, cap=cap)
     if name != "blockwise":
         return _attend_library(name, q, k, v, mask, scale, is_causal, block_q=block_q, block_k=block_k,
-                               interpret=interpret)
+                               interpret=interpret, window=window)
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     return _multi_head_flash(q, k, v, mask, _scale_array(scale, acc_dtype), is_causal, block_q, block_k,
-                             _heads_side_by_side(q, k))
+                             _heads_side_by_side(q, k), window, cap)
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "block_q", "block_k", "side_by_side"))
-def _multi_head_flash(q, k, v, mask, scale, is_causal, block_q, block_k, side_by_side):
+@functools.partial(jax.jit, static_argnames=("is_causal", "block_q", "block_k", "side_by_side", "window", "cap"))
+def _multi_head_flash(q, k, v, mask, scale, is_causal, block_q, block_k, side_by_side, window=None, cap=None):
     """:func:`multi_head_blockwise_attention`'s blockwise path on checked inputs, one compiled program."""
     T, N, H = q.shape
     S, K, V = v.shape
@@ -677,7 +743,7 @@ def _multi_head_flash(q, k, v, mask, scale, is_causal, block_q, block_k, side_by
 
     def one_head(qs, kvs, m1):
         (q1,), (k1, v1) = qs, kvs
-        return _blockwise(q1, k1, v1, compact_mask(m1), scale, is_causal, block_q, block_k)
+        return _blockwise(q1, k1, v1, compact_mask(m1), scale, is_causal, block_q, block_k, window, cap)
 
     out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, side_by_side)
     out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V], from [K, G, T, V]
@@ -709,7 +775,8 @@ def _over_heads(one_head, per_q, per_kv, mask, m_axis, vmapped):
     return jax.lax.map(one_kv_head, (per_q, per_kv, mask if m_axis == 0 else None))
 
 
-def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal, block_q, block_k):
+def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal, block_q, block_k, window=None,
+                      cap=None):
     """The gradient of :func:`multi_head_blockwise_attention` at given ``out`` and ``lse``, without a forward.
 
     :func:`_blockwise_grads` over the heads the way the forward maps them. Validated inputs (q ``[T, N, H]``,
@@ -734,7 +801,8 @@ def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal
     def one_head(qs, kvs, m1):
         (q1, out1, lse1, d_out1, d_lse1), (k1, v1) = qs, kvs
         m1 = compact_mask(m1)
-        return _blockwise_grads(q1, k1, v1, m1, scale, out1, lse1, d_out1, d_lse1, is_causal, block_q, block_k)
+        return _blockwise_grads(q1, k1, v1, m1, scale, out1, lse1, d_out1, d_lse1, is_causal, block_q, block_k,
+                                window, cap)
 
     dq, dk, dv, d_scale = _over_heads(one_head, per_q, per_kv, m, m_axis, _heads_side_by_side(q, k))  # [K, G, ...] each
     dq = dq.transpose(2, 0, 1, 3).reshape(T, N, H)  # [T, N, H]
@@ -748,32 +816,32 @@ def _multi_head_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, *, is_causal
 # ----------------------------------------------------------------------------------------------------
 
 
-def _attend_library(name, q, k, v, mask, scale, is_causal, *, block_q, block_k, interpret):
+def _attend_library(name, q, k, v, mask, scale, is_causal, *, block_q, block_k, interpret, window=None):
     """:func:`jaxattn._backends.attend` (``out [T, N, V]``, ``lse [N, T]``), with ``lse`` differentiable.
 
     The kernels stop ``lse``'s gradient; here its cotangent flows to ``q``, ``k`` and ``scale`` through
     :func:`_multi_head_grads` with zero-width values, on the tiles ``block_q``, ``block_k``.
     """
-    out, lse = attend(name, q, k, v, mask, scale, is_causal, interpret=interpret)
+    out, lse = attend(name, q, k, v, mask, scale, is_causal, interpret=interpret, window=window)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return out, lse
     out_dtype = jnp.result_type(q, k, v)
     q, k = q.astype(out_dtype), k.astype(out_dtype)  # the operands the kernel ran on
     scale = jnp.asarray(scale, lse.dtype)
-    return out, _differentiable_lse(lse, q, k, mask, scale, bool(is_causal), block_q, block_k)
+    return out, _differentiable_lse(lse, q, k, mask, scale, bool(is_causal), block_q, block_k, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _differentiable_lse(lse, q, k, mask, scale, is_causal, block_q, block_k):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _differentiable_lse(lse, q, k, mask, scale, is_causal, block_q, block_k, window):
     """``lse`` itself; its cotangent flows to ``q``, ``k`` and ``scale`` through the blockwise backward."""
     return lse
 
 
-def _differentiable_lse_fwd(lse, q, k, mask, scale, is_causal, block_q, block_k):
+def _differentiable_lse_fwd(lse, q, k, mask, scale, is_causal, block_q, block_k, window):
     return lse.value, (lse.value, q.value, k.value, mask.value if mask is not None else None, scale.value)
 
 
-def _differentiable_lse_bwd(is_causal, block_q, block_k, residuals, d_lse):
+def _differentiable_lse_bwd(is_causal, block_q, block_k, window, residuals, d_lse):
     lse, q, k, mask, scale = residuals
     if isinstance(d_lse, jax.custom_derivatives.SymbolicZero):
         return None, None, None, None, None
@@ -783,7 +851,7 @@ def _differentiable_lse_bwd(is_causal, block_q, block_k, residuals, d_lse):
     empty_v = jnp.zeros((S, K, 0), k.dtype)  # zero-width values: only the lse part of ds = p·(dp - D)
     empty_out = jnp.zeros((T, N, 0), acc)
     dq, dk, _, d_scale = _multi_head_grads(q, k, empty_v, mask, scale, empty_out, lse, empty_out, d_lse.astype(acc),
-                                           is_causal=is_causal, block_q=block_q, block_k=block_k)
+                                           is_causal=is_causal, block_q=block_q, block_k=block_k, window=window)
     return None, dq.astype(q.dtype), dk.astype(k.dtype), None, d_scale.astype(scale.dtype)
 
 
@@ -799,6 +867,8 @@ def weights_from_lse(
     mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
     is_causal: bool = False,
     scale: Real[ArrayLike, ""] | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logit_cap: Real[ArrayLike, ""] | None = None,
 ) -> Float[Array, "R S"]:
     """Rows of the attention map, recovered exactly from the log-sum-exp ``blockwise_attention`` returns.
 
@@ -813,13 +883,14 @@ def weights_from_lse(
       rows: optional integer array ``[R]`` of query indices in ``[0, T)``; ``None`` means all T rows.
         A concrete index outside ``[0, T)`` raises ``ValueError``; a traced one (under ``jit``) gives a
         row of NaN.
-      mask, is_causal, scale: as given to :func:`blockwise_attention`.
+      mask, is_causal, scale, local_window_size, logit_cap: as given to :func:`blockwise_attention`.
 
     Returns:
       ``[R, S]`` in the accumulation dtype (float32 or float64); each row sums to 1, or is all zeros if
       the row has no kept key.
     """
     q, k, _, mask, _, scale = check_attention_inputs(q, k, None, mask, None, scale, broadcast_mask=False)
+    window, cap = check_window(local_window_size), check_logit_cap(logit_cap)
     lse = as_float_array(lse, "lse")
     T, S = q.shape[0], k.shape[0]
     is_causal = check_flag(is_causal, "is_causal")
@@ -835,10 +906,13 @@ def weights_from_lse(
             bad = np.asarray(rows)[(np.asarray(rows) < 0) | (np.asarray(rows) >= T)]
             if bad.size:
                 raise ValueError(f"rows must be query indices in [0, T={T}), received {bad.tolist()}")
-    logits = scaled_logits(q[rows], k, None, scale)  # [R, S]
+    logits = scaled_logits(q[rows], k, None, scale, cap)  # [R, S]
     keep = jnp.ones(logits.shape, bool)  # [R, S]
     if is_causal:
         keep = jnp.arange(S)[None, :] <= rows[:, None]  # [R, S]
+    if window is not None:
+        d = jnp.arange(S)[None, :] - rows[:, None]  # [R, S]
+        keep = jnp.logical_and(keep, jnp.logical_and(d >= -window[0], d <= window[1]))  # [R, S]
     if mask is not None:
         m2 = compact_mask(mask)  # [t, s]
         m2 = m2[rows] if m2.shape[0] > 1 else m2  # [R or 1, s]

@@ -7,6 +7,7 @@ a ``ValueError`` or ``TypeError`` that names the argument, what was expected and
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -159,6 +160,66 @@ def check_float_dtype(dtype: Any, name: str = "dtype") -> Any:
     return dtype
 
 
+def as_float_dtype(dtype: Any, name: str = "dtype") -> Any:
+    """``dtype`` as a floating ``numpy.dtype`` (:func:`check_float_dtype`), with a ``TypeError`` naming
+    ``name`` and what is accepted for anything NumPy does not know as a dtype (``"bogus"``, ``3``)."""
+    try:
+        jnp.dtype(dtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a floating dtype (jnp.float32, jnp.bfloat16, jnp.float16, or jnp.float64 "
+                        f"under jax.enable_x64; their names as strings too), received {dtype!r}") from None
+    return check_float_dtype(dtype, name)
+
+
+def check_layer(layer: Any, layers: int, name: str = "layer") -> int:
+    """``layer`` as a Python int in ``[0, layers)``: ``TypeError`` for anything but an int (bools and traced
+    values included: it picks a block's params), ``ValueError`` naming ``name`` and the range otherwise."""
+    if isinstance(layer, jax.core.Tracer):
+        raise TypeError(f"{name} must be a Python int (it picks a block's params), received a traced value")
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"{name} must be an int in [0, L) = [0, {layers}), received {layer!r}")
+    if not 0 <= int(layer) < layers:
+        raise ValueError(f"{name} must lie in [0, L) = [0, {layers}) (the model has {layers} layers), "
+                         f"received {int(layer)}")
+    return int(layer)
+
+
+def check_last_axis(x: Any, size: int, name: str = "x", axes: str = "[..., D]") -> Any:
+    """``x`` (an array of a floating dtype, or something NumPy makes one of) whose last axis has ``size``
+    entries, the ``D`` of ``axes``: ``TypeError`` for another dtype, ``ValueError`` naming ``name`` and the
+    expected and received shapes otherwise. Reads the shape and dtype only, so traced ``x`` passes."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        x = _as_numpy(x, name)
+        dtype = x.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a float array {axes}, received dtype {np.dtype(dtype).name}")
+    shape = tuple(jnp.shape(x))
+    if not shape or shape[-1] != size:
+        want = axes.replace("D]", f"{size}]")
+        raise ValueError(f"{name} must have shape {axes} = {want} (D = {size}, the model width), "
+                         f"received shape {shape}")
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def check_depth(params: Any, path: tuple[str, ...], layers: int, *, field: str, layout: str) -> None:
+    """``params`` holds exactly ``layers`` blocks under ``path`` (a dict of blocks ``{"0": ..., "1": ...}``),
+    the config's ``field``; ``ValueError`` naming both counts otherwise. Run before any table of the
+    config's layers is made, so a config claiming 10**9 layers is refused without building one."""
+    node = params
+    for depth, key in enumerate(path):
+        if not isinstance(node, Mapping) or key not in node:
+            raise ValueError(f"params must hold the blocks under '{'/'.join(path)}' ({layout}); "
+                             f"'{'/'.join(path[:depth + 1])}' is missing")
+        node = node[key]
+    if not isinstance(node, Mapping):
+        raise ValueError(f"params '{'/'.join(path)}' must be a dict of blocks {{'0': ..., '1': ...}} ({layout}), "
+                         f"received {type(node).__name__}")
+    if len(node) != layers:
+        raise ValueError(f"config.{field}={layers} but params hold {len(node)} blocks under '{'/'.join(path)}': "
+                         f"the config does not describe these params")
+
+
 def check_flag(value: Any, name: str) -> bool:
     """``value`` as a Python bool; ``TypeError`` otherwise (a string such as ``"no"`` or a traced value).
 
@@ -173,6 +234,23 @@ def check_flag(value: Any, name: str) -> bool:
             f"pass it as a static argument, e.g. jax.jit(f, static_argnames='{name}'))"
         )
     raise TypeError(f"{name} must be a Python bool (True or False), received {value!r} of type {type(value).__name__}")
+
+
+def check_logit_cap(cap: Any, name: str = "logit_cap") -> Any:
+    """``None`` (no cap), or the soft cap ``c`` of ``c · tanh(logits / c)``: a concrete value must be real,
+    finite and > 0 (returned as a float); a traced scalar is passed through unchecked (sweeps under jit)."""
+    if cap is None:
+        return None
+    if isinstance(cap, jax.core.Tracer):
+        if jnp.ndim(cap) != 0:
+            raise ValueError(f"{name} must be a scalar, received shape {tuple(jnp.shape(cap))}")
+        return cap
+    if isinstance(cap, (bool, np.bool_)) or np.ndim(cap) != 0 or not np.issubdtype(np.asarray(cap).dtype, np.number):
+        raise TypeError(f"{name} must be None or a positive real number, received {cap!r}")
+    value = float(np.asarray(cap))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0 (the c of c·tanh(logits/c)), received {value!r}")
+    return value
 
 
 # ----------------------------------------------------------------------------------------------------

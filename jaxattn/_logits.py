@@ -21,8 +21,20 @@ from jaxattn._checks import softmax_dtype
 Array = jax.Array
 
 
-def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any) -> Array:
-    """``scale * q kᵀ + bias`` in at least float32: ``[T, S]``.
+def soft_cap(logits: Array, cap: Any) -> Array:
+    """``cap · tanh(logits / cap)`` (Gemma 2's attention-logit soft-capping), NaN kept as NaN; ``cap=None``: unchanged.
+
+    The logits stay inside ``(-cap, cap)`` (``±inf`` becomes ``±cap``); the derivative is
+    ``1 - tanh²(logits / cap)``. A NaN is put back by a ``where``: a backend's ``tanh`` may clamp it away.
+    """
+    if cap is None:
+        return logits
+    cap = jnp.asarray(cap, logits.dtype)
+    return jnp.where(jnp.isnan(logits), logits, cap * jnp.tanh(logits / cap))
+
+
+def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any, cap: Any = None) -> Array:
+    """``scale * q kᵀ + bias`` in at least float32, soft-capped by :func:`soft_cap` when ``cap`` is given: ``[T, S]``.
 
     The product is accumulated in float32 (or wider) and only then scaled, in that dtype, so the scale is
     never rounded to a bf16/fp16 input dtype. A query (key) row holding a non-finite entry gives NaN on
@@ -39,10 +51,11 @@ def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any) -> Array:
     logits = jnp.where(bad, jnp.nan, logits)  # [T, S]
     if bias is not None:
         logits = logits + bias.astype(acc)  # [T, S]
-    return logits
+    return soft_cap(logits, cap)  # [T, S]
 
 
-def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: Array) -> Array:
+def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: Array,
+                   window: tuple[int, int, int] | None = None) -> Array:
     """``hit[t, c] = any_s keep[t, s] & bad[s, c]``, broadcastable to ``[T, C]``: a kept bad entry reaches it.
 
     ``mask``: ``[t, s]`` (``t in {1, T}``, ``s in {1, S}``, see :func:`compact_mask`) or None, combined
@@ -50,7 +63,9 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
     no causal mask); ``bad [S, C]`` bool. O(S·C) when the keep-mask has a rank-one structure (no mask,
     causal, a key-padding mask ``[S]``, a query mask ``[T, 1]``, each with or without causal). A general
     ``[T, S]`` mask adds a loop over the keys that hold a bad entry, 32 at a time (a ``[T, 32] @ [32, C]``
-    product each): nothing when every value is finite, and no ``[T, S]`` buffer.
+    product each): nothing when every value is finite, and no ``[T, S]`` buffer. ``window``: ``(left,
+    right, offset)``, key ``j`` visible to query ``i`` iff ``i + offset - left <= j <= i + offset + right``
+    (as well): counted from prefix sums of ``bad`` over the keys, O((T + S)·C).
     """
     t, s = (1, 1) if mask is None else mask.shape
     if t > 1 and s > 1:  # a general mask
@@ -65,13 +80,26 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
             cols = jnp.logical_and(mask[:, idx], (i * B + jnp.arange(B) < n_bad)[None, :])  # [T, B]
             if causal is not None:
                 cols = jnp.logical_and(cols, idx[None, :] <= jnp.arange(T)[:, None] + causal)  # [T, B]
+            if window is not None:
+                d = idx[None, :] - jnp.arange(T)[:, None] - window[2]  # [T, B]
+                cols = jnp.logical_and(cols, jnp.logical_and(d >= -window[0], d <= window[1]))  # [T, B]
             count = jnp.einsum("TB,BC->TC", cols.astype(jnp.float32), bad[idx].astype(jnp.float32))  # [T, C]
             return jnp.logical_or(hit, count > 0.0)
 
         return jax.lax.fori_loop(0, (n_bad + B - 1) // B, chunk, jnp.zeros((T, bad.shape[1]), bool))
     if mask is not None and s > 1:  # [1, S]: the same keys for every query
         bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
-    if causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
+    if window is not None:  # keys [lo_i, hi_i] visible to query i: a difference of prefix sums of bad
+        left, right, offset = window
+        rows = jnp.arange(T)  # [T]
+        hi = rows + offset + right  # [T]
+        if causal is not None:
+            hi = jnp.minimum(hi, rows + causal)  # [T]
+        lo = rows + offset - left  # [T]
+        counts = jnp.concatenate([jnp.zeros((1, bad.shape[1]), jnp.int32), jnp.cumsum(bad, axis=0, dtype=jnp.int32)])  # [S+1, C]
+        hi_c, lo_c = jnp.clip(hi + 1, 0, S), jnp.clip(lo, 0, S)  # [T], [T]
+        hit = (counts[hi_c] - counts[jnp.minimum(lo_c, hi_c)]) > 0  # [T, C]
+    elif causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
         none = T + S + abs(causal)  # past every query: a column without a bad key is never hit
         first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]
         hit = first[None, :] <= jnp.arange(T)[:, None] + causal  # [T, C]

@@ -58,6 +58,56 @@ def causal_mask(T: int, S: int | None = None, offset: int = 0) -> Bool[Array, "T
     return j <= i + clamp_offset(offset, T, S)  # [T, S]
 
 
+def check_window(local_window_size: Any, name: str = "local_window_size") -> tuple[int, int] | None:
+    """``local_window_size`` as ``(left, right)`` Python ints >= 0 (an int ``w`` is ``(w, w)``), or None.
+
+    jax.nn.dot_product_attention's meaning: query ``i`` sees key ``j`` iff ``i - left <= j <= i + right``.
+    """
+    if local_window_size is None:
+        return None
+    pair = local_window_size if isinstance(local_window_size, (tuple, list)) else (local_window_size, local_window_size)
+    if len(pair) != 2 or any(isinstance(w, bool) or not isinstance(w, (int, np.integer)) for w in pair):
+        raise TypeError(
+            f"{name} must be None, a Python int w (the window (w, w)) or a pair (left, right) of Python ints "
+            f"(they choose the compiled program), received {local_window_size!r}"
+        )
+    left, right = int(pair[0]), int(pair[1])
+    if left < 0 or right < 0:
+        raise ValueError(f"{name} must be >= 0 on both sides, received (left, right) = ({left}, {right})")
+    return left, right
+
+
+def window_mask(T: int, S: int | None = None, local_window_size: Any = None, offset: int = 0) -> Bool[Array, "T S"]:
+    """Sliding-window keep-mask ``[T, S]``: query ``i`` sees key ``j`` iff ``i + offset - left <= j <= i + offset + right``.
+
+    ``local_window_size`` is ``jax.nn.dot_product_attention``'s: ``(left, right)`` keys on each side of
+    the diagonal, or an int ``w`` for ``(w, w)``. A causal window of ``W`` keys (the query and the
+    ``W - 1`` before it: query ``t`` sees key ``s`` iff ``0 <= t - s < W``, the convention of Mistral's and
+    Gemma's ``sliding_window = W``) is ``is_causal=True`` with ``local_window_size=(W - 1, 0)``.
+    ``offset`` moves the diagonal as :func:`causal_mask`'s does (``S - T`` for queries that continue
+    ``S - T`` earlier keys).
+
+    Returns:
+      bool ``[T, S]``.
+    """
+    T = _check_length(T, "T")
+    S = T if S is None else _check_length(S, "S")
+    window = check_window(local_window_size)
+    if window is None:
+        raise TypeError("local_window_size must be given: (left, right) or an int")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise TypeError(f"offset must be a Python int, received {offset!r}")
+    return window_keep(window, int(offset), T, S)
+
+
+def window_keep(window: tuple[int, int], offset: int, T: int, S: int) -> Array:
+    """:func:`window_mask` of checked arguments (``[T, S]`` bool); the index arithmetic stays inside int32."""
+    left, right = (min(w, T + S + abs(offset)) for w in window)
+    offset = clamp_offset(offset, T + left + right, S + left + right)
+    d = jnp.arange(S)[None, :] - jnp.arange(T)[:, None] - offset  # [T, S], key minus the query's diagonal
+    return jnp.logical_and(d >= -left, d <= right)  # [T, S]
+
+
 def padding_mask(lengths: Int[ArrayLike, "*batch"], S: int) -> Bool[Array, "*batch S"]:
     """Key-padding keep-mask: position ``j`` is kept iff ``j < length``.
 

@@ -1,8 +1,9 @@
 """An independent float64 NumPy reference for attention and its gradient, and the tolerances per dtype.
 
-Written from the formulas, not from jaxattn: L = scale·q kᵀ + bias, P = softmax over kept keys (rows with
-no kept key are zero), out = P v. Gradients by hand: dV = Pᵀ dO, dP = dO vᵀ,
-dL = P ⊙ (dP − rowsum(dP ⊙ P)), dq = scale·dL k, dk = scale·dLᵀ q.
+Written from the formulas, not from jaxattn: L = scale·q kᵀ + bias, soft-capped to c·tanh(L / c) when a
+cap c is given, P = softmax over kept keys (rows with no kept key are zero), out = P v. Gradients by hand:
+dV = Pᵀ dO, dP = dO vᵀ, dL = P ⊙ (dP − rowsum(dP ⊙ P)) (times 1 − tanh²(L / c) under a cap),
+dq = scale·dL k, dk = scale·dLᵀ q.
 """
 
 import numpy as np
@@ -31,14 +32,31 @@ def assert_close(actual, expected, dtype="float32", err_msg=""):
     assert err <= bound, f"{err_msg}: max abs error {err:.3e} > {bound:.3e} (rtol {rtol} x max|expected| + {atol})"
 
 
-def reference_forward(q, k, v, mask=None, bias=None, scale=None):
+def window_keep(T, S, left, right, offset=0):
+    """Query i sees key j iff i + offset - left <= j <= i + offset + right, written out entry by entry."""
+    keep = np.zeros((T, S), bool)
+    for i in range(T):
+        for j in range(S):
+            keep[i, j] = i + offset - left <= j <= i + offset + right
+    return keep
+
+
+def _logits(q, k, bias, scale, cap):
+    T, S = q.shape[0], k.shape[0]
+    logits = scale * (q @ k.T)
+    if bias is not None:
+        logits = logits + np.broadcast_to(np.asarray(bias, np.float64), (T, S))
+    if cap is not None:
+        logits = float(cap) * np.tanh(logits / float(cap))
+    return logits
+
+
+def reference_forward(q, k, v, mask=None, bias=None, scale=None, cap=None):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     T, H = q.shape
     S = k.shape[0]
     scale = 1.0 / np.sqrt(H) if scale is None else float(scale)
-    logits = scale * (q @ k.T)
-    if bias is not None:
-        logits = logits + np.broadcast_to(np.asarray(bias, np.float64), (T, S))
+    logits = _logits(q, k, bias, scale, cap)
     keep = np.ones((T, S), bool) if mask is None else np.broadcast_to(np.asarray(mask, bool), (T, S))
     p = np.zeros((T, S))
     for i in range(T):
@@ -50,13 +68,15 @@ def reference_forward(q, k, v, mask=None, bias=None, scale=None):
     return p @ v, p
 
 
-def reference_vjp(q, k, v, d_out, mask=None, bias=None, scale=None):
+def reference_vjp(q, k, v, d_out, mask=None, bias=None, scale=None, cap=None):
     """Gradients (dq, dk, dv) of <d_out, out> for the reference forward."""
     q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
     H = q.shape[1]
     scale = 1.0 / np.sqrt(H) if scale is None else float(scale)
-    _, p = reference_forward(q, k, v, mask, bias, scale)
+    _, p = reference_forward(q, k, v, mask, bias, scale, cap)
     dv = p.T @ d_out
     dp = d_out @ v.T
     dl = p * (dp - (dp * p).sum(axis=1, keepdims=True))
+    if cap is not None:
+        dl = dl * (1.0 - np.tanh(_logits(q, k, bias, scale, None) / float(cap)) ** 2)
     return scale * dl @ k, scale * dl.T @ q, dv

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "jaxattn"
 # package's face (``jaxattn/__init__.py``) sits with the probes: ``import jaxattn`` gives ``jaxattn.probes``.
 LAYERS = {
     "core": {"jaxattn._attention", "jaxattn._blockwise", "jaxattn._masks", "jaxattn._ring",
-             "jaxattn._backends", "jaxattn._conformance", "jaxattn._logits",
+             "jaxattn._backends", "jaxattn._conformance", "jaxattn._logits", "jaxattn._dpa",
              "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io", "jaxattn.progress"},
     "probes": {"jaxattn", "jaxattn.probes"},
     "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx",

@@ -360,12 +360,14 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
     return _head(family, config, params, x, weights, captured)
 
 
-@functools.partial(jax.jit, static_argnames=("family", "config"))
-def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, family: Family, config) -> ModelOutput:
+@functools.partial(jax.jit, static_argnames=("family", "config", "rows"))
+def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, family: Family, config,
+            rows: int) -> ModelOutput:
     """Blocks ``layer..L-1`` from the stream ``resid [T, D]`` entering block ``layer`` (a traced int32 scalar):
-    the forward's loop, started at ``layer``, so one compiled block serves every start layer."""
+    the forward's loop, started at ``layer``, so one compiled block serves every start layer. ``rows``:
+    the positions the rotation covers, ``[0, rows)``."""
     L = family.sizes(config).layers
-    run = _run(family, config, keep, pos, resid.shape[0], heads, scale)
+    run = _run(family, config, keep, pos, rows, heads, scale)
     q0 = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[0], resid)  # [T, N, H]
     weights = _sharding.maps_like(weights, q0)  # under Explicit mesh axes: split like the maps written into it
     x, weights, _ = _blocks(family, config, params, resid, layer, run, weights, Sites((), patch, L))
@@ -382,6 +384,11 @@ def _checked_resume(family: Family, params: Any, config: Any, resid_pre: Any, la
     T = x.shape[0]
     at = _layer_index(layer, s.layers)
     keep, pos = _packed_keep(attention_mask, positions, T, s.max_length, family.max_name)
+    # the rotation's rows: T covers the positions a [T] mask makes; a packed sequence's concrete positions
+    # beyond T need the table up to max_length (traced ones outside [0, T) get NaN rows, never wrong ones)
+    concrete = positions is not None and not isinstance(positions, jax.core.Tracer)
+    rows = s.max_length if concrete and int(np.max(np.asarray(positions))) >= T else T
+    _stream_dtype(family, config, params, x)
     heads = head_mask_(head_mask, s.layers, s.heads)
     scale = check_scale(scale, s.head_dim)
     shapes = site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
@@ -395,7 +402,7 @@ def _checked_resume(family: Family, params: Any, config: Any, resid_pre: Any, la
             raise ValueError(f"attentions must be a float array [L, N, T, T] = {maps} (the clean run's maps), "
                              f"received dtype {weights.dtype.name} shape {tuple(weights.shape)}")
     return _resume(params, x, at, keep, pos, heads, jnp.asarray(scale, jnp.float32), patch, weights.astype(x.dtype),
-                   family=family, config=config)
+                   family=family, config=config, rows=rows)
 
 
 def _packed_keep(mask: Any, pos: Any, T: int, max_length: int, max_name: str) -> tuple[Array, Array]:
@@ -416,8 +423,13 @@ def _packed_keep(mask: Any, pos: Any, T: int, max_length: int, max_name: str) ->
         if tuple(jnp.shape(pos)) != (T,) or not jnp.issubdtype(pos_dtype, jnp.integer):
             raise ValueError(f"positions must be integer [T] = ({T},), received dtype {np.dtype(pos_dtype).name} "
                              f"shape {tuple(jnp.shape(pos))}")
-        if not isinstance(pos, jax.core.Tracer) and int(np.max(np.asarray(pos))) >= max_length:
-            raise ValueError(f"positions must lie below {max_name}={max_length}, received up to {int(np.max(pos))}")
+        if not isinstance(pos, jax.core.Tracer):
+            a = np.asarray(pos)
+            outside = np.flatnonzero((a < 0) | (a >= max_length))
+            if outside.size:
+                row = int(outside[0])
+                raise ValueError(f"positions must lie in [0, {max_name}) = [0, {max_length}), received {int(a[row])} "
+                                 f"at row {row}")
         return jnp.asarray(mask), jnp.asarray(pos).astype(jnp.int32)
     if T > max_length:
         raise ValueError(f"resid_pre must hold 1 to {max_name}={max_length} tokens, received T={T}")
@@ -438,6 +450,17 @@ def _stream(x: Any, D: int) -> Array:
         raise ValueError(f"resid_pre must have shape [T, D] with D = {D} and T >= 1 (batch with jax.vmap), "
                          f"received shape {shape}")
     return jnp.asarray(x)
+
+
+def _stream_dtype(family: Family, config: Any, params: Any, x: Array) -> None:
+    """``resid_pre``'s dtype must be the residual stream's in :func:`forward`, the embedding's (the params'):
+    the loop over the layers carries the stream in one dtype. Shapes and dtypes only (traced params pass)."""
+    one = jnp.zeros((1,), jnp.int32)
+    want = jax.eval_shape(lambda p: family.embed(p, config, one, one), params).dtype
+    if x.dtype != want:
+        raise TypeError(f"resid_pre must have the dtype of the residual stream the forward carries, {want.name} "
+                        f"(the params' dtype), received dtype {x.dtype.name}; cast it with "
+                        f"resid_pre.astype(jnp.{want.name}) or the params to {x.dtype.name}")
 
 
 def _layer_index(layer: Any, L: int) -> Array:
@@ -748,14 +771,17 @@ _RESUME_DOC = """{title} forward resumed at block ``layer`` from the residual st
 
     Args:
       params, config: as in :func:`forward`.
-      resid_pre: ``[T, D]``, the residual stream entering block ``layer`` (``captured["resid_pre"][layer]``).
+      resid_pre: ``[T, D]``, the residual stream entering block ``layer`` (``captured["resid_pre"][layer]``),
+        in the dtype :func:`forward` carries it (the params'); another dtype is refused (``TypeError``).
       layer: the first block run, an int in ``[0, L)`` or a traced int32 scalar.
       attention_mask: ``[T]``, as in :func:`forward`: the mask of the run ``resid_pre`` comes from. Or a
         boolean ``[T, T]``, the keys each query sees (causality still applies, in the order of the rows),
         with ``positions``: several sequences packed into one, e.g. two continuations of one prompt with
         the prompt's rows once, each continuation seeing the prompt and itself (what the effect tables
         do with a batch whose sequences share a prefix).
-      positions: ``[T]`` int, each row's position in its own sequence; only with a ``[T, T]`` mask.
+      positions: ``[T]`` int, each row's position in its own sequence, in ``[0, {max_name})``; only with a
+        ``[T, T]`` mask. Concrete positions outside are refused (``ValueError``); a traced position outside
+        ``[0, T)`` gives its row NaN (RoPE families), never another position's rotation.
       head_mask, patch, scale: as in :func:`forward`; the entries of blocks before ``layer`` have no effect
         (those blocks are not run).
       attentions: ``[L, N, T, T]``, the maps returned for blocks before ``layer`` (the run ``resid_pre``
@@ -788,7 +814,7 @@ def public_resume(family: Family, *, title: str) -> Callable:
                                positions=positions, head_mask=head_mask, scale=scale, patch=patch,
                                attentions=attentions)
 
-    resume.__doc__ = _RESUME_DOC.format(title=title)
+    resume.__doc__ = _RESUME_DOC.format(title=title, max_name=family.max_name)
     resume.__module__ = family.name
     resume.__qualname__ = resume.__name__
     return resume

@@ -11,7 +11,7 @@ import numpy as np
 from jaxattn import _sharding
 from jaxattn._attention import multi_head_attention
 from jaxattn._checks import as_key
-from jaxattn._sites import Sites, mix
+from jaxattn._sites import Sites
 from jaxattn.checkpoint import unflatten
 
 Array = jax.Array
@@ -57,7 +57,8 @@ def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weight
     The layer's map passes the ``attn_weights`` site and is written in place into row ``layer`` (an int
     or a traced index) of ``weights``, the buffer of every layer's maps (:func:`maps_buffer`), so that the
     maps are never copied into a stack at the end; ``weights=None`` keeps no map (and returns None).
-    With an ``attn_weights`` patch, ``z`` is remade from the patched weights. ``q [T, N, H]``,
+    With an ``attn_weights`` patch, the rows of ``z`` whose weights it takes are remade from the patched
+    weights (:meth:`jaxattn._sites.Sites.remix`; every other row untouched). ``q [T, N, H]``,
     ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
     """
     def attend(q, k, v, mask, scale):
@@ -65,8 +66,7 @@ def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weight
 
     z, w = _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)  # [T, N, H], [N, T, T]
     w = sites("attn_weights", layer, w)  # [N, T, T]
-    if sites.patches("attn_weights"):
-        z = mix(w, v)  # [T, N, H] from the patched weights
+    z = sites.remix(layer, w, v, z, mask, causal=True)  # [T, N, H]: the rows a patch takes, from its weights
     return z, None if weights is None else weights.at[layer].set(w.astype(weights.dtype))  # [L, N, T, T], in place
 
 

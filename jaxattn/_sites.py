@@ -131,6 +131,27 @@ class Sites:
         """Whether ``name`` is patched (the forward recomputes what depends on it only then)."""
         return name in self.patch
 
+    def remix(self, layer: Any, weights: Array, v: Array, z: Array, mask: Array, *, causal: bool) -> Array:
+        """``z [T, N, H]`` after the ``attn_weights`` site: each (query, head) row whose weights the patch
+        takes (``where`` True at any key of the row, at this layer) remade from ``weights [N, T, S]`` and
+        ``v [S, K, H]`` (:func:`mix`); every other row is ``z``, attention's own output, untouched, so a
+        layer or a row the patch leaves alone computes exactly as without it.
+
+        ``mask`` (broadcastable to ``[T, S]``) and ``causal`` say which keys each query attends: as in
+        attention itself, a key it does not attend contributes nothing whatever its value (unless the
+        patch gives it a nonzero weight).
+        """
+        if "attn_weights" not in self.patch:
+            return z
+        N, T, S = weights.shape
+        where = jnp.broadcast_to(_row(self.patch["attn_weights"][1], layer), (N, T, S))  # [N, T, S]
+        kept = jnp.broadcast_to(mask, (T, S))  # [T, S]
+        if causal:
+            kept = kept & jnp.tril(jnp.ones((T, S), bool))  # query t sees keys s <= t (S = T)
+        remade = mix(weights, v, kept)  # [T, N, H]
+        rows = jnp.any(where, axis=-1).T[:, :, None]  # [T, N, 1]
+        return jnp.where(rows, remade.astype(z.dtype), z)  # [T, N, H]
+
     def captured(self) -> dict[str, Array]:
         """The requested tensors, each ``[L, ...]`` over layers."""
         return {name: self.kept[name] for name in self.capture}
@@ -141,15 +162,25 @@ def _row(a: Array, layer: Any) -> Array:
     return a[0] if a.shape[0] == 1 else a[layer]
 
 
-def mix(weights: Array, v: Array) -> Array:
+def mix(weights: Array, v: Array, kept: Array) -> Array:
     """``z[t, n] = Σ_s weights[n, t, s] v[s, n // (N/K)]``: ``[N, T, S]``, ``[S, K, H]`` -> ``[T, N, H]``.
 
     Used only when the attention weights are patched, to apply the patched weights to the values.
+    ``kept [T, S]`` says which keys each query attends. As in attention itself
+    (``jaxattn._attention._weighted_sum``), a key contributes nothing when the query does not attend it
+    and its weight is 0, whatever its value: ``0 · NaN`` at a padded key is not NaN. An attended key (or
+    one given a nonzero weight) whose value is NaN or Inf makes the row's entry NaN; so do NaN weights.
     """
-    N, K = weights.shape[0], v.shape[1]
-    w = weights.reshape(K, N // K, *weights.shape[1:])  # [K, G, T, S]
-    z = jnp.einsum("kgts,skh->tkgh", w.astype(jnp.float32), v.astype(jnp.float32))  # [T, K, G, H]
-    return z.reshape(z.shape[0], N, v.shape[-1]).astype(v.dtype)  # [T, N, H]
+    N, T, S = weights.shape
+    K, H = v.shape[1], v.shape[-1]
+    w = weights.reshape(K, N // K, T, S).astype(jnp.float32)  # [K, G, T, S]
+    v32 = v.astype(jnp.float32)  # [S, K, H]
+    bad = ~jnp.isfinite(v32)  # [S, K, H]
+    counts = (kept[None, None] | (w != 0)).astype(jnp.float32)  # [K, G, T, S]: the keys that contribute
+    z = jnp.einsum("kgts,skh->tkgh", w, jnp.where(bad, 0.0, v32))  # [T, K, G, H]
+    hit = jnp.einsum("kgts,skh->tkgh", counts, bad.astype(jnp.float32)) > 0  # [T, K, G, H]
+    z = jnp.where(hit, jnp.nan, z)  # [T, K, G, H]
+    return z.reshape(T, N, H).astype(v.dtype)  # [T, N, H]
 
 
 def with_sugar(out: Any, asked: tuple[str, ...], *, want_logits: bool, want_qkv: bool,

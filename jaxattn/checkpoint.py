@@ -384,24 +384,51 @@ def check_layer_names(
         )
 
 
+# A Flax checkpoint's tree nests a few levels (params/h/0/attn/c_attn/kernel); deeper is not a checkpoint,
+# and reading it would exhaust Python's stack (flax's restore and :func:`flatten` recurse once per level).
+_MSGPACK_MAX_DEPTH = 64
+
+
+def _depth(tree: Any, limit: int) -> int:
+    """How deep ``tree``'s dicts and lists nest (a leaf is 0), counted without recursion and at most ``limit + 1``."""
+    deepest, stack = 0, [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list, tuple)):
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                return deepest
+            stack.extend((child, depth) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def read_msgpack(path: str | os.PathLike) -> dict[str, Any]:
     """A Flax ``.msgpack`` checkpoint as a nested dict of NumPy arrays.
 
     Raises:
-      CheckpointError: the file is missing, truncated or not a Flax msgpack file (the message names it).
+      CheckpointError: the file is missing, truncated, not a Flax msgpack file, or nests its dicts and
+        lists more than 64 levels deep (the message names the file).
     """
+    import msgpack
     from flax import serialization
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: weight file not found")
     data = path.read_bytes()
+    too_deep = CheckpointError(f"{path}: not a Flax checkpoint: its msgpack data nests more than "
+                               f"{_MSGPACK_MAX_DEPTH} levels deep (a checkpoint's tree nests a few)")
     try:
         tree = serialization.msgpack_restore(data)
+    except (RecursionError, msgpack.StackError):  # deeper than Python's stack, or than msgpack's (1024)
+        raise too_deep from None
     except (ValueError, TypeError, KeyError) as e:  # msgpack's errors subclass ValueError
         raise CheckpointError(f"{path}: cannot read Flax msgpack file, truncated or corrupt? ({e})") from None
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path}: expected a nested dict of arrays, found {type(tree).__name__}")
+    if _depth(tree, _MSGPACK_MAX_DEPTH) > _MSGPACK_MAX_DEPTH:
+        raise too_deep
     return tree
 
 
@@ -477,6 +504,37 @@ def check_finite(arrays: Mapping[str, Any], source: str | os.PathLike) -> None:
     for key, value in arrays.items():
         if not np.all(np.isfinite(np.asarray(value, np.float32))):
             raise CheckpointError(f"{source}: weight '{key}' holds NaN or Inf values; the file is corrupt")
+
+
+def check_fits(key: str, a: Any, dtype: Any, source: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` naming weight ``key`` when a finite value of ``a`` would not be finite
+    in ``dtype`` (inf in float16 for a float32 file's 1e5), with the largest ``|value|`` and the dtype's
+    largest finite number."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+    top = float(jnp.finfo(dtype).max)
+    a = np.asarray(a)
+    if a.size == 0 or top >= float(np.finfo(np.float32).max):
+        return
+    biggest = float(np.max(np.abs(a)))
+    with np.errstate(over="ignore"):
+        cast = np.asarray(biggest, np.float32).astype(dtype)  # rounding is monotonic: the largest is enough
+    if not np.isfinite(cast.astype(np.float32)):  # inf (NaN in a dtype without inf)
+        raise CheckpointError(
+            f"{source}: weight '{key}' holds values up to |{biggest:.6g}|, beyond the largest finite {dtype.name} "
+            f"number {top:.6g} (dtype={dtype.name} would turn them into inf); load it as float32"
+        )
+
+
+def fitting(place: Any, dtype: Any, source: str | os.PathLike) -> Any:
+    """A loader's ``place(key, array)`` that first refuses, by :func:`check_fits`, a weight ``dtype`` cannot hold."""
+
+    def checked(key: str, a: Any) -> Any:
+        check_fits(key, a, dtype, source)
+        return place(key, a)
+
+    return checked
 
 
 # ----------------------------------------------------------------------------------------------------

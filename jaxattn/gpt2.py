@@ -34,13 +34,14 @@ import numpy as np
 
 from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import check_int, check_positive_float32
+from jaxattn._checks import (as_float_dtype, check_depth, check_int, check_last_axis, check_layer,
+                             check_positive_float32)
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._typing import Array
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
-    check_layer_names, check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
+    check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
@@ -334,7 +335,8 @@ def load(name_or_path: str | Path, *, dtype: Any = jnp.float32, mesh: Any = None
         directory needs ``config.json``, ``model.safetensors`` (preferred) or ``flax_model.msgpack``,
         and ``tokenizer.json`` or ``vocab.json`` + ``merges.txt``. No PyTorch, no transformers.
       dtype: the params' dtype, float32 by default whatever the file holds (each weight is checked in
-        float32, then cast, as :func:`jaxattn.checkpoint.cast_params` casts).
+        float32, then cast, as :func:`jaxattn.checkpoint.cast_params` casts); a weight holding a value the
+        dtype cannot (1e5 in float16) is refused by name, never loaded as inf.
       mesh: a ``jax.sharding.Mesh``: each weight goes straight to its shards of :func:`shard` as it is read
         (safetensors one tensor at a time; a msgpack file is read whole first). ``None``: the default device.
       model_axis, split_vocab: as in :func:`shard`, with ``mesh``.
@@ -347,7 +349,7 @@ def load(name_or_path: str | Path, *, dtype: Any = jnp.float32, mesh: Any = None
       CheckpointError (a ``ValueError``): naming the file and the key at fault; offline with nothing
         cached, one message saying how to point at a local directory.
     """
-    _sharding.placer(dtype)  # a dtype it cannot cast to is refused before any file is read
+    _sharding.placer(as_float_dtype(dtype))  # a dtype it cannot cast to is refused before any file is read
     files = resolve(
         name_or_path,
         required=["config.json"],
@@ -356,10 +358,12 @@ def load(name_or_path: str | Path, *, dtype: Any = jnp.float32, mesh: Any = None
     config = read_gpt2_config(files["config.json"])
     place = _sharding.placer(dtype, None if mesh is None else _layout(
         config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.gpt2.load"))
+    source = files["model.safetensors" if "model.safetensors" in files else "flax_model.msgpack"]
+    place = fitting(place, dtype, source)  # refuses a weight dtype cannot hold (1e5 in float16)
     if "model.safetensors" in files:
-        params = _from_safetensors(files["model.safetensors"], config, place)
+        params = _from_safetensors(source, config, place)
     else:
-        params = _from_msgpack(files["flax_model.msgpack"], config, place)
+        params = _from_msgpack(source, config, place)
     tokenizer = load_tokenizer(files, config)
     return params, config, tokenizer
 
@@ -411,7 +415,9 @@ def final_norm_linear(params: dict, config: GPT2Config, x: Array, v: Array) -> A
 
 
 def unembed(params: dict, config: GPT2Config, x: Array) -> Array:
-    """``x wteᵀ``, ``[..., D] -> [..., V]``: the language-model head, tied to the token embedding."""
+    """``x wteᵀ``, ``[..., D] -> [..., V]``: the language-model head, tied to the token embedding (``x``'s
+    width checked)."""
+    x = check_last_axis(x, config.n_embd)
     return x @ params["transformer"]["wte"]["embedding"].T
 
 
@@ -440,7 +446,11 @@ resume = _decoder.public_resume(_FAMILY, title="GPT-2's")
 
 
 def attention_input(params: dict, config: GPT2Config, layer: int, x: Array) -> Array:
-    """``ln_1`` of block ``layer`` on the residual stream ``x [T, D]``: what its q, k, v are projected from."""
+    """``ln_1`` of block ``layer`` on the residual stream ``x [T, D]``: what its q, k, v are projected from.
+
+    ``layer``, an int in ``[0, L)``, and ``x``'s width are checked (``ValueError`` naming them)."""
+    layer = check_layer(layer, config.n_layer)
+    x = check_last_axis(x, config.n_embd)
     return layer_norm(x, **params["transformer"]["h"][str(layer)]["ln_1"], eps=config.layer_norm_epsilon)
 
 
@@ -491,6 +501,8 @@ shard, param_shardings, _layout = _sharding.public_api(
 def check_params(params: Any, config: GPT2Config) -> None:
     """Raise ``ValueError`` naming the key whose shape (Flax layout, kernels ``(out, in)``) does not match
     ``config``, or that is missing; shapes and dtypes only, so traced params (``jit``, ``grad``) pass."""
+    check_depth(params, ("transformer", "h"), config.n_layer, field="n_layer",
+                layout="Hugging Face Flax GPT-2 layout")  # before the table of every layer's weights
     _decoder.check_tree(params, param_shapes(config), root="transformer", kernel_layout="(out, in)",
                         layout="Hugging Face Flax GPT-2 layout")
 

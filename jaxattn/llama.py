@@ -47,13 +47,14 @@ import numpy as np
 
 from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import check_int, check_positive_float32
+from jaxattn._checks import (as_float_dtype, check_depth, check_int, check_last_axis, check_layer,
+                             check_positive_float32)
 from jaxattn._decoder import Family, stack_layers
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes
 from jaxattn._typing import Array
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
-    check_layer_count, check_shapes, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
+    check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
@@ -530,11 +531,11 @@ def bundled_path() -> Path:
 
 def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
     """``(params, config, tokenizer)`` from a llama GGUF file, float32 (see :func:`load`)."""
-    return _load_gguf(path, lambda config: _sharding.placer(jnp.float32))
+    return _load_gguf(path, lambda config, source: _sharding.placer(jnp.float32))
 
 
 def _load_gguf(path: str | Path, placer: Any) -> tuple[dict, LlamaConfig, TextTokenizer]:
-    """:func:`load_gguf`, each weight handed to ``placer(config)(key, float32 array)`` as it is dequantized."""
+    """:func:`load_gguf`, each weight handed to ``placer(config, path)(key, float32 array)`` as it is dequantized."""
     path = Path(path)
     reader = _gguf.open_gguf(path)
     try:
@@ -543,7 +544,7 @@ def _load_gguf(path: str | Path, placer: Any) -> tuple[dict, LlamaConfig, TextTo
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"{path}: {e}") from None
-    place = placer(config)
+    place = placer(config, path)
     arrays = _gguf.read_llama_tensors(reader, path, config, lazy=True)
     tokenizer = _gguf.read_tokenizer(reader, path)
     _check_vocab(tokenizer, config, path)
@@ -567,7 +568,8 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
           ``flax_model.msgpack.index.json`` and shards (what ``FlaxLlamaForCausalLM.save_pretrained``
           writes), and ``tokenizer.json``.
       dtype: the params' dtype, float32 by default whatever the file holds (each weight is checked in
-        float32, then cast, as :func:`jaxattn.checkpoint.cast_params` casts).
+        float32, then cast, as :func:`jaxattn.checkpoint.cast_params` casts); a weight holding a value the
+        dtype cannot (1e5 in float16) is refused by name, never loaded as inf.
       mesh: a ``jax.sharding.Mesh``: each weight goes straight to its shards of :func:`shard` as it is read
         (GGUF and safetensors tensors one at a time, so the model is never whole on the host, in float32
         or at all; a msgpack file is read whole first). ``None``: the default device.
@@ -581,11 +583,11 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
       CheckpointError (a ``ValueError``): naming the file and the key, tensor or field at fault; the
         bundled model not installed gives one message with the install command.
     """
-    _sharding.placer(dtype)  # a dtype it cannot cast to is refused before any file is read
+    _sharding.placer(as_float_dtype(dtype))  # a dtype it cannot cast to is refused before any file is read
 
-    def placer(config: LlamaConfig) -> Any:
-        return _sharding.placer(dtype, None if mesh is None else _layout(
-            config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.llama.load"))
+    def placer(config: LlamaConfig, source: Any) -> Any:  # refuses a weight dtype cannot hold (1e5 in float16)
+        return fitting(_sharding.placer(dtype, None if mesh is None else _layout(
+            config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.llama.load")), dtype, source)
 
     if name_or_path is None:
         return _load_gguf(bundled_path(), placer)
@@ -600,7 +602,7 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
     # before the config is read: a claimed depth the weights do not have must not size any table
     check_layer_count(files["config.json"], source, pattern=r"model[./]layers[./](\d+)[./]")
     config = read_llama_config(files["config.json"])
-    place = placer(config)
+    place = placer(config, source)
     arrays = read_weights(files, name_or_path, lazy=True)
     if source.name.startswith("flax_model"):
         params = _from_flax(arrays, config, source, place)
@@ -633,10 +635,14 @@ def _rotation(config: LlamaConfig, pos: Array, size: int) -> tuple[Array, Array]
 
     Rows of ``[size, H/2]`` tables made in numpy (float32 angles, as Hugging Face makes them) while
     tracing: XLA gathers them where a cos/sin computed in the graph would be fused into, and recomputed
-    by, every layer's rotation.
+    by, every layer's rotation. A position outside ``[0, size)`` (only a traced one can be: concrete
+    ones are checked) gets NaN, never another position's row (a gather would wrap or clamp it).
     """
     angle = np.arange(size, dtype=np.float32)[:, None] * _inv_freq(config).astype(np.float32)[None, :]  # [size, H/2]
-    return tuple(jnp.asarray(table)[pos][:, None, :] for table in (np.cos(angle), np.sin(angle)))  # 2 x [n, 1, H/2]
+    inside = ((pos >= 0) & (pos < size))[:, None, None]  # [n, 1, 1]
+    at = jnp.where(inside[:, 0, 0], pos, 0)  # [n]
+    return tuple(jnp.where(inside, jnp.asarray(table)[at][:, None, :], jnp.nan)
+                 for table in (np.cos(angle), np.sin(angle)))  # 2 x [n, 1, H/2]
 
 
 def _rope(x: Array, rot: tuple[Array, Array]) -> Array:
@@ -690,7 +696,8 @@ def final_norm_linear(params: dict, config: LlamaConfig, x: Array, v: Array) -> 
 
 
 def unembed(params: dict, config: LlamaConfig, x: Array) -> Array:
-    """``[..., D] -> [..., V]``: the embedding transposed (tied) or ``lm_head``."""
+    """``[..., D] -> [..., V]``: the embedding transposed (tied) or ``lm_head`` (``x``'s width checked)."""
+    x = check_last_axis(x, config.hidden_size)
     if config.tie_word_embeddings:
         return x @ params["model"]["embed_tokens"]["embedding"].T
     return x @ params["lm_head"]["kernel"]
@@ -724,7 +731,11 @@ resume = _decoder.public_resume(_FAMILY, title="The")
 
 
 def attention_input(params: dict, config: LlamaConfig, layer: int, x: Array) -> Array:
-    """Block ``layer``'s ``input_layernorm`` of the residual stream ``x [T, D]``: what q, k, v come from."""
+    """Block ``layer``'s ``input_layernorm`` of the residual stream ``x [T, D]``: what q, k, v come from.
+
+    ``layer``, an int in ``[0, L)``, and ``x``'s width are checked (``ValueError`` naming them)."""
+    layer = check_layer(layer, config.num_hidden_layers)
+    x = check_last_axis(x, config.hidden_size)
     return _rms_norm(x, params["model"]["layers"][str(layer)]["input_layernorm"]["weight"], config)
 
 
@@ -782,6 +793,8 @@ def check_params(params: Any, config: LlamaConfig) -> None:
     """Raise ``ValueError`` naming the key whose shape (Flax Llama layout, kernels ``(in, out)``) does not
     match ``config``, or that is missing; shapes and dtypes only, so traced params pass (``jit``, ``vmap``)."""
     _decoder.check_config(_FAMILY, config)
+    check_depth(params, ("model", "layers"), config.num_hidden_layers, field="num_hidden_layers",
+                layout="Hugging Face Flax Llama layout")  # before the table of every layer's weights
     _decoder.check_tree(params, param_shapes(config), root="model", kernel_layout="(in, out)",
                         layout="Hugging Face Flax Llama layout")
 

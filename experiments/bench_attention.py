@@ -14,6 +14,14 @@ FLOP count: 4·T·S·H per head for the forward (two matmuls), halved for causal
 
 Results: ``<out>/bench_attention.json`` (every measurement, written after each configuration, so an
 interrupted run resumes with ``--resume``) and ``<out>/bench_attention.md`` (the tables).
+
+``--windows`` measures the sliding window instead (``<out>/bench_windows.json`` and ``.md``): causal
+blockwise with a window of W keys (``local_window_size=(W - 1, 0)``, blocks of ``--window-block``) against
+full causal blockwise (blocks of ``--block-q``/``--block-k``) at ``--window-T``, forward and forward+backward;
+causal against non-causal blockwise at ``--causal-T``; each the median of ``--rounds`` interleaved
+rounds with the spread and the CPU time, the ratios from the medians and as the median of each round's
+own ratio; and the windowed forward+backward's peak resident memory at ``--window-memory-T`` in a
+process of its own.
 """
 
 from __future__ import annotations
@@ -199,6 +207,148 @@ def _time_config(cfg: dict, impls: list[str], args, seed: int) -> dict:
     del programs, q, k, v
     jax.clear_caches()
     return dict(results=results, matmul_gflops=max(ceiling), rounds=rounds)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sliding windows (--windows).
+# ----------------------------------------------------------------------------------------------------
+
+
+def _window_program(kind: str, cfg: dict):
+    """``causal``, ``full`` (blockwise, blocks of block_q/block_k) or ``window`` (causal with W keys, blocks
+    of window_block): the jitted forward or forward+backward of multi_head_blockwise_attention."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxattn
+
+    if kind == "window":
+        kw = dict(is_causal=True, local_window_size=(cfg["W"] - 1, 0), block_q=cfg["window_block"], block_k=cfg["window_block"])
+    else:
+        kw = dict(is_causal=kind == "causal", block_q=cfg["block_q"], block_k=cfg["block_k"])
+    f = lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, **kw)[0]
+    if cfg["mode"] == "fwd":
+        return jax.jit(f)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)))
+
+
+def _window_child(cfg: dict, seed: int) -> dict:
+    """In a fresh process: the windowed program once; the process's peak resident memory."""
+    import jax
+
+    base = _peak_rss()
+    q, k, v = _inputs(cfg, seed)
+    jax.block_until_ready(_window_program("window", cfg)(q, k, v))
+    return dict(peak_rss_bytes=_peak_rss(), import_rss_bytes=base)
+
+
+def _spread(xs: list[float]) -> dict:
+    return dict(median=float(np.median(xs)), min=float(min(xs)), max=float(max(xs)), runs=[float(x) for x in xs])
+
+
+def _time_pair(cfg: dict, kinds: tuple[str, str], rounds: int, seed: int) -> dict:
+    """Both programs compiled, then timed in ``rounds`` interleaved rounds: wall and CPU seconds of each,
+    and the ratio ``kinds[0] / kinds[1]`` from the medians and per round."""
+    q, k, v = _inputs(cfg, seed)
+    programs, compile_s = {}, {}
+    for kind in kinds:
+        t = time.perf_counter()
+        programs[kind] = _window_program(kind, cfg).lower(q, k, v).compile()
+        compile_s[kind] = time.perf_counter() - t
+        _call(programs[kind], (q, k, v))  # warm-up
+    wall = {kind: [] for kind in kinds}
+    cpu = {kind: [] for kind in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            w, c = _call(programs[kind], (q, k, v))
+            wall[kind].append(w)
+            cpu[kind].append(c)
+    a, b = kinds
+    paired = [x / y for x, y in zip(wall[a], wall[b])]
+    return dict(
+        cfg=cfg, kinds=list(kinds), compile_seconds=compile_s,
+        wall={kind: _spread(wall[kind]) for kind in kinds}, cpu={kind: _spread(cpu[kind]) for kind in kinds},
+        ratio_of_medians=float(np.median(wall[a]) / np.median(wall[b])),
+        cpu_ratio_of_medians=float(np.median(cpu[a]) / np.median(cpu[b])),
+        paired_ratio=_spread(paired),
+    )
+
+
+def _render_windows(report: dict) -> str:
+    meta = report["meta"]
+    lines = [
+        "# Sliding-window and causal blockwise attention",
+        "",
+        f"`{meta['command']}` on {meta['machine']}, jax {meta['jax']} ({meta['backend']}, {meta['dtype']}); "
+        f"N = 1, H = 64; each time the median of {meta['rounds']} interleaved rounds (min-max), CPU seconds "
+        f"beside wall seconds; `paired` = the median of each round's own ratio (min-max).",
+        "",
+        "| comparison | mode | T | numerator: wall (min-max), CPU | denominator: wall (min-max), CPU | ratio of medians (CPU) | paired | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rec in report["pairs"]:
+        a, b = rec["kinds"]
+        cfg = rec["cfg"]
+        cell = lambda kind: (f"{kind}: {rec['wall'][kind]['median'] * 1e3:.1f} ms ({rec['wall'][kind]['min'] * 1e3:.1f}-"
+                             f"{rec['wall'][kind]['max'] * 1e3:.1f}), CPU {rec['cpu'][kind]['median'] * 1e3:.0f} ms")
+        target = "<= 0.1" if a == "window" else "<= 0.6"
+        name = f"window W={cfg['W']} (blocks {cfg['window_block']}) / causal" if a == "window" else "causal / non-causal"
+        p = rec["paired_ratio"]
+        lines.append(f"| {name} | {cfg['mode']} | {cfg['T']} | {cell(a)} | {cell(b)} | {rec['ratio_of_medians']:.3f} "
+                     f"({rec['cpu_ratio_of_medians']:.3f}) | {p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f}) | {target} |")
+    mem = report.get("memory")
+    if mem:
+        got = mem.get("peak_rss_bytes")
+        text = f"{got / GIB:.2f} GiB (after import {mem['import_rss_bytes'] / GIB:.2f} GiB)" if got else mem.get("error", "?")
+        lines += ["", f"Windowed (W = {mem['cfg']['W']}) forward+backward at T = {mem['cfg']['T']}: the process's peak "
+                  f"resident memory {text} (target < 1 GiB)."]
+    return "\n".join(lines) + "\n"
+
+
+def _run_windows(args) -> None:
+    try:
+        prepare_output_folder(args.out, ("bench_windows.json", "bench_windows.md"), create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    import jax
+
+    dtype = "float32"
+    base = dict(H=64, N=1, dtype=dtype, block_q=args.block_q, block_k=args.block_k, W=args.window,
+                window_block=args.window_block, group="window", causal=True)
+    out_dir = Path(args.out)
+    json_path, md_path = out_dir / "bench_windows.json", out_dir / "bench_windows.md"
+    report = dict(meta=dict(
+        machine=f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        backend=jax.default_backend(), dtype=dtype, jax=jax.__version__, rounds=args.rounds,
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]), seed=args.seed,
+    ), pairs=[])
+    plan = [("window", "causal", T, mode) for T in args.window_T for mode in args.modes]
+    plan += [("causal", "full", T, mode) for T in args.causal_T for mode in args.modes]
+    for a, b, T, mode in plan:
+        cfg = dict(base, T=T, mode=mode)
+        print(f"{a} / {b} at T={T} {mode}: {args.rounds} rounds", flush=True)
+        rec = _time_pair(cfg, (a, b), args.rounds, args.seed)
+        report["pairs"].append(rec)
+        print(f"  ratio of medians {rec['ratio_of_medians']:.3f} (CPU {rec['cpu_ratio_of_medians']:.3f}), "
+              f"paired {rec['paired_ratio']['median']:.3f} ({rec['paired_ratio']['min']:.3f}-{rec['paired_ratio']['max']:.3f})", flush=True)
+        atomic_write(json_path, json.dumps(report, indent=1))
+        atomic_write(md_path, _render_windows(report))
+    if args.window_memory_T:
+        cfg = dict(base, T=args.window_memory_T, mode="fwd+bwd")
+        cmd = [sys.executable, os.path.abspath(__file__), "--window-child", json.dumps(dict(cfg=cfg, seed=args.seed))]
+        print(f"peak memory of the windowed fwd+bwd at T={cfg['T']} (own process)", flush=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.memory_timeout)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            mem = json.loads(lines[-1]) if lines else dict(error=f"exit code {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            mem = dict(error=f"exceeded {args.memory_timeout:.0f} s")
+        report["memory"] = dict(mem, cfg=cfg)
+    atomic_write(json_path, json.dumps(report, indent=1))
+    atomic_write(md_path, _render_windows(report))
+    print(_render_windows(report))
+    print(f"wrote {json_path} and {md_path}")
 
 
 def _peak_rss() -> int:
@@ -416,9 +566,30 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak-memory subprocesses")
     parser.add_argument("--memory-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--windows", action="store_true",
+                        help="measure the sliding window and causal skipping instead (bench_windows.json/.md)")
+    parser.add_argument("--window", type=int, default=512, help="--windows: W, keys in each causal window")
+    parser.add_argument("--window-block", type=int, default=128, help="--windows: the windowed kernel's block_q = block_k")
+    parser.add_argument("--window-T", type=int, nargs="*", default=[16384])
+    parser.add_argument("--causal-T", type=int, nargs="*", default=[8192, 16384])
+    parser.add_argument("--window-memory-T", type=int, default=65536, help="--windows: T of the memory run (0: none)")
+    parser.add_argument("--rounds", type=int, default=5, help="--windows: interleaved timed rounds (>= 3)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--window-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.window_child:
+        spec = json.loads(args.window_child)
+        print(json.dumps(_window_child(spec["cfg"], spec["seed"])), flush=True)
+        return
+    if args.windows:
+        for name in ("window", "window_block", "rounds"):
+            if getattr(args, name) < (3 if name == "rounds" else 1):
+                parser.error(f"--{name.replace('_', '-')} must be >= {3 if name == 'rounds' else 1}, received {getattr(args, name)}")
+        if args.window_memory_T < 0 or any(T < 1 for T in args.window_T + args.causal_T):
+            parser.error("--window-T, --causal-T must be >= 1 and --window-memory-T >= 0")
+        _run_windows(args)
+        return
     if args.child:
         spec = json.loads(args.child)
         print(json.dumps(_peak_memory_child(spec["cfg"], spec["impl"], spec["seed"])), flush=True)

@@ -101,65 +101,68 @@ def _max(a: Any, b: Any) -> Any:
     return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
 
 
-def _k_range(plan: _Plan, i: Any) -> tuple[Any, Any, Any]:
-    """For query block ``i``: key blocks ``[lo, n_full)`` need no mask, ``[n_full, n_hi)`` need one.
+def _clamp(x: Any, lo: Any, hi: Any) -> Any:
+    return _min(_max(x, lo), hi)
 
-    Blocks ``j >= n_hi`` lie wholly above the causal diagonal and are skipped. Causal: key ``c`` is
-    visible to row ``r`` iff ``c <= r``. A key block is mask-free for every row of block ``i`` iff its
-    last key ``(j+1)·bk - 1`` is at most the block's first row ``i·bq`` and it holds no padding.
-    With a window ``(left, right)`` only the key blocks that hold a key some row of the block sees are
-    visited (``[lo, n_hi)``, each with a mask): the rest are skipped, so the cost grows as T·W, not T·S.
-    ``i`` is a Python int (the bounds are then Python ints) or a traced index.
+
+def _ceil_div(a: Any, b: int) -> Any:
+    return -((-a) // b)
+
+
+def _k_range(plan: _Plan, i: Any) -> tuple[Any, Any, Any, Any]:
+    """For query block ``i``: ``(lo, f_lo, f_hi, hi)``: key blocks ``[f_lo, f_hi)`` need no mask,
+    ``[lo, f_lo)`` and ``[f_hi, hi)`` need one, the rest are skipped.
+
+    Causal: key ``c`` is visible to row ``r`` iff ``c <= r``; blocks ``j >= hi`` lie wholly above the
+    diagonal. A key block is mask-free for every row of block ``i`` iff every key of it is visible to
+    every row of the block and it holds no padding (its last key ``(j+1)·bk - 1`` at most the block's
+    first row ``i·bq``, causal). With a window ``(left, right)`` (query ``r`` sees ``[r - left, r + right]``)
+    only the key blocks that hold a key some row of the block sees are visited, the ones wholly inside
+    every row's window without a mask: the cost grows as T·W, not T·S. A user's mask makes every visited
+    tile masked. ``i`` is a Python int (the bounds are then Python ints) or a traced index.
     """
-    if plan.window is not None:
-        left, right = plan.window
-        if plan.causal:
-            right = 0
-        lo = _max((i * plan.bq - left) // plan.bk, 0)
-        hi = _min(_max(((i + 1) * plan.bq - 1 + right) // plan.bk + 1, lo), plan.nk)
-        return lo, lo, hi
-    if plan.has_mask:
-        n_full = 0
-    elif plan.causal:
-        n_full = _min((i * plan.bq + 1) // plan.bk, plan.full_k)
-    else:
-        n_full = plan.full_k
+    bq, bk = plan.bq, plan.bk
+    first_row, last_row = i * bq, (i + 1) * bq - 1
+    right = plan.window[1] if plan.window is not None else plan.nk * bk  # no window: past every key
     if plan.causal:
-        n_hi = _min(((i + 1) * plan.bq + plan.bk - 1) // plan.bk, plan.nk)
-    else:
-        n_hi = plan.nk
-    return 0, n_full, n_hi
+        right = 0 if plan.window is None else min(right, 0)
+    lo = 0 if plan.window is None else _clamp((first_row - plan.window[0]) // bk, 0, plan.nk)
+    hi = _clamp((last_row + right) // bk + 1, lo, plan.nk)  # past the last key some row sees
+    if plan.has_mask:
+        return lo, hi, hi, hi
+    # free: (j+1)·bk - 1 <= first_row + right, no padding, and j·bk >= last_row - left
+    f_hi = _clamp(_min((first_row + right + 1) // bk, plan.full_k), lo, hi)
+    f_lo = lo if plan.window is None else _clamp(_ceil_div(last_row - plan.window[0], bk), lo, f_hi)
+    return lo, f_lo, f_hi, hi
 
 
-def _q_range(plan: _Plan, j: Any) -> tuple[Any, Any, Any]:
-    """For key block ``j``: query blocks ``[i_lo, i_full)`` need a mask, ``[i_full, i_hi)`` need none.
+def _q_range(plan: _Plan, j: Any) -> tuple[Any, Any, Any, Any]:
+    """For key block ``j``: ``(lo, f_lo, f_hi, hi)``: query blocks ``[f_lo, f_hi)`` need no mask,
+    ``[lo, f_lo)`` and ``[f_hi, hi)`` need one, the rest are skipped.
 
     The transpose of :func:`_k_range`, so that the backward visits exactly the tiles the forward did,
     each with the same mask decision. ``j`` is a Python int or a traced index.
     """
-    if plan.window is not None:  # rows r with some key c of the block in [r - left, r + right]
-        left, right = plan.window
-        first_row = j * plan.bk - right
-        if plan.causal:
-            first_row = j * plan.bk
-        i_lo = _min(_max(first_row // plan.bq, 0), plan.nq)
-        i_hi = _min(_max(((j + 1) * plan.bk - 1 + left) // plan.bq + 1, i_lo), plan.nq)
-        return i_lo, i_hi, i_hi
-    i_lo = (j * plan.bk) // plan.bq if plan.causal else 0
+    bq, bk = plan.bq, plan.bk
+    first_key, last_key = j * bk, (j + 1) * bk - 1
+    right = plan.window[1] if plan.window is not None else plan.nk * bk  # no window: past every key
+    if plan.causal:
+        right = 0 if plan.window is None else min(right, 0)
+    left = plan.window[0] if plan.window is not None else plan.nq * bq + plan.nk * bk  # and before every row
+    # rows r that see some key of the block: first_key - right <= r <= last_key + left
+    lo = _clamp((first_key - right) // bq, 0, plan.nq)
+    hi = _clamp((last_key + left) // bq + 1, lo, plan.nq)
     if plan.has_mask:
-        i_full = plan.nq
+        return lo, hi, hi, hi
+    # free: every row of block i sees every key: i·bq >= last_key - right and (i+1)·bq - 1 <= first_key + left
+    f_lo = _clamp(_ceil_div(last_key - right, bq), lo, hi)
+    f_hi = _clamp((first_key + left + 1) // bq, f_lo, hi)
+    complete = (j + 1) * bk <= plan.S  # the block holds no padded key
+    if isinstance(j, int):
+        f_lo, f_hi = (f_lo, f_hi) if complete else (hi, hi)
     else:
-        if plan.causal:
-            first_free = ((j + 1) * plan.bk - 1 + plan.bq - 1) // plan.bq
-        else:
-            first_free = 0
-        free = _min(_max(first_free, i_lo), plan.nq)
-        complete = (j + 1) * plan.bk <= plan.S  # the block holds no padded key
-        if isinstance(j, int):
-            i_full = free if complete else plan.nq
-        else:
-            i_full = jnp.where(complete, free, plan.nq)
-    return i_lo, i_full, plan.nq
+        f_lo, f_hi = jnp.where(complete, f_lo, hi), jnp.where(complete, f_hi, hi)
+    return lo, f_lo, f_hi, hi
 
 
 def _loop_counts(plan: _Plan) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -167,10 +170,9 @@ def _loop_counts(plan: _Plan) -> tuple[tuple[int, int], tuple[int, int]]:
     and the most query blocks any key block visits with and without a mask (backward)."""
     fwd = [_k_range(plan, i) for i in range(plan.nq)]
     bwd = [_q_range(plan, j) for j in range(plan.nk)]
-    return (
-        (max(n_full - lo for lo, n_full, _ in fwd), max(n_hi - n_full for _, n_full, n_hi in fwd)),
-        (max(i_full - i_lo for i_lo, i_full, _ in bwd), max(i_hi - i_full for _, i_full, i_hi in bwd)),
-    )
+    free = lambda ranges: max(f_hi - f_lo for _, f_lo, f_hi, _ in ranges)
+    masked = lambda ranges: max((f_lo - lo) + (hi - f_hi) for lo, f_lo, f_hi, hi in ranges)
+    return (free(fwd), masked(fwd)), (masked(bwd), free(bwd))
 
 
 def _tied(index: Any, data: Any) -> tuple[Any, Any]:
@@ -187,29 +189,34 @@ def _tied(index: Any, data: Any) -> tuple[Any, Any]:
     return jax.lax.optimization_barrier((index, data))
 
 
-def _tile_loop(lo: Any, hi: Any, count: int, body, carry, local=None):
-    """``carry = body(j, carry)`` for ``j`` in ``[lo, hi)``, in a loop with a static trip count.
+def _tile_loop(lo: Any, hi: Any, count: int, body, carry, local=None, gap=None):
+    """``carry = body(j, carry)`` for ``j`` in ``[lo, hi)`` (less ``[gap_lo, gap_hi)`` with ``gap``), in a
+    loop with a static trip count.
 
-    Python-int bounds give ``fori_loop(lo, hi)``. Traced bounds (causal, padding) give ``count >= hi - lo``
-    steps, each running ``body`` under a ``lax.cond`` only if ``j < hi``: a skipped tile costs a
-    predicate, never its matmuls. Static trip counts make the loops differentiable in reverse mode, so
-    that the ``custom_vjp``'s forward and backward can themselves be differentiated (``jax.grad`` of
-    ``jax.grad``); a traced trip count makes a ``while_loop``, which reverse mode refuses.
+    Python-int bounds give ``fori_loop``s. Traced bounds (causal, padding, windows) give ``count`` steps,
+    at least the number of ``j`` to visit, each running ``body`` under a ``lax.cond`` only if ``j < hi``:
+    a skipped tile costs a predicate, never its matmuls. Static trip counts make the loops differentiable
+    in reverse mode, so that the ``custom_vjp``'s forward and backward can themselves be differentiated
+    (``jax.grad`` of ``jax.grad``); a traced trip count makes a ``while_loop``, which reverse mode refuses.
 
     ``local = (take, put)``: ``body`` sees only ``take(j, carry)`` and ``put(j, carry, result)`` writes it
     back, outside the cond, so that a large accumulator is never an operand of the cond.
     """
     take, put = local or ((lambda j, carry: carry), (lambda j, carry, part: part))
-    if isinstance(lo, int) and isinstance(hi, int):
+    gap_lo, gap_hi = gap if gap is not None else (hi, hi)
+    if all(isinstance(x, int) for x in (lo, hi, gap_lo, gap_hi)):
 
         def plain(j, carry):
             j_data, part = _tied(j, take(j, carry))
             return put(j, carry, body(j_data, part))
 
-        return jax.lax.fori_loop(lo, hi, plain, carry)
+        carry = jax.lax.fori_loop(lo, gap_lo, plain, carry)
+        return jax.lax.fori_loop(gap_hi, hi, plain, carry)
 
     def step(t, carry):
         j = lo + t
+        if gap is not None:
+            j = jnp.where(j >= gap_lo, j + (gap_hi - gap_lo), j)
         j_data, part = _tied(j, take(j, carry))
         part = jax.lax.cond(j_data < hi, body, lambda j, part: part, j_data, part)
         return put(j, carry, part)
@@ -221,12 +228,17 @@ def _tile_keep(plan: _Plan, mask: Array | None, i: Any, j: Any) -> Array:
     """The keep-mask of tile ``(i, j)``: ``[bq, bk]`` bool (causal, key padding and the user's mask)."""
     rows = i * plan.bq + jnp.arange(plan.bq)  # [bq]
     cols = j * plan.bk + jnp.arange(plan.bk)  # [bk]
-    keep = jnp.broadcast_to(cols < plan.S, (plan.bq, plan.bk))  # [bq, bk], padded keys dropped
+    # Causal, the window and key padding keep one interval of keys per row, [first, last]: two compares
+    # per entry of the tile, the rest per row.
+    last = jnp.full((plan.bq,), plan.S - 1)  # [bq], padded keys dropped
     if plan.causal:
-        keep = jnp.logical_and(keep, cols[None, :] <= rows[:, None])  # [bq, bk]
+        last = jnp.minimum(last, rows)  # [bq]
     if plan.window is not None:
-        d = cols[None, :] - rows[:, None]  # [bq, bk]
-        keep = jnp.logical_and(keep, jnp.logical_and(d >= -plan.window[0], d <= plan.window[1]))  # [bq, bk]
+        last = jnp.minimum(last, rows + plan.window[1])  # [bq]
+        first = rows - plan.window[0]  # [bq]
+        keep = jnp.logical_and(cols[None, :] >= first[:, None], cols[None, :] <= last[:, None])  # [bq, bk]
+    else:
+        keep = cols[None, :] <= last[:, None]  # [bq, bk]
     if mask is not None:
         tm, sm = mask.shape
         tile = mask
@@ -287,12 +299,12 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
             acc = alpha[:, None] * acc + jnp.einsum("TS,SV->TV", p, vb)  # [bq, V]
             return m_new, l, acc
 
-        lo, n_full, n_hi = _k_range(plan, i)
+        lo, f_lo, f_hi, hi = _k_range(plan, i)
         # initial values made from the data, so that they carry its sharding (heads split over devices)
         zero = jnp.zeros_like(qb[:, 0], acc_dtype)  # [bq]
         carry = (zero + fill, zero, jnp.broadcast_to(zero[:, None], (bq, V)))
-        carry = _tile_loop(lo, n_full, n_free, functools.partial(tile, masked=False), carry)
-        carry = _tile_loop(n_full, n_hi, n_masked, functools.partial(tile, masked=True), carry)
+        carry = _tile_loop(f_lo, f_hi, n_free, functools.partial(tile, masked=False), carry)
+        carry = _tile_loop(lo, hi, n_masked, functools.partial(tile, masked=True), carry, gap=(f_lo, f_hi))
         m, l, acc = carry
         empty = l == 0.0  # [bq], a row with no kept key
         l1 = jnp.where(empty, 1.0, l)  # [bq]; the double where keeps log 0 out of the gradient (0 · inf)
@@ -369,10 +381,10 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
             return dq_b, dk, dv
 
-        i_lo, i_full, i_hi = _q_range(plan, j)
+        lo, f_lo, f_hi, hi = _q_range(plan, j)
         carry = (dq, jnp.zeros_like(kb, acc_dtype), jnp.zeros_like(vb, acc_dtype))  # (made from the data: see _forward)
-        carry = _tile_loop(i_lo, i_full, n_masked_b, functools.partial(tile, masked=True), carry, dq_rows)
-        carry = _tile_loop(i_full, i_hi, n_free_b, functools.partial(tile, masked=False), carry, dq_rows)
+        carry = _tile_loop(lo, hi, n_masked_b, functools.partial(tile, masked=True), carry, dq_rows, gap=(f_lo, f_hi))
+        carry = _tile_loop(f_lo, f_hi, n_free_b, functools.partial(tile, masked=False), carry, dq_rows)
         return carry
 
     def scan_body(dq, xs):

@@ -214,8 +214,8 @@ def test_causal_plan_visits_exactly_the_tiles_that_touch_the_lower_triangle(T, S
     keep[:, S:] = False
     forward, backward = set(), set()
     for i in range(plan.nq):
-        lo, n_full, n_hi = (int(x) for x in _k_range(plan, i))
-        assert lo == 0  # without a window every query block starts at key block 0
+        lo, f_lo, n_full, n_hi = (int(x) for x in _k_range(plan, i))
+        assert lo == f_lo == 0  # without a window every query block starts at key block 0, mask-free
         for j in range(plan.nk):
             tile = keep[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
             assert (j < n_hi) == tile.any(), (i, j)  # visited iff some key of the tile is kept
@@ -223,8 +223,8 @@ def test_causal_plan_visits_exactly_the_tiles_that_touch_the_lower_triangle(T, S
             if j < n_hi:
                 forward.add((i, j, j < n_full))
     for j in range(plan.nk):
-        i_lo, i_full, i_hi = (int(x) for x in _q_range(plan, j))
-        assert i_hi == plan.nq  # without a window every key block runs to the last query block
+        i_lo, i_full, f_hi, i_hi = (int(x) for x in _q_range(plan, j))
+        assert f_hi == i_hi == plan.nq  # without a window every key block runs to the last query block
         for i in range(i_lo, plan.nq):
             backward.add((i, j, i >= i_full))
     assert forward == backward

@@ -149,15 +149,21 @@ def test_cap_bounds_the_largest_weight():
 
 
 def test_blockwise_windows_skip_the_key_blocks_outside_every_row_window():
-    """The tiles visited grow with the window, not with S (the ranges the loops run over)."""
-    from jaxattn._blockwise import _k_range, _loop_counts, _plan
+    """The tiles visited grow with the window, not with S; those wholly inside every row's window run
+    without a mask; the backward visits the same tiles with the same decision."""
+    from jaxattn._blockwise import _k_range, _loop_counts, _plan, _q_range
 
-    plan = _plan(4096, 4096, 256, 256, True, False, window=(511, 0))
-    counts = _loop_counts(plan)
-    assert counts[0] == (0, 3) and counts[1] == (3, 0)  # 3 key blocks a query block, none mask-free
+    plan = _plan(4096, 4096, 128, 128, True, False, window=(511, 0))
+    fwd = [_k_range(plan, i) for i in range(plan.nq)]
+    assert sum(hi - lo for lo, _, _, hi in fwd) == 1 + 2 + 3 + 4 + 28 * 5  # of 32·33/2 = 528 causal tiles
+    assert all(f_hi - f_lo == 3 for _, f_lo, f_hi, _ in fwd[4:])  # keys i-3 .. i-1: wholly in every window
+    assert _loop_counts(plan) == ((3, 2), (2, 3))
+    bwd = [_q_range(plan, j) for j in range(plan.nk)]
+    visited_fwd = {((i, j), f_lo <= j < f_hi) for i, (lo, f_lo, f_hi, hi) in enumerate(fwd) for j in range(lo, hi)}
+    visited_bwd = {((i, j), f_lo <= i < f_hi) for j, (lo, f_lo, f_hi, hi) in enumerate(bwd) for i in range(lo, hi)}
+    assert visited_fwd == visited_bwd
     full = _plan(4096, 4096, 256, 256, True, False)
-    assert sum(hi - lo for lo, _, hi in (_k_range(full, i) for i in range(16))) == 136
-    assert sum(hi - lo for lo, _, hi in (_k_range(plan, i) for i in range(16))) == 1 + 2 + 14 * 3  # of 256
+    assert sum(hi - lo for lo, _, _, hi in (_k_range(full, i) for i in range(16))) == 136
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -726,14 +726,16 @@ def multi_head_blockwise_attention(
 
 
 def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret,
-                          local_window_size=None, logit_cap=None):
-    """:func:`multi_head_blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode."""
+                          local_window_size=None, logit_cap=None, window=None):
+    """:func:`multi_head_blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode;
+    ``window``: a checked ``(left, right)`` that may be negative on one side (a ring step's window moved to
+    the step's own coordinates), used when ``local_window_size`` is None."""
     q, k, v, mask, _, scale = check_multi_head_inputs(q, k, v, mask, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
-    window, cap = check_window(local_window_size), _static_cap(logit_cap)
+    window, cap = (window if local_window_size is None else check_window(local_window_size)), _static_cap(logit_cap)
     name = choose_implementation(implementation, q, k, v, mask, scale, is_causal, interpret=interpret,
                                  window=window, cap=cap)
     if name != "blockwise":

@@ -26,7 +26,10 @@ Two ways to spread attention over a device mesh, from the easy to the necessary:
    per step, and after P steps every query chunk has met every key chunk. Each step is a
    :func:`jaxattn.blockwise_attention` (O(chunk) memory), and the partial results are merged exactly
    through their row log-sum-exps: ``lse = log Σ_t exp(lse_t)``, ``out = Σ_t exp(lse_t - lse) out_t``.
-   With ``is_causal`` a step whose key chunk lies wholly after the query chunk is skipped. The gradient
+   With ``is_causal`` a step whose key chunk lies wholly after the query chunk is skipped, and with a
+   sliding window (``local_window_size``) every step whose key chunk lies wholly outside every query's
+   window; a chunk wholly inside runs without a mask, one across the window's edge with the window moved
+   to its own coordinates (a static program per distance between the chunks). The gradient
    (a ``custom_vjp``) goes round the ring a second time: the key/value chunks travel again, now with their
    gradient accumulators ``dk, dv``, and each step is :func:`jaxattn.blockwise_attention`'s backward
    against the global ``out`` and ``lse``; nothing but each device's own chunks is saved between the two.
@@ -49,6 +52,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxattn._blockwise import (
     DEFAULT_BLOCK_K,
     DEFAULT_BLOCK_Q,
+    _multi_head_blockwise,
     _multi_head_grads,
     multi_head_blockwise_attention,
 )
@@ -61,6 +65,7 @@ from jaxattn._checks import (
     check_rank,
     softmax_dtype,
 )
+from jaxattn._masks import check_window
 from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
@@ -128,6 +133,7 @@ def ring_attention_shard(
     scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    local_window_size: int | tuple[int, int] | None = None,
 ) -> tuple[Float[Array, "Tc N V"], Float[Array, "N Tc"]]:
     """The per-device body of :func:`ring_attention`, to call inside your own ``jax.shard_map``.
 
@@ -161,6 +167,9 @@ def ring_attention_shard(
       is_causal: causal self-attention over the whole sequence (requires ``Tc == Sc``); a key chunk that
         lies wholly after this device's queries is skipped.
       scale, block_q, block_k: as in :func:`jaxattn.blockwise_attention` (blocks apply inside a step).
+      local_window_size: ``None`` or ``(left, right)`` over the whole sequence's positions, as in
+        :func:`jaxattn.blockwise_attention` (requires ``Tc == Sc``); key chunks outside every query's
+        window are skipped.
 
     Returns:
       ``(out [Tc, N, V], lse [N, Tc])``: this device's rows of the output and of the row log-sum-exp.
@@ -170,9 +179,10 @@ def ring_attention_shard(
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     P = _axis_size(axis_name)
-    if is_causal and q.shape[0] != k.shape[0]:
+    window = check_window(local_window_size)
+    if (is_causal or window is not None) and q.shape[0] != k.shape[0]:
         raise ValueError(
-            f"is_causal ring attention is self-attention and needs chunks of equal length, received "
+            f"is_causal or windowed ring attention is self-attention and needs chunks of equal length, received "
             f"q {tuple(q.shape)} [Tc, N, H] and k {tuple(k.shape)} [Sc, K, H]"
         )
     kv_mask = _check_kv_mask(kv_mask, k.shape[0])
@@ -183,7 +193,7 @@ def ring_attention_shard(
             "check_vma=True refuses once the loop body mixes in this device's chunks"
         )
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    ring = _Ring(axis_name, P, bool(is_causal), block_q, block_k)
+    ring = _Ring(axis_name, P, bool(is_causal), block_q, block_k, window, q.shape[0])
     return _ring_shard(q, k, v, kv_mask, jnp.asarray(scale, acc_dtype), ring)
 
 
@@ -199,6 +209,7 @@ def ring_attention(
     scale: Real[ArrayLike, ""] | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    local_window_size: int | tuple[int, int] | None = None,
 ) -> tuple[Float[Array, "T N V"], Float[Array, "N T"]]:
     """Sequence-parallel multi-head attention: queries stay, key/value chunks travel round a ring.
 
@@ -230,6 +241,9 @@ def ring_attention(
       is_causal: causal self-attention (requires T == S); steps whose key chunk lies wholly after the
         query chunk are skipped.
       scale, block_q, block_k: as in :func:`jaxattn.blockwise_attention` (blocks apply inside a step).
+      local_window_size: ``None`` or ``(left, right)`` (an int ``w`` is ``(w, w)``), as in
+        :func:`jaxattn.blockwise_attention` (requires T == S): steps whose key chunk lies outside every
+        query's window are skipped, forward and backward.
 
     Returns:
       ``(out [T, N, V], lse [N, T])``, sharded like q over ``axis_name``.
@@ -245,11 +259,12 @@ def ring_attention(
             f"the mesh axis {axis_name!r} has {P} devices, which must divide both sequence lengths: "
             f"q has T={T} (shape {tuple(q.shape)}), k has S={S} (shape {tuple(k.shape)})"
         )
-    if is_causal and T != S:
-        raise ValueError(f"is_causal ring attention is self-attention and needs T == S, received T={T}, S={S}")
+    window = check_window(local_window_size)
+    if (is_causal or window is not None) and T != S:
+        raise ValueError(f"is_causal or windowed ring attention is self-attention and needs T == S, received T={T}, S={S}")
     kv_mask = _check_kv_mask(kv_mask, S)
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
-    ring = _Ring(axis_name, P, bool(is_causal), block_q, block_k)
+    ring = _Ring(axis_name, P, bool(is_causal), block_q, block_k, window, T // P)
     seq = PartitionSpec(axis_name)
     fn = jax.shard_map(
         lambda q, k, v, m, scale: _ring_shard(q, k, v, m, scale, ring),
@@ -275,6 +290,8 @@ class _Ring:
     causal: bool
     block_q: int
     block_k: int
+    window: tuple[int, int] | None = None  # (left, right) over the whole sequence's positions
+    C: int = 0  # the chunk length (with a window)
 
     @property
     def perm(self) -> list[tuple[int, int]]:
@@ -284,17 +301,43 @@ class _Ring:
         """One step round the ring (None stays None)."""
         return None if x is None else jax.lax.ppermute(x, self.axis_name, self.perm)
 
-    def step(self, src: Array, below: Any, diagonal: Any, skip: Any) -> Any:
-        """The branch of the step where device ``d`` meets the key chunk of device ``src``.
+    def kind(self, m: int) -> tuple:
+        """How the query chunk meets the key chunk ``m`` chunks before it (``m < 0``: after it): ``("full",)``
+        (no mask), ``("skip",)`` (nothing seen), ``("causal",)`` (the own chunk, causal within) or
+        ``("window", left, right)``: the window in the step's own coordinates (key ``c'`` seen by query ``r'``
+        iff ``r' - left <= c' <= r' + right``; with ``is_causal`` the right edge is at most the diagonal)."""
+        if self.window is None:
+            if not self.causal or m > 0:
+                return ("full",)
+            return ("causal",) if m == 0 else ("skip",)
+        left, right = self.window
+        if self.causal:
+            right = min(right, 0)
+        shift = m * self.C  # global key - query = local key - query - shift
+        lo, hi = shift - left, shift + right  # the window of c' - r', which spans [-(C-1), C-1] in a step
+        if lo > self.C - 1 or hi < -(self.C - 1):
+            return ("skip",)
+        if lo <= -(self.C - 1) and hi >= self.C - 1:
+            return ("full",)
+        return ("window", -lo, hi)
 
-        Causal: a key chunk wholly before the query chunk needs no mask (``below``), the own chunk is
-        causal within (``diagonal``), a chunk wholly after it contributes nothing (``skip``, not computed).
-        """
-        if not self.causal:
-            return below()
+    def step(self, src: Array, run: Any) -> Any:
+        """``run(kind)()`` for the step where device ``d`` meets the key chunk of device ``src``: one static
+        program per kind of :meth:`kind`, chosen by a ``lax.switch`` on ``d - src`` (the ring wraps, so
+        ``d - src`` and ``d - src - P`` are the same chunk: only the one in ``(-P, P)`` that exists counts)."""
+        ms = range(-(self.P - 1), self.P)
+        kinds = sorted({self.kind(m) for m in ms})
+        if len(kinds) == 1:
+            return run(kinds[0])()
         d = jax.lax.axis_index(self.axis_name)
-        branch = jnp.where(src < d, 0, jnp.where(src == d, 1, 2))
-        return jax.lax.switch(branch, [below, diagonal, skip])
+        table = jnp.asarray([kinds.index(self.kind(m)) for m in ms], jnp.int32)  # by m + P - 1
+        branch = table[d - src + self.P - 1]
+        return jax.lax.switch(branch, [run(kind) for kind in kinds])
+
+
+def _window_of(kind: tuple) -> tuple[int, int] | None:
+    """The blockwise kernel's window of a step's kind (see :meth:`_Ring.kind`)."""
+    return (kind[1], kind[2]) if kind[0] == "window" else None
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -334,19 +377,24 @@ def _ring_forward(q, k, v, m, scale, ring: _Ring):
     Tc, N, V = q.shape[0], q.shape[1], v.shape[2]
 
     def step_result(t, k, v, m):
-        def attend(causal):
-            out, lse = multi_head_blockwise_attention(  # blockwise: the backward's tiles recompute from this lse
-                q, k, v, mask=m, is_causal=causal, scale=scale, block_q=ring.block_q, block_k=ring.block_k,
-                implementation="blockwise",
-            )
-            return out.astype(scale.dtype), lse  # [Tc, N, V], [N, Tc]
+        def attend(kind):
+            if kind[0] == "skip":
+                return lambda: (  # zeros_like keeps q's type (the mesh axes it varies over)
+                    jnp.zeros_like(q, shape=(Tc, N, V), dtype=scale.dtype),
+                    jnp.full_like(q, -jnp.inf, shape=(N, Tc), dtype=scale.dtype),
+                )
 
-        skip = lambda: (  # zeros_like keeps q's type (the mesh axes it varies over)
-            jnp.zeros_like(q, shape=(Tc, N, V), dtype=scale.dtype),
-            jnp.full_like(q, -jnp.inf, shape=(N, Tc), dtype=scale.dtype),
-        )
+            def run():
+                out, lse = _multi_head_blockwise(  # blockwise: the backward's tiles recompute from this lse
+                    q, k, v, mask=m, is_causal=kind[0] == "causal", scale=scale, block_q=ring.block_q,
+                    block_k=ring.block_k, implementation="blockwise", interpret=False, window=_window_of(kind),
+                )
+                return out.astype(scale.dtype), lse  # [Tc, N, V], [N, Tc]
+
+            return run
+
         src = (d - t) % ring.P  # after t hops device d holds the chunk that started on device d - t
-        return ring.step(src, lambda: attend(False), lambda: attend(True), skip)
+        return ring.step(src, attend)
 
     out, lse = step_result(0, k, v, m)
 
@@ -373,15 +421,19 @@ def _ring_backward(q, k, v, m, scale, out, lse, d_out, d_lse, ring: _Ring):
     (its own queries' logits); summing the shares is the transpose of however ``scale`` reached the
     devices (see :func:`_ring_shard`).
     """
-    grads = lambda k, v, m, causal: _multi_head_grads(
-        q, k, v, m, scale, out, lse, d_out, d_lse, is_causal=causal, block_q=ring.block_q, block_k=ring.block_k
-    )  # dq [Tc, N, H], dk [Sc, K, H], dv [Sc, K, V], dscale, in the accumulation dtype
-    zeros = lambda k, v: tuple(jnp.zeros_like(x, dtype=scale.dtype) for x in (q, k, v, scale))
     d = jax.lax.axis_index(ring.axis_name)
 
     def step_grads(t, k, v, m):
+        def grads(kind):
+            if kind[0] == "skip":
+                return lambda: tuple(jnp.zeros_like(x, dtype=scale.dtype) for x in (q, k, v, scale))
+            return lambda: _multi_head_grads(
+                q, k, v, m, scale, out, lse, d_out, d_lse, is_causal=kind[0] == "causal", block_q=ring.block_q,
+                block_k=ring.block_k, window=_window_of(kind),
+            )  # dq [Tc, N, H], dk [Sc, K, H], dv [Sc, K, V], dscale, in the accumulation dtype
+
         src = (d - t) % ring.P
-        return ring.step(src, lambda: grads(k, v, m, False), lambda: grads(k, v, m, True), lambda: zeros(k, v))
+        return ring.step(src, grads)
 
     dq, dk, dv, d_scale = step_grads(0, k, v, m)
 

@@ -23,6 +23,7 @@ CHECKS = [
     "ring_matches_dense",
     "ring_causal_matches_dense",
     "ring_padding_gqa_matches_dense",
+    "ring_window_matches_dense_values_and_gradients",
     "ring_gradients_match_single_device",
     "ring_backward_saves_only_own_chunks",
     "ring_check_grads_float64",
@@ -406,7 +407,34 @@ def _main():  # pragma: no cover - runs in the subprocess
         else:
             raise AssertionError("no NotImplementedError under check_vma=True")
 
+    def ring_window_matches_dense_values_and_gradients():
+        """Windows over the whole sequence, inside a chunk, across chunks and wrapping past the ring's last
+        device: out, lse and dq, dk, dv (with a cotangent on lse) equal one device's."""
+        T = 16  # chunks of 4 on 4 devices
+        for is_causal, window in [(True, (2, 0)), (True, (5, 0)), (False, (3, 2)), (False, (0, 9)), (True, (20, 0))]:
+            q, k, v = qkv(T, 2, 4)
+            d_out = rng.standard_normal((T, 2, 3)).astype(np.float32)
+            d_lse = rng.standard_normal((2, T)).astype(np.float32)
+            f = lambda q, k, v: jaxattn.ring_attention(q, k, v, mesh=seq_mesh, axis_name="seq", is_causal=is_causal,
+                                                       local_window_size=window, block_q=3, block_k=2)
+            g = lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=is_causal,
+                                                                       local_window_size=window)
+            (out, lse), grads = jax.jit(lambda q, k, v: single_vjp(f, (q, k, v), (d_out, d_lse)))(
+                *on(seq_mesh, PartitionSpec("seq"), q, k, v))
+            (out_ref, lse_ref), grads_ref = single_vjp(g, (q, k, v), (d_out, d_lse))
+            dense = jaxattn.multi_head_attention(q, k, v, is_causal=is_causal, local_window_size=window)[0]
+            np.testing.assert_allclose(out, dense, **tol, err_msg=str(window))
+            np.testing.assert_allclose(lse, lse_ref, **tol, err_msg=str(window))
+            for a, b, name in zip(grads, grads_ref, "qkv"):
+                np.testing.assert_allclose(a, b, **tol, err_msg=f"{window}: d{name}")
+        from jaxattn._ring import _Ring
+
+        ring = _Ring("seq", 8, True, 512, 512, (511, 0), 1024)  # W = 512 keys in chunks of 1024
+        kinds = [ring.kind(m)[0] for m in range(-7, 8)]
+        assert kinds.count("skip") == 13 and kinds.count("window") == 2, kinds  # two chunks run, six skipped
+
     checks = {
+        "ring_window_matches_dense_values_and_gradients": ring_window_matches_dense_values_and_gradients,
         "ring_shard_in_user_shard_map_matches_dense": ring_shard_in_user_shard_map_matches_dense,
         "ring_shard_on_batch_by_seq_mesh_matches_dense": ring_shard_on_batch_by_seq_mesh_matches_dense,
         "ring_shard_check_vma_true_refused": ring_shard_check_vma_true_refused,

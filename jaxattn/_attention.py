@@ -93,21 +93,17 @@ def _masked_softmax(logits: Array, keep: Array | None) -> Array:
     the backward pass costs what ``jax.nn.softmax``'s does instead of differentiating every step above.
     """
     fill = jnp.finfo(logits.dtype).min
-    poison = jnp.logical_or(jnp.isnan(logits), logits == jnp.inf)  # [T, S], a NaN or +inf logit
-    live = logits > -jnp.inf  # [T, S], False at -inf and at NaN
+    x = logits if keep is None else jnp.where(keep, logits, fill)  # [T, S]
+    # A kept NaN or +inf makes its row NaN through a flag and a final ``where``, not through the maximum
+    # or the exponential: how a backend's max, exp or clamp treats NaN (XLA's default CPU emitters drop it
+    # in places) cannot change the answer. The maximum reads a NaN as +inf, so it is +inf exactly when the
+    # row keeps a NaN or a +inf (the same pass over the row, no other).
+    row_max = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1, keepdims=True, initial=fill)  # [T, 1]
+    nan_row = row_max == jnp.inf  # [T, 1]
+    e = jnp.exp(x - jax.lax.stop_gradient(row_max))  # [T, S], in [0, 1]; softmax is shift-invariant
     if keep is not None:
-        poison = jnp.logical_and(keep, poison)  # [T, S]
-        live = jnp.logical_and(keep, live)  # [T, S]
-    live = jnp.logical_and(live, ~poison)  # [T, S], the keys that get a positive weight
-    nan_row = jnp.any(poison, axis=-1, keepdims=True)  # [T, 1]
-    # Only finite numbers reach the row maximum and the exponential: how a backend's max, exp or clamp
-    # treats NaN (XLA's CPU fusion emitters drop it in places) cannot change the answer. NaN is put in
-    # by the final ``where``, from the row's own flag.
-    logits = jnp.where(live, logits, fill)  # [T, S], finite
-    row_max = jnp.max(logits, axis=-1, keepdims=True, initial=fill)  # [T, 1]
-    row_max = jax.lax.stop_gradient(row_max)  # softmax is shift-invariant
-    e = jnp.where(live, jnp.exp(logits - row_max), 0.0)  # [T, S], every entry in [0, 1]
-    total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row has no live key
+        e = jnp.where(keep, e, 0.0)  # [T, S]
+    total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row is fully masked
     p = e / jnp.where(total == 0.0, 1.0, total)  # [T, S]
     return jnp.where(nan_row, jnp.nan, p)  # [T, S]
 

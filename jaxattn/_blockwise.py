@@ -48,7 +48,7 @@ from jaxattn._checks import (
     softmax_dtype,
 )
 from jaxattn._masks import check_window
-from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits, soft_cap
+from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits, sech2, soft_cap
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
 
 Array = jax.Array
@@ -365,9 +365,9 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [bk, bq], scaled logits
             if not pre:
                 s = s * scale  # [bk, bq]
-            if plan.cap is not None:  # c·tanh(s/c), and its derivative 1 - tanh² for ds below
-                t = jnp.tanh(s / plan.cap)  # [bk, bq]
-                s, d_cap = plan.cap * t, 1.0 - t * t  # [bk, bq], [bk, bq]
+            if plan.cap is not None:  # c·tanh(s/c), and its derivative sech² for ds below
+                u = s / plan.cap  # [bk, bq]
+                s, d_cap = plan.cap * jnp.tanh(u), sech2(u)  # [bk, bq], [bk, bq]
             p = jnp.exp(s - lse_b[None, :])  # [bk, bq], the forward's weights (transposed), exactly
             if masked:
                 p = jnp.where(_tile_keep(plan, mask, i, j).T, p, 0.0)  # [bk, bq]

@@ -25,12 +25,34 @@ def soft_cap(logits: Array, cap: Any) -> Array:
     """``cap · tanh(logits / cap)`` (Gemma 2's attention-logit soft-capping), NaN kept as NaN; ``cap=None``: unchanged.
 
     The logits stay inside ``(-cap, cap)`` (``±inf`` becomes ``±cap``); the derivative is
-    ``1 - tanh²(logits / cap)``. A NaN is put back by a ``where``: a backend's ``tanh`` may clamp it away.
+    ``sech²(logits / cap)``, computed as ``4 e / (1 + e)²`` with ``e = exp(-2 |logits / cap|)``: ``1 - tanh²``
+    would be exactly 0 in float32 once ``tanh`` rounds to ±1 (from ``|logits / cap| ≈ 8``), the stable form
+    stays tiny and right. A NaN is put back by a ``where``: a backend's ``tanh`` may clamp it away.
     """
     if cap is None:
         return logits
-    cap = jnp.asarray(cap, logits.dtype)
-    return jnp.where(jnp.isnan(logits), logits, cap * jnp.tanh(logits / cap))
+    return jnp.where(jnp.isnan(logits), logits, _capped(logits, jnp.asarray(cap, logits.dtype)))
+
+
+def sech2(u: Array) -> Array:
+    """``sech²(u) = 1 - tanh²(u)`` without cancellation: ``4 e / (1 + e)²``, ``e = exp(-2|u|)``."""
+    e = jnp.exp(-2.0 * jnp.abs(u))
+    return 4.0 * e / (1.0 + e) ** 2
+
+
+@jax.custom_jvp
+def _capped(x: Array, cap: Array) -> Array:
+    return cap * jnp.tanh(x / cap)
+
+
+@_capped.defjvp
+def _capped_jvp(primals, tangents):
+    x, cap = primals
+    dx, dcap = tangents
+    u = x / cap
+    t = jnp.tanh(u)
+    s = sech2(u)
+    return cap * t, dx * s + dcap * (t - u * s)
 
 
 def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any, cap: Any = None) -> Array:

@@ -186,3 +186,22 @@ def test_blockwise_refuses_a_traced_cap_and_the_library_kernels_a_cap():
         jax.jit(lambda c: jaxattn.blockwise_attention(q, k, v, logit_cap=c))(1.0)
     with pytest.raises(ValueError, match="logit_cap"):
         jaxattn.blockwise_attention(q, k, v, logit_cap=1.0, implementation="xla")
+
+
+def test_the_caps_derivative_is_right_where_tanh_rounds_to_one_in_float32():
+    """d(c·tanh(x/c))/dx = sech²(x/c): about 4e-7 at x/c = 8, 4e-26 at 30, where 1 - tanh² is exactly 0."""
+    q = np.zeros((1, 4), np.float32)
+    k = np.zeros((5, 4), np.float32)
+    x = np.array([[0.5, 8.0, 12.0, 30.0, -20.0]], np.float32)  # the logits are the bias here (q kᵀ = 0)
+    got = jax.grad(lambda b: jnp.sum(jaxattn.attention_logits(q, k, bias=b, logit_cap=1.0)))(x)
+    want = 1.0 / np.cosh(x.astype(np.float64)) ** 2
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5)
+    assert np.all(np.asarray(got) > 0)
+    q1 = np.eye(1, 4, dtype=np.float32)  # q·k_s = k[s, 0] = x_s
+    k1 = np.zeros((5, 4), np.float32)
+    k1[:, 0] = x[0]
+    v1 = np.eye(5, dtype=np.float32)
+    f = lambda k, fn: jnp.sum(fn(q1, k, v1, scale=1.0, logit_cap=1.0)[0] * np.arange(5.0, dtype=np.float32)[None, :])
+    dense = jax.grad(f)(k1, jaxattn.attention)
+    blockwise = jax.grad(f)(k1, jaxattn.blockwise_attention)
+    np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), rtol=1e-5, atol=1e-30)

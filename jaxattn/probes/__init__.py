@@ -5,6 +5,11 @@ optional boolean keep-mask (True = attend) broadcastable to the map. The maps, l
 measures come from the core (:func:`jaxattn.attention`, :func:`jaxattn.attention_logits` and its masked
 softmax): there is no second attention path.
 
+The Jacobian, gradient and sweep probes take ``logit_cap=c`` (the core's logit soft cap ``c · tanh(x / c)``)
+and then measure the capped attention; their Jacobians and ``∂L/∂logits`` are with respect to the pre-cap
+logits ``x = scale · q kᵀ + bias`` (what the ``1/sqrt(d_k)`` scale acts on), so they include the cap's
+derivative ``sech²(x / c) = 1 - tanh²(x / c)``.
+
 - row statistics of a map ``[..., S] -> [...]`` (``_rows``): :func:`entropy`,
   :func:`normalized_entropy`, :func:`max_weight`, :func:`effective_support`, :func:`row_stats`,
   :func:`head_entropy`;

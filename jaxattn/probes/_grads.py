@@ -1,4 +1,4 @@
-"""Gradients through the core attention by ``jax.grad``, for any ``scale``."""
+"""Gradients through the core attention by ``jax.grad``, for any ``scale`` and logit soft cap."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn._attention import attention
-from jaxattn._checks import as_float_array, check_attention_inputs, check_flag, softmax_dtype
+from jaxattn._checks import as_float_array, check_attention_inputs, check_flag, check_logit_cap, softmax_dtype
 from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
@@ -25,6 +25,7 @@ def attention_grads(
     mask: Bool[ArrayLike, "#T #S"] | Bool[ArrayLike, "#S"] | None = None,
     scale: Real[ArrayLike, ""] | None = None,
     is_causal: bool = False,
+    logit_cap: Real[ArrayLike, ""] | None = None,
 ) -> dict[str, Float[Array, "..."]]:
     """Gradients of the linear read-out ``L = Σ cotangent ⊙ attention(q, k, v)`` by ``jax.grad``.
 
@@ -33,10 +34,18 @@ def attention_grads(
     respect to a zero additive ``bias`` (the core computes ``logits = scale · q kᵀ + bias``): the same
     trick gives it inside a whole model (pass ``bias=zeros`` and differentiate with respect to it).
 
+    With ``logit_cap=c`` the attention is the core's capped one, ``softmax(c · tanh(x / c)) v``, and
+    ``∂L/∂logits`` is the gradient with respect to the pre-cap logits ``x = scale · q kᵀ + bias`` (the
+    bias is added before the cap, and ``x`` is what the ``1/sqrt(d_k)`` scale acts on): it includes the
+    cap's derivative, ``∂L/∂x_s = sech²(x_s / c) · ∂L/∂(capped logit)_s``. ``∂L/∂q``, ``∂L/∂k``
+    and ``∂L/∂v`` are those of the capped attention; ``weights`` is its (capped) map.
+
     Args:
       q: ``[T, H]``; k: ``[S, H]``; v: ``[S, V]``.
       cotangent: ``[T, V]``, the read-out (``∂L/∂out``).
       mask, scale, is_causal: as in :func:`jaxattn.attention`; ``scale=1.0`` is the unscaled variant.
+      logit_cap: ``None`` (no cap) or the soft cap ``c > 0`` (:func:`jaxattn.attention`'s ``logit_cap``);
+        a traced scalar is accepted under ``jit``/``vmap``.
 
     Returns:
       dict: ``logits [T, S]``, ``q [T, H]``, ``k [S, H]``, ``v [S, V]`` (gradients, in the input
@@ -46,6 +55,7 @@ def attention_grads(
     # first, so that a wrong q is blamed on q; only then is the cotangent checked against them.
     q, k, v, _, _, _ = check_attention_inputs(q, k, v, mask, None, scale)
     is_causal = check_flag(is_causal, "is_causal")
+    cap = check_logit_cap(logit_cap)
     cotangent = as_float_array(cotangent, "cotangent")
     T, S, V = q.shape[0], k.shape[0], v.shape[1]
     if cotangent.shape != (T, V):
@@ -54,15 +64,15 @@ def attention_grads(
             f"{tuple(v.shape)} [S, V], received {tuple(cotangent.shape)}"
         )
     bias = jnp.zeros((T, S), jnp.result_type(q, k))
-    return _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal)
+    return _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal, cap)
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal",))
-def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal):
+def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal, cap=None):
     acc = softmax_dtype(jnp.result_type(q, k, v))
 
     def loss(q, k, v, bias):
-        out, weights = attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
+        out, weights = attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal, logit_cap=cap)
         return jnp.sum(out.astype(acc) * cotangent.astype(acc)), weights
 
     (value, weights), (dq, dk, dv, dz) = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(

@@ -1,8 +1,9 @@
 """Monte Carlo: the variance of ``q·k``, and the saturation sweep as one ``jit(vmap(...))`` program.
 
 Sweep results carry ``P`` (one entry per head dimension swept) and ``R`` (random trials) axes; their
-first axis, of size 2, is the scale mode: ``0`` = scaled by ``1/sqrt(d_k)``, ``1`` = unscaled. Axis
-alphabet as in the core (T queries, S keys, H = d_k, V = d_v).
+first axis, of size 2, is the scale mode: ``0`` = scaled by ``1/sqrt(d_k)``, ``1`` = unscaled. With a
+logit soft cap ``c`` both modes run the core's capped attention (``c · tanh(x / c)`` of the logits ``x``
+of that mode). Axis alphabet as in the core (T queries, S keys, H = d_k, V = d_v).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._attention import _masked_softmax, attention_logits
-from jaxattn._checks import as_key, check_float_dtype, check_int, softmax_dtype
+from jaxattn._checks import as_key, check_float_dtype, check_int, check_logit_cap, softmax_dtype
+from jaxattn._logits import soft_cap
 from jaxattn.probes._grads import _attention_grads
-from jaxattn.probes._jacobian import _jacobian_norms
+from jaxattn.probes._jacobian import _cap_slope, _jacobian_norms
 from jaxattn.probes._rows import row_stats
 
 Array = jax.Array
@@ -97,21 +99,22 @@ def _draw(key, *, head_dim, T, S, V, dtype):
     return q, k, v, r
 
 
-def _probe_rows(q, k, v, r, scale):
-    """Every per-row probe of one head for the read-out ``L = Σ r ⊙ attention(q, k, v; scale)``."""
-    return _row_probes(**_width_probes(q, k, v, r, scale))
+def _probe_rows(q, k, v, r, scale, cap=None):
+    """Every per-row probe of one head for the read-out ``L = Σ r ⊙ attention(q, k, v; scale, logit_cap=cap)``."""
+    return _row_probes(**_width_probes(q, k, v, r, scale, cap), cap=cap)
 
 
-def _width_probes(q, k, v, r, scale):
+def _width_probes(q, k, v, r, scale, cap=None):
     """The part of :func:`_probe_rows` that sees ``d_k``: the core attention's gradients, reduced to rows.
 
-    Returns ``[T, S]`` arrays (``logits``, ``weights``, ``logit_grad``), whose shapes do not depend on
-    ``d_k``, and the ``‖∂L/∂q‖``, ``‖∂L/∂k‖`` and ``q·k`` moments, already reduced.
+    Returns ``[T, S]`` arrays (``logits``, the pre-cap logits; ``weights``; ``logit_grad``, ``∂L/∂`` those
+    pre-cap logits), whose shapes do not depend on ``d_k``, and the ``‖∂L/∂q‖``, ``‖∂L/∂k‖`` and ``q·k``
+    moments, already reduced.
     """
     T, S = q.shape[0], k.shape[0]
     acc = softmax_dtype(jnp.result_type(q, k, v))
-    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), q.dtype), None, scale, False)
-    logits = attention_logits(q, k, scale=scale)  # [T, S], the softmax's input (f32 or wider)
+    grads = _attention_grads(q, k, v, r, jnp.zeros((T, S), q.dtype), None, scale, False, cap)
+    logits = attention_logits(q, k, scale=scale)  # [T, S], the (pre-cap) softmax input (f32 or wider)
     dots = logits / scale  # [T, S], q·k
     return {
         "logits": logits,
@@ -125,13 +128,16 @@ def _width_probes(q, k, v, r, scale):
     }
 
 
-def _row_probes(logits, weights, logit_grad, **reduced):
-    """The rest of :func:`_probe_rows`, on ``[..., T, S]`` rows: any leading axes (the sweep stacks all d_k)."""
+def _row_probes(logits, weights, logit_grad, cap=None, **reduced):
+    """The rest of :func:`_probe_rows`, on ``[..., T, S]`` rows: any leading axes (the sweep stacks all d_k).
+
+    ``logits`` are the pre-cap logits; with a cap ``c`` the Jacobian is that of the capped softmax with
+    respect to them, ``(diag(p) - p pᵀ) diag(1 - tanh²(logits / c))``."""
     stats = row_stats(weights)
     # The Jacobian of the softmax the core computed (in float32 or wider). When q, k, v are in that dtype
     # (logit_grad's dtype is theirs), the map is that softmax itself; otherwise it was rounded to their dtype.
-    p = weights if logit_grad.dtype == logits.dtype else _masked_softmax(logits, None)
-    jac = _jacobian_norms(p)["frobenius"]  # [..., T]
+    p = weights if logit_grad.dtype == logits.dtype else _masked_softmax(soft_cap(logits, cap), None)
+    jac = _jacobian_norms(p, _cap_slope(logits, cap))["frobenius"]  # [..., T]
     return {
         "entropy": stats["entropy"],
         "normalized_entropy": stats["normalized_entropy"],
@@ -144,21 +150,21 @@ def _row_probes(logits, weights, logit_grad, **reduced):
     }
 
 
-def _trial_widths(key, scaled, *, head_dim, T, S, V, dtype):
+def _trial_widths(key, scaled, cap=None, *, head_dim, T, S, V, dtype):
     """One random trial at one static ``d_k`` and one scale mode, up to the ``d_k``-independent row probes."""
     q, k, v, r = _draw(key, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
     acc = softmax_dtype(dtype)
     scale = jnp.where(scaled, jnp.asarray(1.0 / math.sqrt(head_dim), acc), jnp.ones((), acc))  # traced scale
-    return _width_probes(q, k, v, r, scale)
+    return _width_probes(q, k, v, r, scale, cap)
 
 
-def _trial(key, scaled, *, head_dim, T, S, V, dtype):
+def _trial(key, scaled, cap=None, *, head_dim, T, S, V, dtype):
     """One random trial at one static ``d_k`` and one scale mode: per-row probes of ``T`` queries on ``S`` keys."""
-    return _row_probes(**_trial_widths(key, scaled, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
+    return _row_probes(**_trial_widths(key, scaled, cap, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype), cap=cap)
 
 
 @functools.partial(jax.jit, static_argnames=("head_dims", "T", "S", "V", "dtype", "batch"))
-def _sweep_program(keys, *, head_dims, T, S, V, dtype, batch):
+def _sweep_program(keys, cap=None, *, head_dims, T, S, V, dtype, batch):
     """``[P, R]`` keys -> every probe ``[2, P, R, ...]`` in one compiled program.
 
     The trace unrolls over the static ``head_dims``: each ``d_k`` runs at its own width, vmapped over
@@ -166,23 +172,30 @@ def _sweep_program(keys, *, head_dims, T, S, V, dtype, batch):
     logits, weights and ``∂L/∂logits``; those are stacked over ``d_k`` and the row probes that do not see
     ``d_k`` run once on the stack. ``batch`` is ``None`` (all R trials of a ``d_k`` in one vmap) or a
     count: ``lax.map`` then runs the vmapped trial over chunks of that many trials, which bounds memory.
+    ``cap``: ``None`` or the (traced) logit soft cap, the same for every trial: one program for any cap.
     """
     modes = jnp.array([True, False])
     per_dim = []
     for p, head_dim in enumerate(head_dims):
-        trial = functools.partial(_trial_widths, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
+        trial = functools.partial(_trial_widths, cap=cap, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
         both = lambda key, trial=trial: jax.vmap(trial, in_axes=(None, 0))(key, modes)  # key -> [2, ...]
         if batch is None:
             per_dim.append(jax.vmap(both)(keys[p]))  # [R, 2, ...]
         else:
             per_dim.append(jax.lax.map(both, keys[p], batch_size=batch))  # [R, 2, ...]
     stacked = jax.tree.map(lambda *xs: jnp.moveaxis(jnp.stack(xs), 2, 0), *per_dim)  # [2, P, R, ...]
-    return _row_probes(**stacked)
+    return _row_probes(**stacked, cap=cap)
 
 
 @functools.lru_cache(maxsize=None)
 def _trial_fn(head_dim, T, S, V, dtype):
     return jax.jit(functools.partial(_trial, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _capped_trial_fn(head_dim, T, S, V, dtype, cap):
+    """``f(key, scaled)`` of :func:`_trial_fn` with the cap passed as a traced argument (one program for any cap)."""
+    return functools.partial(_trial_fn(head_dim, T, S, V, dtype), cap=cap)
 
 
 def sweep_trial_fn(
@@ -192,20 +205,28 @@ def sweep_trial_fn(
     num_keys: int = 16,
     value_dim: int = 16,
     dtype: Any = jnp.float32,
+    logit_cap: float | None = None,
 ) -> Callable[[Any, Any], dict[str, Array]]:
     """The jitted single-trial function the sweep vmaps: ``f(key, scaled) -> dict`` at ``d_k = head_dim``.
 
     ``f(key, scaled)`` draws one trial from ``key`` exactly as :func:`saturation_sweep` does and returns
     its per-row probes (the sweep's fields without the leading ``[2, P, R]`` axes); ``scaled`` is a
     (traced) bool. The sweep's trial ``r`` at ``head_dims[p]`` used the key
-    ``jax.random.split(key, (P, R))[p, r]``. The same arguments return the same object. For benchmarks
-    (a Python loop over it against :func:`saturation_sweep`) and for debugging one trial.
+    ``jax.random.split(key, (P, R))[p, r]``. ``logit_cap`` as in :func:`saturation_sweep` (every cap
+    runs the same compiled program). The same arguments return the same object. For benchmarks (a
+    Python loop over it against :func:`saturation_sweep`) and for debugging one trial.
     """
     (head_dim,) = _check_head_dims((head_dim,))
     T = check_int(num_queries, "num_queries")
     S = check_int(num_keys, "num_keys", 2)
     V = check_int(value_dim, "value_dim")
-    return _trial_fn(head_dim, T, S, V, check_float_dtype(dtype))
+    dtype = check_float_dtype(dtype)
+    cap = check_logit_cap(logit_cap)
+    if cap is None:
+        return _trial_fn(head_dim, T, S, V, dtype)
+    if isinstance(cap, float):
+        return _capped_trial_fn(head_dim, T, S, V, dtype, cap)
+    return functools.partial(_trial_fn(head_dim, T, S, V, dtype), cap=cap)  # a traced cap
 
 
 def saturation_sweep(
@@ -218,6 +239,7 @@ def saturation_sweep(
     value_dim: int = 16,
     dtype: Any = jnp.float32,
     trials_per_batch: int | None = None,
+    logit_cap: float | None = None,
 ) -> dict[str, Any]:
     """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
 
@@ -227,6 +249,18 @@ def saturation_sweep(
     normalised entropy, max weight, the Frobenius norm of the softmax Jacobian, ``‖∂L/∂logits‖`` and
     ``‖∂L/∂q‖`` for ``L = Σ r ⊙ out`` (by ``jax.grad``), and whether those are exactly zero in ``dtype``;
     per key ``‖∂L/∂k‖``; per trial the moments of ``q·k``.
+
+    With ``logit_cap=c`` both modes run the core's capped attention, ``softmax(c · tanh(x / c))`` of the
+    logits ``x`` of that mode (``x = q kᵀ / sqrt(d_k)`` or ``q kᵀ``), and the same statistics are recorded
+    for it: the entropy and max weight of the capped map, the Frobenius norm of its Jacobian and
+    ``‖∂L/∂logits‖`` with respect to the pre-cap logits ``x`` (both include the cap's derivative
+    ``1 - tanh²(x / c)``), ``‖∂L/∂q‖`` and ``‖∂L/∂k‖`` of the capped attention; ``dot_sq`` and ``dot_mean``
+    are still the moments of ``q·k``. Over ``S`` keys every row then has max weight at most
+    ``e^{2c} / (e^{2c} + S - 1)``, whatever ``d_k`` and the mode. The cap is an argument of the compiled
+    program (every cap runs the same program; ``None`` runs the uncapped one). ``‖∂L/∂logits‖`` comes
+    from ``jax.grad`` through the core, whose derivative of the cap is ``sech²(x / c)`` computed without
+    cancellation (:func:`jaxattn._logits.soft_cap`), as the Jacobian norm's is: tiny where ``tanh(x / c)``
+    rounds to ±1, not 0.
 
     Args:
       key: a ``jax.random`` key or an int seed.
@@ -238,9 +272,12 @@ def saturation_sweep(
       trials_per_batch: ``None`` (default) vmaps all trials of a ``d_k`` at once; an int runs them in
         chunks of that many (a ``lax.map`` step inside the same program), which bounds memory. Results
         are the same up to rounding (each chunk size compiles its own kernels).
+      logit_cap: ``None`` (default, no cap) or the soft cap ``c > 0``, a concrete number (the results
+        are NumPy arrays, so the sweep itself does not run under ``jit``).
 
     Returns:
-      dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries, and NumPy arrays
+      dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries (``logit_cap`` among them
+      only when a cap is given), and NumPy arrays
       ``[2, P, R, T]`` (``entropy``, ``normalized_entropy``, ``max_weight``, ``jacobian_norm``,
       ``logit_grad_norm``, ``q_grad_norm``, ``logit_grad_zero``, ``q_grad_zero``, ``jacobian_zero``),
       ``k_grad_norm [2, P, R, S]`` and ``dot_sq``, ``dot_mean [2, P, R]``.
@@ -253,8 +290,12 @@ def saturation_sweep(
     dtype = check_float_dtype(dtype)
     batch = None if trials_per_batch is None else check_int(trials_per_batch, "trials_per_batch")
     batch = None if batch is None or batch >= R else batch
+    cap = check_logit_cap(logit_cap)
+    if cap is not None and not isinstance(cap, float):
+        raise TypeError("logit_cap of saturation_sweep must be a concrete number or None (the sweep returns NumPy "
+                        "arrays); received a traced value: vmap sweep_trial_fn(..., logit_cap=...) instead")
     keys = jax.random.split(as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
+    out = _sweep_program(keys, cap, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),
@@ -265,6 +306,8 @@ def saturation_sweep(
         value_dim=V,
         dtype=dtype.name,
     )
+    if cap is not None:
+        result["logit_cap"] = cap
     return result
 
 
@@ -272,7 +315,8 @@ _SUMMARY_FIELDS = ("entropy", "normalized_entropy", "max_weight", "jacobian_norm
 
 
 def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0.5, 0.9)) -> dict[str, Any]:
-    """Distributions of a :func:`saturation_sweep`, per scale mode and ``d_k`` (float64 NumPy).
+    """Distributions of a :func:`saturation_sweep`, per scale mode and ``d_k`` (float64 NumPy); a capped
+    sweep's ``logit_cap`` is copied with the config entries.
 
     Returns:
       dict: ``head_dims [P]``, ``quantiles [Q]``, ``var_qk [P]`` (Monte Carlo Var(q·k) over every pair),
@@ -284,7 +328,7 @@ def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0
     """
     qs = np.asarray(quantiles, np.float64)
     summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
-    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype") if k in result})
+    summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype", "logit_cap") if k in result})
     dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
     dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
     var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2

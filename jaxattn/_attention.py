@@ -482,20 +482,15 @@ def _project(x: Array, params: dict, w: str, b: str) -> Array:
     return y
 
 
-def _layer_mode(return_weights: Any, implementation: Any, bias: Any) -> tuple[bool, str | None]:
-    """:func:`attention_layer`'s ``(return_weights, implementation)``, checked together with ``bias``:
-    an implementation needs ``return_weights=False``, a bias needs ``return_weights=True``."""
+def _layer_mode(return_weights: Any, implementation: Any) -> tuple[bool, str | None]:
+    """:func:`attention_layer`'s ``(return_weights, implementation)``: an implementation needs
+    ``return_weights=False``."""
     return_weights = check_flag(return_weights, "return_weights")
     implementation = check_implementation(implementation)
     if return_weights and implementation is not None:
         raise ValueError(
             f"implementation={implementation!r} needs return_weights=False: the weights [N, T, S] come from "
             f"the dense core, the implementations return (out, lse) (rows of the map: jaxattn.weights_from_lse)"
-        )
-    if not return_weights and bias is not None:
-        raise ValueError(
-            "bias needs return_weights=True: with return_weights=False the heads are computed without the "
-            "[N, T, S] logits a bias is added to"
         )
     return return_weights, implementation
 
@@ -561,8 +556,8 @@ def attention_layer(
     With ``return_weights=False`` the heads are computed by :func:`jaxattn.multi_head_blockwise_attention`
     with ``implementation`` (``None``, ``"blockwise"``, ``"xla"``, ``"cudnn"``, ``"pallas"``; see there)
     and no ``[N, T, S]`` map exists: the layer returns ``(out, lse)``, and
-    :func:`jaxattn.weights_from_lse` recovers any row of the map. ``bias`` needs the map's logits and is
-    refused there.
+    :func:`jaxattn.weights_from_lse` recovers any row of the map. A ``bias`` runs in the ``"blockwise"``
+    kernel there (the library kernels refuse it).
 
     Args:
       params: dict with ``W_Q [D, N·H]``, ``W_K [Dc, K·H]``, ``W_V [Dc, K·V]``, ``W_O [N·V, D]`` and
@@ -579,7 +574,7 @@ def attention_layer(
     Returns:
       ``(out [T, D], weights [N, T, S])``, or ``(out [T, D], lse [N, T])`` with ``return_weights=False``.
     """
-    return_weights, implementation = _layer_mode(return_weights, implementation, bias)
+    return_weights, implementation = _layer_mode(return_weights, implementation)
     h, c, N, K = _layer_inputs(params, h, context, num_heads, num_kv_heads)
     q = split_heads(_project(h, params, "W_Q", "b_Q"), N)  # [T, N, H]
     k = split_heads(_project(c, params, "W_K", "b_K"), K)  # [S, K, H]
@@ -588,7 +583,7 @@ def attention_layer(
         out, weights = multi_head_attention(q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal)
     else:
         out, weights = multi_head_blockwise_attention(  # weights: lse [N, T]
-            q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation=implementation
+            q, k, v, mask=mask, bias=bias, scale=scale, is_causal=is_causal, implementation=implementation
         )
     _check_output_projection(params, N * v.shape[2])
     out = _project(merge_heads(out), params, "W_O", "b_O")  # [T, D]

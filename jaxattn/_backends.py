@@ -64,7 +64,7 @@ def _is_concrete(scale: Any) -> bool:
 
 def unsupported(name: str, q: Array, k: Array, v: Array, mask: Array | None, scale: Any, is_causal: bool, *,
                 platform: str | None = None, interpret: bool = False, window: Any = None,
-                cap: Any = None) -> str | None:
+                cap: Any = None, bias: Any = None) -> str | None:
     """Why implementation ``name`` cannot run this call, or None if it can.
 
     Validated inputs: q ``[T, N, H]``, k ``[S, K, H]``, v ``[S, K, V]``, mask None or broadcastable to
@@ -77,6 +77,9 @@ def unsupported(name: str, q: Array, k: Array, v: Array, mask: Array | None, sca
         return None
     if cap is not None:
         return "a logit soft cap (logit_cap) runs in the 'blockwise' kernel only"
+    if bias is not None:
+        return ("a bias runs in the 'blockwise' kernel here (jaxattn.dot_product_attention passes a bias to "
+                "jax.nn's 'xla' and 'cudnn')")
     if name == "pallas" and window is not None:
         return "the Pallas kernel takes no sliding window (local_window_size); use 'blockwise', 'xla' or 'cudnn'"
     if name == "xla":
@@ -112,7 +115,7 @@ def unsupported(name: str, q: Array, k: Array, v: Array, mask: Array | None, sca
 
 def choose_implementation(implementation: str | None, q: Array, k: Array, v: Array, mask: Array | None, scale: Any,
             is_causal: bool, *, platform: str | None = None, interpret: bool = False, window: Any = None,
-            cap: Any = None) -> str:
+            cap: Any = None, bias: Any = None) -> str:
     """The implementation to run: the one asked for if it can run this call (else ``ValueError``), or
     None's choice.
 
@@ -125,11 +128,11 @@ def choose_implementation(implementation: str | None, q: Array, k: Array, v: Arr
     platform = platform or _platform()
     if implementation is not None:
         reason = unsupported(implementation, q, k, v, mask, scale, is_causal, platform=platform, interpret=interpret,
-                             window=window, cap=cap)
+                             window=window, cap=cap, bias=bias)
         if reason is not None:
             raise ValueError(f"implementation={implementation!r} cannot run this call: {reason}")
         return implementation
-    if platform == "gpu" and mask is None and cap is None:
+    if platform == "gpu" and mask is None and cap is None and bias is None:
         dtype = jnp.dtype(jnp.result_type(q, k, v))
         half = dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         H, V = q.shape[-1], v.shape[-1]

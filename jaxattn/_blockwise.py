@@ -255,8 +255,20 @@ def _tile_keep(plan: _Plan, mask: Array | None, i: Any, j: Any) -> Array:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, plan: _Plan) -> tuple[Array, Array]:
-    """Padded inputs (q ``[nq·bq, H]``, k ``[nk·bk, H]``, v ``[nk·bk, V]``) -> ``(out [nq·bq, V], lse [nq·bq])``."""
+def _bias_tile(bias: Array, plan: _Plan, i: Any, j: Any) -> Array:
+    """Tile ``(i, j)`` of a bias ``[t, s]`` (``t in {1, Tp}``, ``s in {1, Sp}``): ``[bq or 1, bk or 1]``."""
+    tile = bias
+    if bias.shape[0] > 1:
+        tile = jax.lax.dynamic_slice_in_dim(tile, i * plan.bq, plan.bq, axis=0)
+    if bias.shape[1] > 1:
+        tile = jax.lax.dynamic_slice_in_dim(tile, j * plan.bk, plan.bk, axis=1)
+    return tile
+
+
+def _forward(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | None, scale: Array,
+             plan: _Plan) -> tuple[Array, Array]:
+    """Padded inputs (q ``[nq·bq, H]``, k ``[nk·bk, H]``, v ``[nk·bk, V]``, bias ``[t, s]`` or None) ->
+    ``(out [nq·bq, V], lse [nq·bq])``."""
     acc_dtype = scale.dtype
     fill = jnp.finfo(acc_dtype).min  # finite: a fully masked row keeps m = fill and never makes NaN
     bq, bk, V = plan.bq, plan.bk, v.shape[1]
@@ -286,6 +298,8 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
             s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, bk], scaled logits
             if not pre:
                 s = s * scale  # [bq, bk]
+            if bias is not None:
+                s = s + _bias_tile(bias, plan, i, j).astype(acc_dtype)  # [bq, bk]
             s = soft_cap(s, plan.cap)  # [bq, bk]
             if masked:
                 keep = _tile_keep(plan, mask, i, j)  # [bq, bk]
@@ -329,8 +343,9 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, scale: Array, pla
 # ----------------------------------------------------------------------------------------------------
 
 
-def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
-    """Cotangents ``(dq, dk, dv, dscale)`` of ``(out, lse)`` -> inputs, one key block at a time.
+def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=None):
+    """Cotangents ``(dq, dk, dv, dscale, dbias)`` of ``(out, lse)`` -> inputs, one key block at a time
+    (``dbias`` None without a bias; else in the bias's compact shape ``[t, s]``).
 
     ``out`` and ``lse`` need not come from this tile set: given the ``out`` and ``lse`` of attention over
     a larger key set (ring attention's global ones), this is that attention's gradient restricted to
@@ -347,14 +362,15 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
     pre = q.dtype == acc_dtype  # as in _forward: bf16/fp16 tiles scale their float32 product instead
     q_s = _scaled(q, scale) if pre else q  # [Tp, H]
     _, (n_masked_b, n_free_b) = _loop_counts(plan)
-    dq_rows = _dq_rows(bq)
+    dq_rows = _dq_rows(bq, bias)
+    tb, sb = (1, 1) if bias is None else (bias.shape[0], bk if bias.shape[1] > 1 else 1)  # dbias: [tb, sb] a key block
 
     def k_block(j, dq, kb, vb):  # kb [bk, H], vb [bk, V]
         j, (kb, vb) = _tied(j, (kb, vb))  # see _tied
         vb32 = vb.astype(acc_dtype)  # [bk, V]
 
         def tile(i, carry, masked):
-            dq_b, dk, dv = carry  # [bq, H], [bk, H], [bk, V]
+            dq_b, dk, dv, db = carry  # [bq, H], [bk, H], [bk, V], [bq or 1, sb]
             qb = jax.lax.dynamic_slice_in_dim(q_s, i * bq, bq)  # [bq, H], scaled
             dob = jax.lax.dynamic_slice_in_dim(d_out, i * bq, bq)  # [bq, V]
             lse_b = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq)  # [bq]
@@ -365,6 +381,8 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [bk, bq], scaled logits
             if not pre:
                 s = s * scale  # [bk, bq]
+            if bias is not None:
+                s = s + _bias_tile(bias, plan, i, j).astype(acc_dtype).T  # [bk, bq]
             if plan.cap is not None:  # c·tanh(s/c), and its derivative sech² for ds below
                 u = s / plan.cap  # [bk, bq]
                 s, d_cap = plan.cap * jnp.tanh(u), sech2(u)  # [bk, bq], [bk, bq]
@@ -379,30 +397,40 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan):
             ds_t = jax.lax.optimization_barrier(ds.T)  # [bq, bk]
             dq_b = dq_b + jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [bq, H]
             dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
-            return dq_b, dk, dv
+            if bias is not None:  # the bias's cotangent is ds, summed over the axes it broadcasts along
+                db_tile = ds_t if tb > 1 else jnp.sum(ds_t, axis=0, keepdims=True)  # [bq or 1, bk]
+                db = db + (db_tile if sb > 1 else jnp.sum(db_tile, axis=1, keepdims=True))  # [bq or 1, sb]
+            return dq_b, dk, dv, db
 
         lo, f_lo, f_hi, hi = _q_range(plan, j)
-        carry = (dq, jnp.zeros_like(kb, acc_dtype), jnp.zeros_like(vb, acc_dtype))  # (made from the data: see _forward)
+        db0 = jnp.zeros_like(kb, acc_dtype, shape=(tb, sb))  # this key block's column of dbias
+        carry = (dq, jnp.zeros_like(kb, acc_dtype), jnp.zeros_like(vb, acc_dtype), db0)  # (made from the data: see _forward)
         carry = _tile_loop(lo, hi, n_masked_b, functools.partial(tile, masked=True), carry, dq_rows, gap=(f_lo, f_hi))
         carry = _tile_loop(f_lo, f_hi, n_free_b, functools.partial(tile, masked=False), carry, dq_rows)
         return carry
 
     def scan_body(dq, xs):
         j, kb, vb = xs
-        dq, dk, dv = k_block(j, dq, kb, vb)
-        return dq, (dk, dv)
+        dq, dk, dv, db = k_block(j, dq, kb, vb)
+        return dq, (dk, dv, db)
 
     ks = k.reshape(plan.nk, bk, H)  # [nk, bk, H]
     vs = v.reshape(plan.nk, bk, V)  # [nk, bk, V]
     dq0 = jnp.zeros_like(q, acc_dtype)  # [Tp, H], unscaled
-    dq, (dk, dv) = jax.lax.scan(scan_body, dq0, (jnp.arange(plan.nk), ks, vs))  # [Tp, H], [nk, bk, H], [nk, bk, V]
+    dq, (dk, dv, db) = jax.lax.scan(scan_body, dq0, (jnp.arange(plan.nk), ks, vs))  # [Tp, H], [nk, bk, H], [nk, bk, V], [nk, tb, sb]
+    if bias is None:
+        d_bias = None
+    elif sb > 1:
+        d_bias = db.transpose(1, 0, 2).reshape(tb, plan.nk * bk)  # [tb, Sp]
+    else:
+        d_bias = jnp.sum(db, axis=0)  # [tb, 1]
     d_scale = jnp.sum(dq * q.astype(acc_dtype))  # Σ_ij ds_ij (q_i · k_j)
     dq = dq * scale  # [Tp, H]
     dk = dk.reshape(plan.nk * bk, H)  # [Sp, H]
     if not pre:
         dk = dk * scale  # [Sp, H], = scale·dsᵀq
     dv = dv.reshape(plan.nk * bk, V)  # [Sp, V]
-    return dq, dk, dv, d_scale
+    return dq, dk, dv, d_scale, d_bias
 
 
 def _backward_operands(q, k, v, out, lse, d_out, d_lse, acc_dtype):
@@ -425,17 +453,23 @@ def _backward_operands(q, k, v, out, lse, d_out, d_lse, acc_dtype):
     return q, k, v, d_out, D, lse
 
 
-def _dq_rows(bq: int):
-    """``(take, put)`` for :func:`_tile_loop`: query block ``i``'s rows of dq go in and out of the (possibly
-    skipped) tile alone, with the key block's ``dk``, ``dv``; the whole ``dq [Tp, H]`` never enters the cond."""
+def _dq_rows(bq: int, bias: Array | None = None):
+    """``(take, put)`` for :func:`_tile_loop`: query block ``i``'s rows of dq (and of the key block's column
+    of dbias, when the bias has rows) go in and out of the (possibly skipped) tile alone, with the key
+    block's ``dk``, ``dv``; the whole ``dq [Tp, H]`` never enters the cond."""
+    rows = bias is not None and bias.shape[0] > 1
 
     def take(i, carry):
-        dq, dk, dv = carry
-        return jax.lax.dynamic_slice_in_dim(dq, i * bq, bq), dk, dv  # [bq, H], [bk, H], [bk, V]
+        dq, dk, dv, db = carry
+        if rows:
+            db = jax.lax.dynamic_slice_in_dim(db, i * bq, bq)  # [bq, sb]
+        return jax.lax.dynamic_slice_in_dim(dq, i * bq, bq), dk, dv, db  # [bq, H], [bk, H], [bk, V], ...
 
     def put(i, carry, part):
-        dq_b, dk, dv = part
-        return jax.lax.dynamic_update_slice_in_dim(carry[0], dq_b, i * bq, axis=0), dk, dv  # [Tp, H], ...
+        dq_b, dk, dv, db = part
+        if rows:
+            db = jax.lax.dynamic_update_slice_in_dim(carry[3], db, i * bq, axis=0)  # [Tp, sb]
+        return jax.lax.dynamic_update_slice_in_dim(carry[0], dq_b, i * bq, axis=0), dk, dv, db  # [Tp, H], ...
 
     return take, put
 
@@ -445,21 +479,22 @@ def _dq_rows(bq: int):
 # ----------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, mask, scale, plan):
-    return _forward(q, k, v, mask, scale, plan)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, mask, bias, scale, plan):
+    return _forward(q, k, v, mask, bias, scale, plan)
 
 
-def _flash_fwd(q, k, v, mask, scale, plan):
-    out, lse = _forward(q, k, v, mask, scale, plan)
-    return (out, lse), (q, k, v, mask, scale, out, lse)
+def _flash_fwd(q, k, v, mask, bias, scale, plan):
+    out, lse = _forward(q, k, v, mask, bias, scale, plan)
+    return (out, lse), (q, k, v, mask, bias, scale, out, lse)
 
 
 def _flash_bwd(plan, residuals, cotangents):
-    q, k, v, mask, scale, out, lse = residuals
+    q, k, v, mask, bias, scale, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, d_scale = _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_scale
+    dq, dk, dv, d_scale, d_bias = _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan, bias)
+    d_bias = None if bias is None else d_bias.astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, d_bias, d_scale
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -500,21 +535,26 @@ def _pad_rows(x: Array, n: int) -> Array:
     return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1))
 
 
+def _pad_compact(x: Array | None, Tp: int, Sp: int) -> Array | None:
+    """A ``[t, s]`` mask or bias padded with False or 0 along the axes it does not broadcast."""
+    if x is not None:
+        if x.shape[0] > 1:
+            x = _pad_rows(x, Tp)  # [Tp, s]
+        if x.shape[1] > 1:
+            x = _pad_rows(x.T, Sp).T  # [t, Sp]
+    return x
+
+
 def _padded(q, k, v, mask, plan: _Plan):
     """q, k, v padded with zero rows to whole blocks; the mask padded with False (padded keys not kept)."""
     Tp, Sp = plan.nq * plan.bq, plan.nk * plan.bk
     qp, kp, vp = _pad_rows(q, Tp), _pad_rows(k, Sp), _pad_rows(v, Sp)  # [Tp, H], [Sp, H], [Sp, V]
-    if mask is not None:
-        if mask.shape[0] > 1:
-            mask = _pad_rows(mask, Tp)  # [Tp, s]
-        if mask.shape[1] > 1:
-            mask = _pad_rows(mask.T, Sp).T  # [t, Sp]
-    return qp, kp, vp, mask
+    return qp, kp, vp, _pad_compact(mask, Tp, Sp)
 
 
-def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, cap=None):
-    """One head, validated inputs; mask ``[t, s]`` or None; scale an array of the accumulation dtype;
-    ``window`` ``(left, right)`` or None, ``cap`` a Python float or None (both static)."""
+def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, cap=None, bias=None):
+    """One head, validated inputs; mask and bias ``[t, s]`` or None; scale an array of the accumulation
+    dtype; ``window`` ``(left, right)`` or None, ``cap`` a Python float or None (both static)."""
     T, S = q.shape[0], k.shape[0]
     out_dtype = jnp.result_type(q, k, v)
     acc_dtype = scale.dtype
@@ -523,13 +563,14 @@ def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, c
         return out, jnp.full((T,), -jnp.inf, acc_dtype)
     plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None, window, cap)
     qp, kp, vp, mask = _padded(q, k, v, mask, plan)  # [Tp, H], [Sp, H], [Sp, V], [t, s] padded
-    out, lse = _flash(qp, kp, vp, mask, scale, plan)  # [Tp, V], [Tp]
+    bias = _pad_compact(bias, plan.nq * plan.bq, plan.nk * plan.bk)  # [t, s] padded, or None
+    out, lse = _flash(qp, kp, vp, mask, bias, scale, plan)  # [Tp, V], [Tp]
     return out[:T].astype(out_dtype), lse[:T]
 
 
 # The public functions check their inputs in Python, then run as one compiled program (eagerly on a new
 # shape: one compile instead of one per primitive; inside the caller's jit the inner jit is inlined).
-_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k", "window", "cap"))
+_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k", "window", "cap"))  # noqa: E501
 
 
 def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, block_q, block_k, window=None, cap=None):
@@ -551,7 +592,7 @@ def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, bl
     # padded query rows: zero d_out and d_lse, so their ds = p · (0 - 0) = 0 and they add nothing
     out, d_out = _pad_rows(out, Tp), _pad_rows(d_out.astype(acc_dtype), Tp)  # [Tp, V], [Tp, V]
     lse, d_lse = _pad_rows(lse, Tp), _pad_rows(d_lse.astype(acc_dtype), Tp)  # [Tp], [Tp]
-    dq, dk, dv, d_scale = _backward(qp, kp, vp, mask, scale, out, lse, d_out, d_lse, plan)
+    dq, dk, dv, d_scale, _ = _backward(qp, kp, vp, mask, scale, out, lse, d_out, d_lse, plan)
     return dq[:T], dk[:S], dv[:S], d_scale
 
 
@@ -577,6 +618,7 @@ def blockwise_attention(
     implementation: str | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logit_cap: float | None = None,
+    bias: Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
 ) -> tuple[Float[Array, "T V"], Float[Array, "T"]]:
     """Attention of one head, ``softmax(scale · q kᵀ) v``, computed tile by tile in O(T + S) memory.
 
@@ -627,6 +669,10 @@ def blockwise_attention(
         the function described here; ``None`` is ``"blockwise"`` on CPU and TPU.
       local_window_size: ``None``, an int ``w`` or ``(left, right)`` Python ints (see above).
       logit_cap: ``None`` or a positive Python number (see above).
+      bias: optional additive logit bias broadcastable to ``[T, S]``, added after the scale and before the
+        cap; kept in its own shape (a per-key bias ``[S]`` costs O(S)), differentiable (its gradient is
+        summed along the axes it broadcasts). ``"blockwise"`` only: the library kernels refuse it
+        (``jaxattn.dot_product_attention`` passes a bias to jax.nn's).
 
     Returns:
       ``(out, lse)``: ``out [T, V]`` in the promoted dtype of q, k, v; ``lse [T]`` the row log-sum-exp of
@@ -634,7 +680,7 @@ def blockwise_attention(
     """
     return _blockwise_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, block_q=block_q,
                                 block_k=block_k, implementation=implementation, interpret=False,
-                                local_window_size=local_window_size, logit_cap=logit_cap)
+                                local_window_size=local_window_size, logit_cap=logit_cap, bias=bias)
 
 
 def _static_cap(logit_cap: Any) -> float | None:
@@ -647,23 +693,24 @@ def _static_cap(logit_cap: Any) -> float | None:
 
 
 def _blockwise_attention(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret,
-                         local_window_size=None, logit_cap=None):
+                         local_window_size=None, logit_cap=None, bias=None):
     """:func:`blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode (any platform)."""
-    q, k, v, mask, _, scale = check_attention_inputs(q, k, v, mask, None, scale, broadcast_mask=False)
+    q, k, v, mask, bias, scale = check_attention_inputs(q, k, v, mask, bias, scale, broadcast_mask=False,
+                                                        broadcast_bias=False)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
     window, cap = check_window(local_window_size), _static_cap(logit_cap)
     name = choose_implementation(implementation, q[:, None], k[:, None], v[:, None], mask, scale, is_causal,
-                                 interpret=interpret, window=window, cap=cap)
+                                 interpret=interpret, window=window, cap=cap, bias=bias)
     if name != "blockwise":
         out, lse = _attend_library(name, q[:, None], k[:, None], v[:, None], mask, scale, is_causal,
                                    block_q=block_q, block_k=block_k, interpret=interpret, window=window)  # [T, 1, V], [1, T]
         return out[:, 0], lse[0]
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     return _blockwise_jit(q, k, v, compact_mask(mask), _scale_array(scale, acc_dtype), is_causal, block_q, block_k,
-                          window, cap)
+                          window, cap, compact_mask(bias))
 
 
 def multi_head_blockwise_attention(
@@ -679,6 +726,7 @@ def multi_head_blockwise_attention(
     implementation: str | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logit_cap: float | None = None,
+    bias: Float[ArrayLike, "#N #T #S"] | Float[ArrayLike, "#T #S"] | Float[ArrayLike, "#S"] | None = None,
 ) -> tuple[Float[Array, "T N V"], Float[Array, "N T"]]:
     """Multi-head and grouped-query :func:`blockwise_attention`: the single-head function mapped over heads.
 
@@ -697,6 +745,8 @@ def multi_head_blockwise_attention(
       mask: optional boolean keep-mask broadcastable to ``[N, T, S]`` (e.g. ``[S]``, ``[T, S]``).
       is_causal, scale, block_q, block_k, local_window_size, logit_cap: as in :func:`blockwise_attention`
         (``"xla"`` and ``"cudnn"`` take a window, none but ``"blockwise"`` a cap).
+      bias: optional additive logit bias broadcastable to ``[N, T, S]``, as in :func:`blockwise_attention`
+        (``"blockwise"`` only).
       implementation: which kernel computes it, named as in ``jax.nn.dot_product_attention``; every one
         returns the same ``(out, lse)`` (lse from the kernel, differentiable), so
         :func:`weights_from_lse` recovers rows of the map whichever ran:
@@ -722,44 +772,49 @@ def multi_head_blockwise_attention(
     """
     return _multi_head_blockwise(q, k, v, mask=mask, is_causal=is_causal, scale=scale, block_q=block_q,
                                  block_k=block_k, implementation=implementation, interpret=False,
-                                 local_window_size=local_window_size, logit_cap=logit_cap)
+                                 local_window_size=local_window_size, logit_cap=logit_cap, bias=bias)
 
 
 def _multi_head_blockwise(q, k, v, *, mask, is_causal, scale, block_q, block_k, implementation, interpret,
-                          local_window_size=None, logit_cap=None, window=None):
+                          local_window_size=None, logit_cap=None, window=None, bias=None):
     """:func:`multi_head_blockwise_attention`; ``interpret`` runs the Pallas kernel in interpret mode;
     ``window``: a checked ``(left, right)`` that may be negative on one side (a ring step's window moved to
     the step's own coordinates), used when ``local_window_size`` is None."""
-    q, k, v, mask, _, scale = check_multi_head_inputs(q, k, v, mask, None, scale)
+    q, k, v, mask, bias, scale = check_multi_head_inputs(q, k, v, mask, bias, scale)
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
     implementation = check_implementation(implementation)
     window, cap = (window if local_window_size is None else check_window(local_window_size)), _static_cap(logit_cap)
     name = choose_implementation(implementation, q, k, v, mask, scale, is_causal, interpret=interpret,
-                                 window=window, cap=cap)
+                                 window=window, cap=cap, bias=bias)
     if name != "blockwise":
         return _attend_library(name, q, k, v, mask, scale, is_causal, block_q=block_q, block_k=block_k,
                                interpret=interpret, window=window)
     acc_dtype = softmax_dtype(jnp.result_type(q, k, v))
     return _multi_head_flash(q, k, v, mask, _scale_array(scale, acc_dtype), is_causal, block_q, block_k,
-                             _heads_side_by_side(q, k), window, cap)
+                             _heads_side_by_side(q, k), window, cap, bias)
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "block_q", "block_k", "side_by_side", "window", "cap"))
-def _multi_head_flash(q, k, v, mask, scale, is_causal, block_q, block_k, side_by_side, window=None, cap=None):
+def _multi_head_flash(q, k, v, mask, scale, is_causal, block_q, block_k, side_by_side, window=None, cap=None,
+                      bias=None):
     """:func:`multi_head_blockwise_attention`'s blockwise path on checked inputs, one compiled program."""
     T, N, H = q.shape
     S, K, V = v.shape
     qh = group_query_heads(q, K)  # [K, G, T, H]
     kh, vh = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [K, S, H], [K, S, V]
     m, m_axis = per_head(mask, N, K)  # [K, G, t, s] (one per head) or [t, s] (shared) or None
+    b, b_axis = per_head(bias, N, K)  # likewise
+    per_q = (qh,) if b_axis is None else (qh, b)  # a bias of its own per head is mapped with the queries
 
     def one_head(qs, kvs, m1):
-        (q1,), (k1, v1) = qs, kvs
-        return _blockwise(q1, k1, v1, compact_mask(m1), scale, is_causal, block_q, block_k, window, cap)
+        (q1, *b1), (k1, v1) = qs, kvs
+        b1 = b1[0] if b1 else b
+        return _blockwise(q1, k1, v1, compact_mask(m1), scale, is_causal, block_q, block_k, window, cap,
+                          compact_mask(b1))
 
-    out, lse = _over_heads(one_head, (qh,), (kh, vh), m, m_axis, side_by_side)
+    out, lse = _over_heads(one_head, per_q, (kh, vh), m, m_axis, side_by_side)
     out = out.transpose(2, 0, 1, 3).reshape(T, N, V)  # [T, N, V], from [K, G, T, V]
     return out, lse.reshape(N, T)
 

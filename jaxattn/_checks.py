@@ -258,12 +258,12 @@ def check_logit_cap(cap: Any, name: str = "logit_cap") -> Any:
 # ----------------------------------------------------------------------------------------------------
 
 
-def check_attention_inputs(q, k, v, mask, bias, scale, *, broadcast_mask=True):
+def check_attention_inputs(q, k, v, mask, bias, scale, *, broadcast_mask=True, broadcast_bias=True):
     """Checked ``(q, k, v, mask, bias, scale)`` of one head: q ``[T, H]``, k ``[S, H]``, v ``[S, V]`` or None,
     mask and bias broadcastable to ``[T, S]`` (or None), the scale as :func:`check_scale` gives it.
 
-    The bias is broadcast to ``[T, S]``; the mask too, unless ``broadcast_mask=False``, which keeps its
-    compact shape (a key-padding mask ``[S]`` stays ``[S]``).
+    The bias is broadcast to ``[T, S]`` and so is the mask, unless ``broadcast_bias=False`` or
+    ``broadcast_mask=False``, which keep their compact shapes (a key-padding mask ``[S]`` stays ``[S]``).
     """
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
@@ -291,7 +291,8 @@ def check_attention_inputs(q, k, v, mask, bias, scale, *, broadcast_mask=True):
     if bias is not None:
         bias = as_float_array(bias, "bias")
         check_broadcastable(bias, (T, S), "bias", "[T, S]")
-        bias = jnp.broadcast_to(bias, (T, S))
+        if broadcast_bias:
+            bias = jnp.broadcast_to(bias, (T, S))
     scale = check_scale(scale, q.shape[-1], jnp.result_type(q, k))
     return q, k, v, mask, bias, scale
 

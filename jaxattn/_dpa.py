@@ -92,13 +92,9 @@ def _choose(implementation: Any, bias: Any, cap: Any) -> str | None:
         raise ValueError(f"implementation must be None or one of {list(DPA_IMPLEMENTATIONS)}, received {implementation!r}")
     if implementation in ("xla", "cudnn") and cap is not None:
         raise ValueError(f"implementation={implementation!r} (jax.nn's) takes no logit_cap; use 'blockwise' or 'dense'")
-    if implementation in ("blockwise", "pallas") and bias is not None:
-        raise ValueError(
-            f"implementation={implementation!r} takes no bias (its kernel adds none to its tiles); use 'dense', "
-            f"'xla' or 'cudnn' for a bias"
-        )
-    if implementation is None and bias is not None:
-        return "dense"
+    if implementation == "pallas" and bias is not None:
+        raise ValueError("implementation='pallas' takes no bias (its kernel adds none); use 'blockwise', 'dense', "
+                         "'xla' or 'cudnn' for a bias")
     return implementation
 
 
@@ -146,10 +142,11 @@ def dot_product_attention(
     - ``"dense"``: :func:`jaxattn.multi_head_attention` (the core the probes measure), any bias, mask,
       window and ``logit_cap``; O(T·S) memory.
     - ``"blockwise"``: :func:`jaxattn.multi_head_blockwise_attention`'s tiled kernel, O(T + S) memory
-      with no mask given, key blocks outside the window skipped; no bias.
+      with no mask or bias given (a mask or bias keeps its broadcast shape), key blocks outside the
+      window skipped.
     - ``"pallas"``: the Pallas GPU kernel (``is_causal`` only).
-    - ``None``: ``"dense"`` when a bias is given; otherwise :func:`jaxattn.multi_head_blockwise_attention`'s
-      choice (``"blockwise"`` on CPU and TPU, cuDNN or Pallas on a GPU where they can run the call).
+    - ``None``: :func:`jaxattn.multi_head_blockwise_attention`'s choice (``"blockwise"`` on CPU and TPU,
+      cuDNN or Pallas on a GPU where they can run the call).
 
     Where jaxattn's kernels (``"dense"``, ``"blockwise"``, ``"pallas"``) deliberately differ from jax.nn:
     a query row with no kept key (outside ``query_seq_lengths``, or masked everywhere) gives a zero output
@@ -206,7 +203,7 @@ def dot_product_attention(
                 return o, lse1
             o, lse1 = _multi_head_blockwise(
                 q1, k1, v1, mask=m1, is_causal=is_causal, scale=scale, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
-                implementation=name, interpret=False, local_window_size=window, logit_cap=cap,
+                implementation=name, interpret=False, local_window_size=window, logit_cap=cap, bias=b1,
             )
             return o, lse1.T  # [T, N, V], [T, N]
 

@@ -155,9 +155,13 @@ def test_attention_layer_without_weights_runs_each_implementation():
     np.testing.assert_allclose(out2, out, **TOL)
     with pytest.raises(ValueError, match=r"implementation='xla' needs return_weights=False"):
         jaxattn.attention_layer(params, h, num_heads=4, num_kv_heads=2, implementation="xla")
-    with pytest.raises(ValueError, match=r"bias needs return_weights=True"):
-        jaxattn.attention_layer(params, h, num_heads=4, num_kv_heads=2, bias=np.zeros((9, 9), np.float32),
-                                return_weights=False)
+    bias = np.random.default_rng(3).normal(size=(4, 9, 9)).astype(np.float32)  # per head
+    with_map, _ = jaxattn.attention_layer(params, h, num_heads=4, num_kv_heads=2, bias=bias)
+    without, _ = jaxattn.attention_layer(params, h, num_heads=4, num_kv_heads=2, bias=bias, return_weights=False)
+    np.testing.assert_allclose(without, with_map, **TOL)  # the blockwise kernel adds the bias in its tiles
+    with pytest.raises(ValueError, match=r"implementation='xla' cannot run this call: a bias runs in the 'blockwise'"):
+        jaxattn.attention_layer(params, h, num_heads=4, num_kv_heads=2, bias=bias, return_weights=False,
+                                implementation="xla")
     with pytest.raises(ValueError, match=r"implementation must be None or one of"):
         jaxattn.attention_layer(params, h, num_heads=4, num_kv_heads=2, return_weights=False, implementation="XLA")
 

@@ -674,3 +674,34 @@ def test_head_sharding_carries_through_jit_of_vmap():
         assert r["out"] == r["jax_nn"] and r["dq"] == r["jax_nn"] and r["dk"] == r["jax_nn"], (kind, r)
         assert r["lse"] == ["batch", "heads", None], (kind, r)
         assert r["close"], (kind, r)
+
+
+@pytest.mark.parametrize("shape", [(13, 11), (11,), (13, 1), (1, 1)])
+def test_a_bias_in_every_broadcast_shape_equals_the_dense_cores_with_its_gradient(shape, x64):
+    """The bias is added in each tile (after the scale, before the cap); its gradient comes back in its
+    own shape, summed along the axes it broadcasts; float64 against the dense core, causal and windowed."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.normal(size=(n, 4)) for n in (13, 11, 11))
+    bias = rng.normal(size=shape)
+    for kw in (dict(is_causal=True), dict(local_window_size=(2, 1), logit_cap=1.5)):
+        dense = lambda q, k, v, b: jnp.sum(jaxattn.attention(q, k, v, bias=b, **kw)[0] ** 2)
+        tiled = lambda q, k, v, b: jnp.sum(jaxattn.blockwise_attention(q, k, v, bias=b, block_q=4, block_k=3, **kw)[0] ** 2)
+        np.testing.assert_allclose(tiled(q, k, v, bias), dense(q, k, v, bias), rtol=1e-12)
+        for got, want in zip(jax.grad(tiled, (0, 1, 2, 3))(q, k, v, bias), jax.grad(dense, (0, 1, 2, 3))(q, k, v, bias)):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_per_head_bias_in_multi_head_blockwise_and_a_kept_nan_bias_makes_its_row_nan():
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(9, 4, 4)).astype(np.float32)
+    k, v = (rng.normal(size=(9, 2, 4)).astype(np.float32) for _ in range(2))
+    bias = rng.normal(size=(4, 9, 9)).astype(np.float32)
+    out, _ = jaxattn.multi_head_blockwise_attention(q, k, v, bias=bias, is_causal=True, block_q=4, block_k=2)
+    want, _ = jaxattn.multi_head_attention(q, k, v, bias=bias, is_causal=True)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    bias[1, 5, 7] = np.nan  # row 5 of head 1 does not keep key 7 (causal): nothing changes
+    bias[2, 6, 3] = np.nan  # row 6 of head 2 keeps key 3: that row is NaN
+    out, _ = jaxattn.multi_head_blockwise_attention(q, k, v, bias=bias, is_causal=True, block_q=4, block_k=2)
+    nan = np.isnan(np.asarray(out))
+    assert nan[6, 2].all() and nan.sum() == out.shape[2]

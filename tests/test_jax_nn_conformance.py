@@ -11,7 +11,7 @@ What changed, and only this:
 - CHANGED: the function under test (``sdpa_ans``) is ``jaxattn.dot_product_attention``, not ``jax.nn``'s;
   the reference stays ``jax.nn.dot_product_attention``.
 - CHANGED: besides JAX's own ``impl`` values (``"cudnn"``, ``"xla"``), jaxattn's kernels (``"blockwise"``,
-  ``"dense"``) run each case too; ``"blockwise"`` takes no bias, so the bias cases run on ``"dense"``.
+  ``"dense"``) run each case too.
 - CHANGED: ``_check_cudnn_backend`` and the GPU guards: cuDNN cases skip off an NVIDIA GPU, as the tests'
   own guards (compute capability 8.0) do; the cuDNN-in-HLO checks run only where cuDNN runs.
 - CHANGED: ``assertAllClose`` is ``numpy.testing.assert_allclose`` on float32 copies (absltest's compares
@@ -108,8 +108,7 @@ def test_dot_product_attention(dtype, group_num, use_vmap, impl):
 _MASK_MODES = ["bias", "causal", "padding", "custom", ("causal", "padding"), ("custom", "padding"),
                ("bias", "causal"), ("causal", "sliding_window")]
 # JAX's own impl there: cuDNN on an NVIDIA GPU, else xla. CHANGED: jaxattn's kernels run each mode too.
-_MASK_CASES = [(m, impl) for m in _MASK_MODES for impl in ["cudnn" if ON_NVIDIA else "xla", "blockwise", "dense"]
-               if not ("bias" in m and impl == "blockwise")]
+_MASK_CASES = [(m, impl) for m in _MASK_MODES for impl in ["cudnn" if ON_NVIDIA else "xla", "blockwise", "dense"]]
 _MASK_CASES.sort(key=lambda c: not (c[0] == ("causal", "sliding_window") and c[1] == "blockwise"))
 
 
@@ -180,8 +179,9 @@ def test_dot_product_attention_float64_mask_debug_infs(impl):
         assert out.shape == (T, N, H) and out.dtype == jnp.float64
 
 
-_BIAS_CASES = [(b, vm, impl) for b in (1, 16) for vm in (False, True) for impl in ["cudnn" if ON_NVIDIA else "xla", "dense"]]
-_BIAS_CASES.sort(key=lambda c: not (c[0] == 1 and c[2] == "dense"))
+_BIAS_CASES = [(b, vm, impl) for b in (1, 16) for vm in (False, True)
+               for impl in ["cudnn" if ON_NVIDIA else "xla", "blockwise", "dense"]]
+_BIAS_CASES.sort(key=lambda c: not (c[0] == 1 and c[2] == "blockwise"))
 
 
 @pytest.mark.parametrize("batch_size,use_vmap,impl", _slow_after_first(_BIAS_CASES))

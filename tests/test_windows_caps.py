@@ -205,3 +205,41 @@ def test_the_caps_derivative_is_right_where_tanh_rounds_to_one_in_float32():
     dense = jax.grad(f)(k1, jaxattn.attention)
     blockwise = jax.grad(f)(k1, jaxattn.blockwise_attention)
     np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), rtol=1e-5, atol=1e-30)
+
+
+def test_blockwise_tile_ranges_skip_no_kept_key_and_free_tiles_hold_no_masked_one():
+    """Every plan of a grid of lengths, blocks, windows, causal and masks: a tile holding a kept key is
+    visited, a mask-free tile holds no masked entry, and the backward visits what the forward does."""
+    import itertools
+
+    from jaxattn._blockwise import _k_range, _loop_counts, _plan, _q_range
+
+    plans = 0
+    for T, S, bq, bk, causal, window, has_mask in itertools.product(
+            [1, 7, 13, 32], [1, 6, 13, 33], [1, 4, 5], [1, 3, 8], [False, True],
+            [None, (0, 0), (2, 1), (5, 0), (0, 4), (40, 40)], [False, True]):
+        p = _plan(T, S, bq, bk, causal, has_mask, window)
+        rows, cols = np.arange(p.nq * p.bq)[:, None], np.arange(p.nk * p.bk)[None, :]
+        keep = cols < S
+        if causal:
+            keep = keep & (cols <= rows)
+        if p.window is not None:
+            keep = keep & (cols >= rows - p.window[0]) & (cols <= rows + p.window[1])
+        tile = lambda i, j: keep[i * p.bq:(i + 1) * p.bq, j * p.bk:(j + 1) * p.bk]
+        fwd, bwd = {}, {}
+        for i in range(p.nq):
+            lo, f_lo, f_hi, hi = _k_range(p, i)
+            assert 0 <= lo <= f_lo <= f_hi <= hi <= p.nk
+            for j in range(p.nk):
+                assert lo <= j < hi or not tile(i, j).any(), (T, S, bq, bk, causal, window, has_mask, i, j)
+                if lo <= j < hi:
+                    fwd[i, j] = f_lo <= j < f_hi
+                    assert not fwd[i, j] or tile(i, j).all()
+        for j in range(p.nk):
+            lo, f_lo, f_hi, hi = _q_range(p, j)
+            for i in range(lo, hi):
+                bwd[i, j] = f_lo <= i < f_hi
+        assert {ij: f for ij, f in fwd.items() if tile(*ij).any()} == {ij: f for ij, f in bwd.items() if tile(*ij).any()}
+        _loop_counts(p)
+        plans += 1
+    assert plans == 3456

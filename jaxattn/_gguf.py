@@ -138,6 +138,61 @@ class _Header:
         return True
 
 
+def read_architecture(path: str | os.PathLike) -> str | None:
+    """``general.architecture`` read from the header alone, before any other key's value is read (llama.cpp's
+    converters write it first, so this reads a few hundred bytes, whatever the vocabulary's size); None when
+    the file is not GGUF of a version this reads, or holds no such string key.
+
+    Raises:
+      CheckpointError: a count or length the file's bytes cannot hold on the way to it (naming the file).
+    """
+    import mmap
+
+    path = Path(path)
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            return None
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return None
+            version = struct.unpack_from("<I", data, 4)[0]
+            order = "<"
+            if version & 0xFFFF == 0:
+                order, version = ">", struct.unpack_from(">I", data, 4)[0]
+            if version not in _READ_VERSIONS:
+                return None
+            h = _Header(data, path, order)
+            h.at = 8
+            h.uint(8, "the tensor count")
+            for i in range(h.uint(8, "the key/value count")):
+                key = h.string(f"the name of metadata key number {i}").decode("utf-8", "replace")
+                kind = h.uint(4, f"the type of metadata key '{key}'")
+                if key == "general.architecture" and kind == _STRING:
+                    return h.string(f"metadata key '{key}'").decode("utf-8", "replace")
+                if not h.value(kind, key):
+                    return None
+    return None
+
+
+def check_architecture(path: str | os.PathLike, supported: tuple[str, ...]) -> None:
+    """Refuse a GGUF file whose ``general.architecture`` is not one of ``supported``, before its vocabulary
+    or tensors are parsed (:func:`read_architecture`); a file without one is left to the full reader.
+
+    Raises:
+      CheckpointError: naming the file, its architecture and the supported ones.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: GGUF file not found")
+    arch = read_architecture(path)
+    if arch is not None and arch not in supported:
+        names = ", ".join(repr(a) for a in supported)
+        raise CheckpointError(
+            f"{path}: general.architecture is {arch!r}; this loader reads the 'llama' architecture only "
+            f"(supported: {names}; nothing else of the file was read)"
+        )
+
+
 def check_header(path: str | os.PathLike) -> None:
     """Walk a GGUF file's header (magic, version, tensor count, key/value count, every key and value, every
     tensor's name and dims) and refuse any count or length whose bytes the file cannot hold, before

@@ -537,6 +537,7 @@ def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
 def _load_gguf(path: str | Path, placer: Any) -> tuple[dict, LlamaConfig, TextTokenizer]:
     """:func:`load_gguf`, each weight handed to ``placer(config, path)(key, float32 array)`` as it is dequantized."""
     path = Path(path)
+    _gguf.check_architecture(path, ("llama",))  # before the vocabulary is parsed: a refusal costs nothing
     reader = _gguf.open_gguf(path)
     try:
         config = LlamaConfig.make(**_gguf.llama_fields(reader, path))

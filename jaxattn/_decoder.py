@@ -477,11 +477,41 @@ def _layer_index(layer: Any, L: int) -> Array:
     return jnp.asarray(int(a), jnp.int32)
 
 
+_WARNED_CLOSED_OVER = []  # a warning once per process
+
+
+def warn_if_params_closed_over(params: Any, input_ids: Any, fn: str) -> None:
+    """Warn, once, when ``fn`` is traced by ``jax.jit`` with its ids traced but its params concrete arrays:
+    the caller's ``jit`` closed over the weights, which makes every weight a constant of the compiled
+    program for XLA to fold (tens of seconds on a 135M model). Nothing is changed; only ``jit`` tracing
+    counts (``vmap`` or ``grad`` over a closure compile nothing of the weights)."""
+    if _WARNED_CLOSED_OVER or not isinstance(input_ids, jax.core.Tracer):
+        return
+    from jax._src import core as _core  # the one query of whether a jit trace is running
+
+    under_jit = getattr(_core, "unsafe_am_i_under_a_jit", None)
+    if under_jit is None or not under_jit():
+        return
+    big = [x for x in jax.tree.leaves(params) if not isinstance(x, jax.core.Tracer) and np.size(x) >= 4096]
+    if big:
+        import warnings
+
+        _WARNED_CLOSED_OVER.append(True)
+        warnings.warn(
+            f"{fn} is being traced by jax.jit with the ids traced but the params as concrete arrays: the "
+            f"jitted function closes over the weights, so each becomes a constant of the compiled program "
+            f"and XLA constant-folds them (slow to compile). Pass params as an argument instead: "
+            f"jax.jit(lambda p, ids: {fn}(p, config, ids))(params, ids). (Shown once.)",
+            stacklevel=4,
+        )
+
+
 def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
             head_mask: Any = None, scale: Any = None, return_attention_logits: bool = False,
             return_qkv: bool = False, return_hidden_states: bool = False, capture: Any = (),
             patch: Any = None) -> ModelOutput:
     """The checked forward of a family (each model module's ``forward`` documents it)."""
+    warn_if_params_closed_over(params, input_ids, f"{family.name}.forward")
     s = check_config(family, config)
     family.check_params(params, config)
     ids = _ids(family, config, input_ids)
@@ -501,6 +531,7 @@ def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *
 def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
              start: Any = 0, end: Any = None, scale: Any = None) -> Array:
     """The checked span score of a family (each model module's ``log_prob`` documents it)."""
+    warn_if_params_closed_over(params, input_ids, f"{family.name}.log_prob")
     s = check_config(family, config)
     family.check_params(params, config)
     ids = _ids(family, config, input_ids)

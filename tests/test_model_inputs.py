@@ -283,3 +283,24 @@ def test_bert_attn_weights_patch_of_one_layer_keeps_a_padded_nan_out(models):
     patched = bert.forward(params, config, PADDED, attention_mask=MASK,
                            patch={"attn_weights": (clean.captured["attn_weights"], _at(0))})
     np.testing.assert_allclose(patched.last_hidden_state[:REAL], clean.last_hidden_state[:REAL], atol=1e-5, rtol=0)
+
+
+def test_forward_warns_once_when_a_jit_closes_over_the_params(tiny, monkeypatch):
+    """The weights as constants of the caller's jit: one warning saying to pass params as an argument;
+    none with params as an argument, none under vmap alone, none a second time."""
+    import warnings
+
+    from jaxattn import _decoder
+
+    params = tiny[0]
+    monkeypatch.setattr(_decoder, "_WARNED_CLOSED_OVER", [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(lambda p, ids: llama.forward(p, LLAMA, ids).logits).lower(params, IDS)  # params as an argument
+        jax.vmap(lambda ids: llama.forward(params, LLAMA, ids).logits)(IDS[None])  # vmap compiles no closure
+    with pytest.warns(UserWarning, match=r"jaxattn\.llama\.forward is being traced by jax\.jit with the ids traced but "
+                                         r"the params as concrete arrays.*jax\.jit\(lambda p, ids: jaxattn\.llama\.forward"):
+        jax.jit(lambda ids: llama.forward(params, LLAMA, ids).logits).lower(IDS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(lambda ids: llama.log_prob(params, LLAMA, ids)).lower(IDS)  # once per process

@@ -194,7 +194,8 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any 
       (nonzero in its weights): ``"attn_bias"`` ``[L]`` (each output projection's bias),
       ``"final_norm_bias"`` (the final norm's bias, e.g. GPT-2's ``ln_f``; RMSNorm has none) and
       ``"unembed_bias"`` (a language-model head's bias). The presence of a bias is read from the weights
-      (concrete values), so this function runs eagerly, not under ``jax.jit``.
+      (concrete values); under a caller's ``jax.vmap`` or ``jax.jit`` (traced inputs) every one of these
+      keys is returned, an absent bias's share as zeros.
 
     Raises:
       TypeError, ValueError: naming ``bound`` (not a Bound; no model module; a model without an
@@ -221,4 +222,7 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any 
         parts, present = _mesh.run(program, mesh, *inputs, replicate=True)
     else:
         parts, present = program(*inputs)
-    return {k: v for k, v in parts.items() if bool(present.get(k, True))}
+    # presence is read from the weights; traced (under a caller's vmap or jit) it cannot choose the keys,
+    # so every part comes back, an absent bias's as zeros
+    return {k: v for k, v in parts.items()
+            if isinstance(present.get(k, True), jax.core.Tracer) or bool(present.get(k, True))}

@@ -70,13 +70,19 @@ def _names(capture: Any) -> tuple[str, ...]:
     return tuple(capture)
 
 
-def _int_ids(x: Any, name: str) -> np.ndarray:
-    a = np.asarray(x)
+def _as_array(x: Any) -> Any:
+    """``x`` as it is when it is a JAX array (concrete or traced: ``bind`` under ``jax.vmap``/``jax.jit``
+    over prompts), else as a NumPy array; only its dtype and shape are read here."""
+    return x if isinstance(x, (jax.Array, jax.core.Tracer)) else np.asarray(x)
+
+
+def _int_ids(x: Any, name: str) -> Any:
+    a = _as_array(x)
     if not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name} must be integer token ids [T] or [B, T], received dtype {a.dtype.name}")
+        raise TypeError(f"{name} must be integer token ids [T] or [B, T], received dtype {np.dtype(a.dtype).name}")
     if a.ndim not in (1, 2) or a.shape[-1] == 0:
-        raise ValueError(f"{name} must have shape [T] or [B, T] with T >= 1, received shape {a.shape}")
-    return a.astype(np.int32)
+        raise ValueError(f"{name} must have shape [T] or [B, T] with T >= 1, received shape {tuple(a.shape)}")
+    return a.astype(np.int32) if isinstance(a, np.ndarray) else a.astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -165,7 +171,9 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         patch, capture, **kwargs)`` and ``sizes(config)``.
       params, config: as returned by ``module.load``.
       input_ids: ``[T]`` (one sequence) or ``[B, T]`` (B sequences of one padded length, run with
-        ``jax.vmap`` under one head mask).
+        ``jax.vmap`` under one head mask). May be traced: ``bind`` and every table are functions of the
+        prompt, so ``jax.vmap(lambda ids: ablation_effects(bind(module, params, config, ids), metric))(batch)``
+        gives one table per prompt (equal to a loop over them), and ``jax.jit`` of the same compiles it once.
       attention_mask: ``[T]`` or ``[B, T]`` like ``input_ids`` (1 = token, 0 = padding); ``None``: all real.
       **forward_kwargs: further arguments of ``module.forward`` (e.g. ``scale``, ``token_type_ids``), kept
         in ``args`` (arrays are traced, not baked in).
@@ -181,11 +189,13 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     if attention_mask is None:
         mask = np.ones(ids.shape, bool)
     else:
-        mask = np.asarray(attention_mask)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask must have the shape of input_ids {ids.shape}, received {mask.shape}")
+        mask = _as_array(attention_mask)
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(ids.shape)}, received "
+                             f"{tuple(mask.shape)}")
         if not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.integer)):
-            raise TypeError(f"attention_mask must be integer or boolean (1 = token), received dtype {mask.dtype.name}")
+            raise TypeError(f"attention_mask must be integer or boolean (1 = token), received dtype "
+                            f"{np.dtype(mask.dtype).name}")
         mask = mask != 0
     batch = ids.shape[0] if ids.ndim == 2 else None
     apply = _apply_fn(module.forward, config, batch is not None)

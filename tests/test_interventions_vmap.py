@@ -1,0 +1,68 @@
+"""The tables are JAX functions of the prompt: ``jax.vmap`` and ``jax.jit`` over token ids (and attention
+masks) of ``table(bind(module, params, config, ids), ...)`` equal a Python loop over the prompts.
+
+A tiny random Llama (2 layers, 4 heads) built here; one padded prompt among three.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import interventions as I
+from jaxattn import llama
+from llama_checkpoints import random_params
+
+CONFIG = llama.LlamaConfig.make(vocab_size=304, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+IDS = np.array([[3, 17, 5, 9, 22, 1, 4, 8], [5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+MASK = np.ones_like(IDS)
+MASK[2, :2] = 0  # left padding
+
+
+def metric(out):
+    return out.logits[-1, 5] - out.logits[-1, 7]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.tree.map(jnp.asarray, random_params(0, CONFIG))
+
+
+@pytest.fixture(scope="module")
+def clean_z(params):
+    return I.bind(llama, params, CONFIG, IDS[0])(capture=("z",)).captured["z"]
+
+
+TABLES = {
+    "ablation_effects": lambda b, z: I.ablation_effects(b, metric),
+    "logit_lens": lambda b, z: I.logit_lens(b, positions=[-1]),
+    "gate_gradients": lambda b, z: I.gate_gradients(b, metric),
+    "ablation_effects_whole_forwards": lambda b, z: I.ablation_effects(b, metric, resume=False),
+    "patching_effects": lambda b, z: I.patching_effects(b, metric, z),
+    "attribution_patching": lambda b, z: I.attribution_patching(b, metric, z),
+    "attention_gradient": lambda b, z: I.attention_gradient(b, metric),
+    "logit_attribution": lambda b, z: I.logit_attribution(b, (5, 7))["heads"],
+    "metric_value": lambda b, z: I.metric_value(b, metric),
+}
+FAST = ("ablation_effects", "logit_lens", "gate_gradients")
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in TABLES])
+def test_a_table_under_vmap_and_jit_over_prompts_equals_the_loop(params, clean_z, name):
+    table = TABLES[name]
+    loop = np.stack([np.asarray(table(I.bind(llama, params, CONFIG, ids, attention_mask=m), clean_z))
+                     for ids, m in zip(IDS, MASK)])
+    over = lambda p, ids, m: table(I.bind(llama, p, CONFIG, ids, attention_mask=m), clean_z)
+    vmapped = jax.vmap(over, in_axes=(None, 0, 0))(params, IDS, MASK)
+    jitted = jax.jit(jax.vmap(over, in_axes=(None, 0, 0)))(params, IDS, MASK)
+    assert np.asarray(vmapped).shape == loop.shape
+    np.testing.assert_allclose(np.asarray(vmapped), loop, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jitted), loop, rtol=1e-5, atol=1e-5)
+
+
+def test_bind_checks_traced_ids_by_dtype_and_shape(params):
+    with pytest.raises(TypeError, match=r"input_ids must be integer token ids"):
+        jax.vmap(lambda x: I.bind(llama, params, CONFIG, x).args["ids"])(IDS.astype(np.float32))
+    with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(8,\), received \(7,\)"):
+        jax.vmap(lambda x, m: I.bind(llama, params, CONFIG, x, attention_mask=m).args["ids"])(IDS, MASK[:, :7])

@@ -35,6 +35,7 @@ Axis alphabet: L layers, T tokens, S keys, N query heads, K key/value heads, H h
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +44,7 @@ import numpy as np
 
 Array = jax.Array
 
-__all__ = ["BUCKETS", "ModelOutput", "QKWeights", "Sizes", "left_pad", "pad_to_bucket"]
+__all__ = ["BUCKETS", "ModelOutput", "QKWeights", "Sizes", "head_mesh", "head_mesh_shape", "left_pad", "pad_to_bucket"]
 
 
 class Sizes(NamedTuple):
@@ -181,3 +182,34 @@ def left_pad(sequences: Any, *, pad_id: int = 0, length: int | None = None) -> t
         ids[b, T - len(r):] = r
         mask[b, T - len(r):] = True
     return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def head_mesh_shape(n_devices: int, heads: int, kv_heads: int | None = None) -> tuple[int, int]:
+    """``(data, model)``: the largest ``"model"`` axis that divides both head counts and fits in ``n_devices``,
+    and as many ``"data"`` rows of it as the devices allow (``data · model <= n_devices``; the rest unused).
+
+    Megatron-style sharding splits the heads over ``"model"``, so its size must divide ``heads`` and
+    ``kv_heads``. SmolLM2 (9 query, 3 key/value heads) on 8 devices: ``(2, 3)``, 6 devices used.
+    """
+    for name, value in (("n_devices", n_devices), ("heads", heads)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, received {value!r}")
+    kv = heads if kv_heads is None else kv_heads
+    if isinstance(kv, bool) or not isinstance(kv, (int, np.integer)) or kv < 1 or heads % kv:
+        raise ValueError(f"kv_heads must be an int >= 1 dividing heads={heads}, received {kv_heads!r}")
+    model = max(m for m in range(1, min(n_devices, kv) + 1) if kv % m == 0 and heads % m == 0)
+    return int(n_devices) // model, model
+
+
+def head_mesh(sizes: Sizes, devices: Sequence[Any] | None = None, axis_names: tuple[str, str] = ("data", "model")) -> Any:
+    """A ``jax.sharding.Mesh`` ``(data, model)`` whose ``"model"`` axis the model's heads divide
+    (:func:`head_mesh_shape` of ``len(devices)``, ``sizes.heads`` and ``sizes.kv_heads``), over the first
+    ``data · model`` of ``devices`` (default ``jax.devices()``); ``sizes`` is the module's ``sizes(config)``.
+    Explicit axes (``jax.make_mesh``'s default), for ``module.load(..., mesh=)`` and ``module.shard``."""
+    import jax
+
+    if not isinstance(sizes, Sizes):
+        raise TypeError(f"sizes must be a model's Sizes (module.sizes(config)), received {type(sizes).__name__}")
+    devices = list(jax.devices() if devices is None else devices)
+    data, model = head_mesh_shape(len(devices), sizes.heads, sizes.kv_heads)
+    return jax.make_mesh((data, model), axis_names, devices=devices[:data * model])

@@ -312,3 +312,33 @@ def test_left_padded_log_prob_indexes_the_padded_columns(params):
 def test_left_pad_refuses_bad_sequences_by_name(sequences, length, message):
     with pytest.raises(ValueError, match=message):
         models.left_pad(sequences, length=length)
+
+
+def test_head_mesh_shape_picks_a_model_axis_the_heads_divide():
+    from jaxattn.models import head_mesh_shape
+
+    assert head_mesh_shape(8, 9, 3) == (2, 3)  # SmolLM2 on 8 devices: 6 used
+    assert head_mesh_shape(8, 12, 12) == (1, 6)
+    assert head_mesh_shape(8, 12, 4) == (2, 4)
+    assert head_mesh_shape(1, 9, 3) == (1, 1)
+    assert head_mesh_shape(6, 15, 5) == (1, 5)
+    for n, h, k in [(8, 9, 3), (8, 12, 4), (16, 32, 8), (3, 7, 7)]:
+        data, model = head_mesh_shape(n, h, k)
+        assert h % model == 0 and k % model == 0 and data * model <= n
+        assert not any(h % m == 0 and k % m == 0 for m in range(model + 1, min(n, k) + 1))
+    with pytest.raises(ValueError, match=r"kv_heads must be an int >= 1 dividing heads=9, received 2"):
+        head_mesh_shape(8, 9, 2)
+    with pytest.raises(ValueError, match=r"n_devices must be an int >= 1, received 0"):
+        head_mesh_shape(0, 9, 3)
+
+
+def test_head_mesh_on_this_process_devices():
+    import jax
+
+    from jaxattn.models import Sizes, head_mesh
+
+    mesh = head_mesh(Sizes(layers=2, heads=9, kv_heads=3, head_dim=8, width=72, vocab=10, max_length=16))
+    assert mesh.axis_names == ("data", "model")
+    assert mesh.devices.size <= len(jax.devices()) and 9 % mesh.shape["model"] == 0
+    with pytest.raises(TypeError, match=r"sizes must be a model's Sizes"):
+        head_mesh((2, 9, 3))

@@ -19,7 +19,7 @@ import html as html_escape
 import json
 import re
 from importlib import resources
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -88,13 +88,55 @@ def _is_float(arr: np.ndarray) -> bool:
     return arr.dtype != object and (np.issubdtype(arr.dtype, np.floating) or arr.dtype.name == "bfloat16")
 
 
-def check_tables(tables: Any, L: int, N: int, name: str = "tables") -> dict[str, np.ndarray]:
+class Table(NamedTuple):
+    """A table of per-head values and the tokens it was computed on, for ``html(..., tables={name: Table(...)})``.
+
+    ``values``: ``[L, N]`` real floats, NaN where a head has no value. ``tokens``: the labels of the input the
+    values were computed on, given as :func:`html`'s ``tokens`` (S labels or a ``(query_labels, key_labels)``
+    pair); ``None``: not checked. ``{"values": ..., "tokens": ...}`` is read the same way.
+    """
+
+    values: Any
+    tokens: Any = None
+
+
+def _token_pair(tokens: Any, where: str) -> tuple[list[str], list[str]] | None:
+    """A table's tokens as ``(queries, keys)`` (a single sequence is both), lone surrogates as U+FFFD."""
+    if tokens is None:
+        return None
+    if isinstance(tokens, tuple) and len(tokens) == 2 and all(
+        isinstance(t, Sequence) and not isinstance(t, str) for t in tokens
+    ):
+        q, k = tokens
+    else:
+        q = k = tokens
+    for part in (q, k):
+        if isinstance(part, (str, bytes)) or not isinstance(part, Sequence) or not all(isinstance(t, str) for t in part):
+            raise TypeError(f"{where}.tokens: expected a sequence of strings or a (query_labels, key_labels) pair, "
+                            f"received {type(tokens).__name__}")
+    return [text_label(t) for t in q], [text_label(t) for t in k]
+
+
+def _first_difference(got: list[str], want: list[str]) -> str:
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return f"token {i} is {a!r}, the page's is {b!r}"
+    return f"{len(got)} tokens, the page has {len(want)}"
+
+
+def check_tables(
+    tables: Any, L: int, N: int, name: str = "tables", tokens: tuple[list[str], list[str]] | None = None
+) -> dict[str, np.ndarray]:
     """``tables`` as ``{table name: float64 [L, N]}``, in the caller's order; NaN (no value) is kept.
+
+    A table is an ``[L, N]`` array, a :class:`Table` or a mapping ``{"values": [L, N], "tokens": labels}``;
+    with ``tokens`` (the page's ``(query_labels, key_labels)``), a table that names its tokens must have
+    been computed on these.
 
     Raises:
       TypeError: not a mapping, a name that is not a str, a table that is not a real floating-point array.
       ValueError: an empty name, two names that are the same once lone surrogates are replaced, a
-        table whose shape is not ``[L, N]``, an infinite value.
+        table whose shape is not ``[L, N]``, an infinite value, a table whose tokens are not the page's.
     """
     if not isinstance(tables, Mapping):
         raise TypeError(f"{name}: expected a mapping from table names (str) to [L, N] arrays, received "
@@ -109,6 +151,21 @@ def check_tables(tables: Any, L: int, N: int, name: str = "tables") -> dict[str,
         if label in out:
             raise ValueError(f"{name}: two table names read {label!r} once lone surrogates become U+FFFD")
         where = f"{name}[{key!r}]"
+        if isinstance(table, Mapping):
+            extra = sorted(str(k) for k in table if k not in ("values", "tokens"))
+            if "values" not in table or extra:
+                raise ValueError(f"{where}: expected a mapping with the keys 'values' and 'tokens', received the keys "
+                                 f"{sorted(str(k) for k in table)}")
+            table = Table(table["values"], table.get("tokens"))
+        if isinstance(table, Table):
+            given = _token_pair(table.tokens, where)
+            if given is not None and tokens is not None and given != tuple(tokens):
+                query = given[0] != tokens[0]
+                got, want = (given[0], tokens[0]) if query else (given[1], tokens[1])
+                side = "" if given[0] == given[1] and tokens[0] == tokens[1] else ("query labels: " if query else "key labels: ")
+                raise ValueError(f"{where}: computed on other tokens than the page's ({side}"
+                                 f"{_first_difference(got, want)})")
+            table = table.values
         arr = np.asarray(table)
         if not _is_float(arr):
             raise TypeError(f"{where}: expected a real floating-point array [L, N] = ({L}, {N}), received dtype {arr.dtype}")
@@ -198,6 +255,7 @@ def html(
     names: Sequence[str] = ("A", "B"),
     title: str = "attention maps",
     tables: Mapping[str, Any] | None = None,
+    top: int = 10,
 ) -> str:
     """One self-contained HTML page (a ``str``) for every layer and head of ``maps``; the caller writes it.
 
@@ -207,7 +265,9 @@ def html(
     pair and its weight on hover; an overview of each head's mean row entropy (click to select). With
     ``other`` of the same shape, a third view shows ``maps - other`` on a blue-white-red scale
     symmetric about 0. With ``tables``, a panel shows the table picked in its selector as an ``[L, N]``
-    grid with a colour bar and the value on hover; clicking a cell shows that layer and head's map.
+    grid with a colour bar and the value on hover, every layer and head labelled, its full name, and a
+    list of its ``top`` heads of largest ``|value|`` (``L3 H1: -0.4213``); clicking a cell or an entry of
+    the list shows that layer and head's map.
     Causal and bidirectional maps are drawn the same way: a weight of exactly 0 is the mask's.
 
     Args:
@@ -222,7 +282,12 @@ def html(
       tables: optional ``{name: [L, N] values}``, any per-head numbers of ``maps``' heads (ablation or
         patching effects, direct logit attribution, head scores), real floats, NaN where a head has
         no value (drawn grey). A table with both signs is drawn blue-white-red, symmetric about 0;
-        any other on a sequential scale from its smallest value to its largest.
+        any other on a sequential scale from its smallest value to its largest. A table may carry the
+        tokens it was computed on: ``Table(values, tokens)`` or ``{"values": values, "tokens": tokens}``
+        (tokens given as ``tokens`` is); a table whose tokens differ from ``tokens`` raises ValueError
+        naming it. A plain array is not checked.
+      top: how many heads the list beside each table shows (largest ``|value|`` first, heads without a
+        value left out); 0: no list.
 
     Labels, names, table names and title are shown as given, except that a surrogate code point (a lone surrogate,
     as a byte-level tokenizer's decoder emits for a token that ends inside a multi-byte character)
@@ -243,7 +308,9 @@ def html(
     title, names = text_label(title), tuple(text_label(n) for n in names)
     a = check_maps(maps, "maps")
     qa, ka = _split_tokens(tokens, a.shape[2], a.shape[3], "tokens")
-    checked = {} if tables is None else check_tables(tables, a.shape[0], a.shape[1], "tables")
+    checked = {} if tables is None else check_tables(tables, a.shape[0], a.shape[1], "tables", (qa, ka))
+    if isinstance(top, bool) or not isinstance(top, (int, np.integer)) or top < 0:
+        raise ValueError(f"top: expected an int >= 0 (how many heads each table lists), received {top!r}")
     runs = [_run(a, qa, ka, names[0])]
     note = ""
     if other is not None:
@@ -263,6 +330,7 @@ def html(
         "difference": len(runs) == 2 and not note,
         "difference_note": note,
         # JSON has no NaN: a head without a value is null
+        "top": int(top),
         "tables": [{"name": k, "values": [[None if np.isnan(x) else float(x) for x in row] for row in v]}
                    for k, v in checked.items()],
     }

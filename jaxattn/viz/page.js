@@ -22,6 +22,7 @@
   DATA.runs.forEach(function (r) { r.codes = decode(r.weights); delete r.weights; });
   var RUNS = DATA.runs, A = RUNS[0];
   var TABLES = DATA.tables || [];  // [{name, values [L][N], null = no value}], of A's heads
+  var TOP = DATA.top === undefined ? 10 : DATA.top;  // how many heads the list beside a table shows
 
   function code(run, l, n, t, s) { return run.codes[((l * run.N + n) * run.T + t) * run.S + s]; }
   function weight(run, l, n, t, s) {  // null: masked (exactly 0)
@@ -97,6 +98,12 @@
     if (text !== undefined) e.textContent = text;
     return e;
   }
+  function gridWrap(canvas, labels) {  // a grid's canvas with its layer and head labels (elements) over it
+    var wrap = el("div", { "class": "grid-wrap" });
+    wrap.appendChild(canvas);
+    wrap.appendChild(labels);
+    return wrap;
+  }
   function select(id, label, options) {
     var wrap = el("label", { "for": id }, label + " ");
     var s = el("select", { id: id });
@@ -135,16 +142,27 @@
   var overviewBox = el("section", { id: "overview-box", "class": "box" });
   var overviewTitle = el("h2", { "class": "head" }, "");
   var overview = el("canvas", { id: "overview" });
+  var overviewLabels = el("div", { id: "overview-labels", "class": "grid-labels" });
   var overviewLegend = el("canvas", { id: "overview-legend", "class": "legend" });
-  [overviewTitle, overview, overviewLegend].forEach(function (e) { overviewBox.appendChild(e); });
+  [overviewTitle, gridWrap(overview, overviewLabels), overviewLegend].forEach(function (e) { overviewBox.appendChild(e); });
   main.appendChild(overviewBox);
   var tableBox = el("section", { id: "table-box", "class": "box" });
   var tableHead = el("div", { "class": "head" });
   var tableSel = select("table", "table", TABLES.map(function (t, i) { return [String(i), t.name]; }));
   tableHead.appendChild(tableSel[0]);
   var tableGrid = el("canvas", { id: "table-grid" });
+  var tableLabels = el("div", { id: "table-labels", "class": "grid-labels" });
   var tableLegend = el("canvas", { id: "table-legend", "class": "legend" });
-  [tableHead, tableGrid, tableLegend].forEach(function (e) { tableBox.appendChild(e); });
+  // Beside the grid: the table's whole name (it wraps) and its TOP heads of largest |value| (click to show).
+  var tableRow = el("div", { id: "table-row" }), tableCol = el("div", { "class": "grid-col" });
+  var tableSide = el("div", { id: "table-side" });
+  var tableName = el("div", { id: "table-name" });
+  var tableTop = el("ol", { id: "table-top" });
+  [gridWrap(tableGrid, tableLabels), tableLegend].forEach(function (e) { tableCol.appendChild(e); });
+  [tableName, tableTop].forEach(function (e) { tableSide.appendChild(e); });
+  tableRow.appendChild(tableCol);
+  tableRow.appendChild(tableSide);
+  [tableHead, tableRow].forEach(function (e) { tableBox.appendChild(e); });
   tableBox.hidden = TABLES.length === 0;
   main.appendChild(tableBox);
   var mapsBox = el("section", { id: "maps-box", "class": "box" });
@@ -200,6 +218,7 @@
 
   // ---- layout -----------------------------------------------------------------------------------
   var MIN_GRID_CELL = 4, MAX_GRID_CELL = 22, GRID_X0 = 34, GRID_Y0 = 18;  // [L, N] grids: "L29" left, "h8" above
+  var MAX_LABEL_FONT = 10, MIN_LABEL_FONT = 6, SIDE_GAP = 10;  // grid labels; the gap before a table's list
   var MIN_CELL = 6, MAX_CELL = 32;  // heatmap cells
   var MIN_ROW = 9, MAX_ROW = 18, MIN_GAP = 80, MAX_GAP = 170;  // lines: a token's row, the space the lines cross
   var LEGEND_H = 42, MIN_LEGEND = 150, MAX_LEGEND = 260;
@@ -215,14 +234,24 @@
     var r = run(), T = r.T, S = r.S, g = { root: root.clientWidth };
 
     function grid(L, N) {  // an [L, N] grid whose box (head, grid, colour bar) is at most `height` tall
-      var cell = Math.floor((height - head - GRID_Y0 - 2 - LEGEND_H) / L);
-      cell = clamp(Math.min(cell, Math.floor(300 / N)), MIN_GRID_CELL, MAX_GRID_CELL);
-      var w = GRID_X0 + N * cell + 10, legendW = clamp(w, MIN_LEGEND, MAX_LEGEND);
-      return { cell: cell, L: L, N: N, w: w, legendW: legendW, box: Math.max(w, legendW) };
+      var y0 = GRID_Y0, cell = 0, lab = null;
+      for (var i = 0; i < 2; i++) {  // the head labels' height depends on the cell, the cell on their height
+        cell = Math.floor((height - head - y0 - 2 - LEGEND_H) / L);
+        cell = clamp(Math.min(cell, Math.floor(300 / N)), MIN_GRID_CELL, MAX_GRID_CELL);
+        lab = gridLabels(L, N, cell);
+        y0 = lab.y0;
+      }
+      var x0 = Math.max(GRID_X0, lab.x0);
+      var w = x0 + N * cell + 10, legendW = clamp(w, MIN_LEGEND, MAX_LEGEND);
+      return { cell: cell, L: L, N: N, w: w, x0: x0, y0: y0, lab: lab, legendW: legendW, box: Math.max(w, legendW) };
     }
     g.overview = grid(r.L, r.N);
     var room = width - g.overview.box - gap;
-    if (TABLES.length) { g.table = grid(A.L, A.N); room -= g.table.box + gap; }
+    if (TABLES.length) {
+      g.table = grid(A.L, A.N);
+      g.side = TOP > 0 ? sideWidth() : 0;
+      room -= g.table.box + (g.side ? SIDE_GAP + g.side : 0) + gap;
+    }
 
     var tall = height - head - LEGEND_H, both = state.view === "both", pw = 0;
     if (state.view !== "heatmap") {
@@ -263,7 +292,12 @@
     }
     g.legendW = clamp(pw, MIN_LEGEND, MAX_LEGEND);
     overviewBox.style.width = g.overview.box + "px";
-    if (g.table) tableBox.style.width = g.table.box + "px";
+    if (g.table) {
+      tableCol.style.width = g.table.box + "px";
+      tableSide.hidden = !g.side;
+      tableSide.style.width = g.side + "px";
+      tableBox.style.width = g.table.box + (g.side ? SIDE_GAP + g.side : 0) + "px";
+    }
     return g;
   }
 
@@ -379,25 +413,60 @@
   function step(cell, room) {  // label every step-th row or column, so that labels `room` px wide do not overlap
     return [1, 2, 5, 10, 20, 50].filter(function (k) { return k * cell >= room; })[0] || 100;
   }
-  function drawGrid(canvas, g, colourAt, highlight) {
-    var ctx = setup(canvas, g.w, GRID_Y0 + g.L * g.cell + 2), l, n, inset = g.cell >= 8 ? 1 : 0;
+  // The labels of an [L, N] grid of `cell` px cells: every layer ("L29", left of its row) and every head
+  // ("h8", above its column), in a font that fits a cell (MIN_LABEL_FONT to MAX_LABEL_FONT px); a head
+  // label wider than its column is written upwards. Each label's box lies within its own row or column,
+  // so no two overlap. Only cells too small for the smallest font label every step-th layer or head.
+  function gridLabels(L, N, cell) {
+    var size = clamp(cell - 3, MIN_LABEL_FONT, MAX_LABEL_FONT), font = size + "px sans-serif";
+    var thick = Math.min(cell - 1, size + 3);  // a label's box across its row or column
+    var lw = widest(["L" + (L - 1)], font), hw = widest(["h" + (N - 1)], font);
+    var every = cell - 1 >= MIN_LABEL_FONT + 2;
+    var upright = every && hw + 2 <= cell - 1;
+    return { font: font, size: size, thick: Math.max(1, thick), lw: lw, hw: hw, upright: !every || upright,
+             layerStep: every ? 1 : step(cell, 11), headStep: every ? 1 : step(cell, hw + 4),
+             x0: lw + 10, y0: !every || upright ? GRID_Y0 : hw + 10 };
+  }
+  function placeLabels(box, g) {
+    var lab = g.lab, c = g.cell, parts = [], l, n;
+    box.textContent = "";
+    box.style.font = lab.font;
+    for (l = 0; l < g.L; l += lab.layerStep) {
+      var e = el("span", { "class": "layer-label", "data-layer": l }, "L" + l);
+      e.style.cssText = "left:" + (g.x0 - 6 - lab.lw) + "px;width:" + (lab.lw + 2) + "px;top:" + (g.y0 + l * c + (c - lab.thick) / 2) + "px;height:" +
+        lab.thick + "px;line-height:" + lab.thick + "px";
+      parts.push(e);
+    }
+    for (n = 0; n < g.N; n += lab.headStep) {
+      var h = el("span", { "class": "head-label" + (lab.upright ? "" : " upwards"), "data-head": n }, "h" + n);
+      if (lab.upright) {
+        var w = lab.headStep > 1 ? lab.hw + 2 : c - 1;
+        h.style.cssText = "left:" + (g.x0 + n * c + (c - 1 - w) / 2) + "px;top:2px;width:" + w + "px;height:" +
+          (GRID_Y0 - 4) + "px;line-height:" + (GRID_Y0 - 4) + "px";
+      } else {
+        h.style.cssText = "left:" + (g.x0 + n * c + (c - lab.thick) / 2) + "px;top:" + (g.y0 - 4 - lab.hw - 2) +
+          "px;width:" + lab.thick + "px;height:" + (lab.hw + 2) + "px;line-height:" + lab.thick + "px";
+      }
+      parts.push(h);
+    }
+    parts.forEach(function (e) { box.appendChild(e); });
+  }
+  function drawGrid(canvas, labelBox, g, colourAt, highlight) {
+    var ctx = setup(canvas, g.w, g.y0 + g.L * g.cell + 2), l, n, inset = g.cell >= 8 ? 1 : 0;
     for (l = 0; l < g.L; l++) for (n = 0; n < g.N; n++) {
       ctx.fillStyle = colourAt(l, n);
-      ctx.fillRect(GRID_X0 + n * g.cell, GRID_Y0 + l * g.cell, g.cell - inset, g.cell - inset);
+      ctx.fillRect(g.x0 + n * g.cell, g.y0 + l * g.cell, g.cell - inset, g.cell - inset);
     }
-    ctx.fillStyle = "#222";
-    ctx.font = SMALL;
-    ctx.textBaseline = "middle";
-    ctx.textAlign = "right";
-    for (l = 0; l < g.L; l += step(g.cell, 11)) ctx.fillText("L" + l, GRID_X0 - 4, GRID_Y0 + (l + 0.5) * g.cell);
-    ctx.textAlign = "center";
-    for (n = 0; n < g.N; n += step(g.cell, 20)) ctx.fillText("h" + n, GRID_X0 + (n + 0.5) * g.cell, 9);
+    if (labelBox.dataset.key !== [g.L, g.N, g.cell, g.w].join()) {
+      placeLabels(labelBox, g);
+      labelBox.dataset.key = [g.L, g.N, g.cell, g.w].join();
+    }
     if (highlight) {
       ctx.strokeStyle = "#e8003d";
       ctx.lineWidth = 2;
-      ctx.strokeRect(GRID_X0 + state.head * g.cell, GRID_Y0 + state.layer * g.cell, g.cell - inset, g.cell - inset);
+      ctx.strokeRect(g.x0 + state.head * g.cell, g.y0 + state.layer * g.cell, g.cell - inset, g.cell - inset);
     }
-    canvas.dataset.x0 = GRID_X0; canvas.dataset.y0 = GRID_Y0; canvas.dataset.cell = g.cell;
+    canvas.dataset.x0 = g.x0; canvas.dataset.y0 = g.y0; canvas.dataset.cell = g.cell;
     canvas.dataset.rows = g.L; canvas.dataset.cols = g.N;
   }
 
@@ -421,7 +490,7 @@
     overviewTitle.textContent = isDiff() ? "entropy difference" : "entropy per head";
     overviewTitle.title = isDiff() ? "mean row entropy of each head (nats), " + RUNS[0].name + " \u2212 " + RUNS[1].name
                                    : "mean row entropy of each head (nats), " + run().name + "; click a head to show it";
-    drawGrid(overview, g, function (l, n) {
+    drawGrid(overview, overviewLabels, g, function (l, n) {
       var v = entropyValue(l, n);
       return v === null ? MASKED : ramp(palette, (v - vmin) / (vmax - vmin));
     }, true);
@@ -431,12 +500,49 @@
   function drawTable() {
     var table = TABLES[state.table], sc = tableScale(table);
     tableSel[1].title = table.name;
-    drawGrid(tableGrid, geo.table, function (l, n) {
+    drawGrid(tableGrid, tableLabels, geo.table, function (l, n) {
       var v = table.values[l][n];
       return v === null ? MASKED : ramp(sc.palette, scaled(v, sc.lo, sc.hi));
     }, headsOfA());
+    if (geo.side) drawTop(table);
     tableGrid.dataset.scale = sc.kind;
     drawLegend(tableLegend, geo.table.legendW, sc.palette, sc.lo, sc.hi, table.name + (sc.kind === "none" ? " (no values)" : ""));
+  }
+
+  // A table's TOP heads of largest |value|, largest first (ties: the earlier head, layer by layer); no NaN.
+  function topHeads(table) {
+    if (table.top) return table.top;
+    var heads = [];
+    table.values.forEach(function (row, l) {
+      row.forEach(function (v, n) { if (v !== null) heads.push({ layer: l, head: n, value: v }); });
+    });
+    heads.sort(function (a, b) { return Math.abs(b.value) - Math.abs(a.value); });  // a stable sort
+    table.top = heads.slice(0, TOP);
+    return table.top;
+  }
+  function topText(h) { return "L" + h.layer + " H" + h.head + ": " + num(h.value); }
+  var TOP_FONT = "11px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace";
+  function sideWidth() {  // the list's width: its widest entry over every table (the name wraps to it)
+    var texts = [];
+    TABLES.forEach(function (t) { topHeads(t).forEach(function (h) { texts.push(topText(h)); }); });
+    return clamp((texts.length ? widest(texts, TOP_FONT) : 0) + 16, 110, 220);
+  }
+  function drawTop(table) {
+    var heads = topHeads(table), current = headsOfA();
+    tableName.textContent = table.name;
+    tableName.title = table.name;
+    tableTop.textContent = "";
+    tableTop.setAttribute("aria-label", "the " + heads.length + " heads of largest |value| in " + table.name);
+    heads.forEach(function (h, i) {
+      var b = el("button", { type: "button", "class": "top-entry", "data-layer": h.layer, "data-head": h.head,
+                             "data-value": String(h.value), "data-rank": i, title: table.name + " = " + h.value +
+                             " (click to show)" }, topText(h));
+      if (current && h.layer === state.layer && h.head === state.head) b.setAttribute("aria-current", "true");
+      var li = el("li");
+      li.appendChild(b);
+      tableTop.appendChild(li);
+    });
+    if (!heads.length) tableTop.appendChild(el("li", { "class": "none" }, "no values"));
   }
 
   function drawLegend(canvas, w, palette, lo, hi, label) {  // a colour bar from lo to hi (NaN: none), w CSS px wide
@@ -608,6 +714,13 @@
     if (!c) return;
     if (!headsOfA()) setMode("0");
     selectHead(c.t, c.s);
+  });
+  tableTop.addEventListener("click", function (ev) {  // an entry of the list: the same as a click on its cell
+    var b = ev.target.closest ? ev.target.closest("button") : null;
+    if (!b) return;
+    if (!headsOfA()) setMode("0");
+    hideTip();
+    selectHead(Number(b.dataset.layer), Number(b.dataset.head));
   });
   document.addEventListener("keydown", function (ev) {  // arrow keys step through heads and layers
     if (ev.target && ev.target.tagName === "SELECT") return;

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxattn import interventions, llama
 from jaxattn.checkpoint import cast_params
-from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
+from jaxattn.io import OutputFolderError, int_at_least, mesh_arg, prepare_output_folder, write_json
 
 MODELS = {  # random Llama shapes (NumPy init, nothing downloaded); smollm2 is the bundled checkpoint
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -51,31 +51,6 @@ def _model(name: str, dtype) -> tuple[dict, llama.LlamaConfig]:
         return params, config
     config = llama.LlamaConfig.make(**MODELS[name])
     return cast_params(llama.init_params(0, config), dtype), config
-
-
-def mesh_arg(text: str) -> tuple[int, int]:
-    """An argparse ``type=``: ``DATAxMODEL`` (e.g. ``2x4``) as two positive ints (else a usage error, exit 2)."""
-    parts = text.split("x")
-    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
-        raise argparse.ArgumentTypeError(f"must be DATAxMODEL, two positive ints such as 2x4, received {text!r}")
-    return int(parts[0]), int(parts[1])
-
-
-def int_at_least(minimum: int):
-    """An argparse ``type=``: the text as an int >= ``minimum`` (anything else is a usage error, exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {'a positive int' if minimum == 1 else f'an int >= {minimum}'}, "
-                                             f"received {text!r}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
 
 
 def _mesh_shape(n: int, config: llama.LlamaConfig, asked: tuple[int, int] | None) -> tuple[int, int]:

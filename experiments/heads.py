@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxattn import bert, gpt2, interventions, lab, llama, viz
 from jaxattn.checkpoint import CheckpointError
-from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
+from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder, write_json
 
 BIG, SMALL = lab.SENTENCES["big"], lab.SENTENCES["small"]
 CHOICES = [lab.RESOLUTIONS["trophy"], lab.RESOLUTIONS["suitcase"]]
@@ -360,23 +360,6 @@ def bound_part(module, params, config, tok, name, out):
     text = interventions.render_bound(summary, name=name)
     print(text)
     write_json(out / "bound.json", {"model": name, "sentence": BIG, **summary})
-
-
-def int_at_least(minimum: int):
-    """An argparse ``type=``: the text as an int >= ``minimum`` (anything else is a usage error, exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-            raise argparse.ArgumentTypeError(f"must be {bound}, received {text!r}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
 
 
 def main(argv=None) -> int:

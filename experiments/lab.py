@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
 from jaxattn import gpt2, lab, probes
-from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, use_compilation_cache, write_json
+from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, int_at_least, use_compilation_cache, write_json
 from jaxattn.io import prepare_output_folder as prepare_folder
 from jaxattn.progress import ProgressBar, step
 
@@ -129,23 +129,6 @@ def parse_dtypes(text: str) -> list[str]:
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"--dtypes takes a comma-separated list of {','.join(DTYPES)}, received {text!r}")
     return list(dict.fromkeys(names))  # each dtype once, in the order given
-
-
-def int_at_least(minimum: int, what: str = ""):
-    """An argparse ``type=``: the text as an int >= ``minimum`` (argparse reports anything else as a usage error)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-            raise argparse.ArgumentTypeError(f"must be {bound}{what}, received {text!r}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
 
 
 # What each part writes into --out (a name ending in / is a folder).

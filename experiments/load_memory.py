@@ -80,7 +80,8 @@ def _child(way: str, path: str | None, shape: tuple[int, int]) -> dict:  # runs 
                 device_bytes=device_bytes, bf16_bytes=bf16_bytes, end_rss=end["VmRSS"], end_file=end["RssFile"])
 
 
-def mesh_arg(text: str) -> tuple[int, int]:
+def mesh_arg(text: str) -> tuple[int, int]:  # jaxattn.io.mesh_arg's twin: this script sets up
+    # the environment before anything imports jax (importing jaxattn would), so it keeps its own
     """An argparse ``type=``: ``DATAxMODEL`` (e.g. ``2x3``) as two positive ints (else a usage error, exit 2)."""
     parts = text.split("x")
     if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):

@@ -175,7 +175,8 @@ def launch(args: argparse.Namespace) -> int:
             f.close()
 
 
-def mesh_arg(text: str) -> tuple[int, int]:
+def mesh_arg(text: str) -> tuple[int, int]:  # jaxattn.io.mesh_arg's twin: this script sets up
+    # the environment before anything imports jax (importing jaxattn would), so it keeps its own
     """An argparse ``type=``: ``DATAxMODEL`` (e.g. ``2x3``) as two positive ints (else a usage error, exit 2)."""
     parts = text.split("x")
     if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
@@ -187,7 +188,7 @@ def mesh_text(shape: tuple[int, int]) -> str:
     return f"{shape[0]}x{shape[1]}"
 
 
-def int_at_least(minimum: int):
+def int_at_least(minimum: int):  # jaxattn.io.int_at_least's twin, for the reason mesh_arg has one
     """An argparse ``type=``: the text as an int >= ``minimum`` (anything else is a usage error, exit 2)."""
 
     def parse(text: str) -> int:

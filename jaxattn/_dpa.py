@@ -20,7 +20,7 @@ import numpy as np
 from jaxattn._attention import _diagonal, _keep, _multi_head
 from jaxattn._backends import IMPLEMENTATIONS
 from jaxattn._blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, _multi_head_blockwise
-from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_logit_cap, check_scale
+from jaxattn._checks import as_bool_array, as_float_array, check_broadcastable, check_flag, check_logit_cap, check_scale
 from jaxattn._logits import group_query_heads, scaled_logits
 from jaxattn._masks import check_window
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
@@ -72,16 +72,10 @@ def _check(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengt
     target = (B, N, T, S)
     if bias is not None:
         bias = _as_4d(as_float_array(bias, "bias"), "bias", "[B, N, T, S]")
-        try:
-            np.broadcast_shapes(tuple(bias.shape), target)
-        except ValueError:
-            raise ValueError(f"bias must be broadcastable to [B, N, T, S] = {target}, received {tuple(bias.shape)}") from None
+        check_broadcastable(bias, target, "bias", "[B, N, T, S]")
     if mask is not None:
         mask = _as_4d(as_bool_array(mask, "mask"), "mask", "[B, N, T, S]")
-        try:
-            np.broadcast_shapes(tuple(mask.shape), target)
-        except ValueError:
-            raise ValueError(f"mask must be broadcastable to [B, N, T, S] = {target}, received {tuple(mask.shape)}") from None
+        check_broadcastable(mask, target, "mask", "[B, N, T, S]")
     q_len = _lengths(query_seq_lengths, B, "query_seq_lengths")
     kv_len = _lengths(key_value_seq_lengths, B, "key_value_seq_lengths")
     return q4, k4, v4, bias, mask, q_len, kv_len

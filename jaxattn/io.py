@@ -26,6 +26,8 @@ __all__ = [
     "atomic_write",
     "compilation_cache_dir",
     "compilation_cache_disabled",
+    "int_at_least",
+    "mesh_arg",
     "prepare_output_folder",
     "to_jsonable",
     "use_compilation_cache",
@@ -273,3 +275,37 @@ def use_compilation_cache(path: str | os.PathLike | None = None, *, enabled: boo
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: every entry, whatever its size
     return folder
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command-line argument types shared by the experiment scripts (argparse ``type=``).
+# ----------------------------------------------------------------------------------------------------
+
+
+def int_at_least(minimum: int, what: str = "") -> Callable[[str], int]:
+    """An argparse ``type=``: the text as an int >= ``minimum``; anything else is argparse's usage error
+    (exit 2) saying what it must be (``what`` is added to that phrase)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{what}, received {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def mesh_arg(text: str) -> tuple[int, int]:
+    """An argparse ``type=``: ``DATAxMODEL`` (e.g. ``2x3``) as two positive ints (else a usage error, exit 2)."""
+    import argparse
+
+    parts = text.split("x")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"must be DATAxMODEL, two positive ints such as 2x3, received {text!r}")
+    return int(parts[0]), int(parts[1])

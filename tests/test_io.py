@@ -1,6 +1,7 @@
-"""jaxattn.io's compilation cache: where it lives, how it is turned off, and a lab run that fills it."""
+"""jaxattn.io: the compilation cache (where it lives, how it is turned off, a lab run that fills it) and the scripts' argument types."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,18 @@ def test_a_second_lab_run_loads_every_program_and_prints_the_same(tmp_path):
     assert second.stdout == first.stdout
     off = _lab_part1(tmp_path / "off", env={jio.NO_CACHE_VARIABLE: "1"})
     assert "compiled programs: not kept" in off.stdout and not (tmp_path / "off" / "xdg").exists()
+
+
+def test_the_scripts_argument_types_refuse_bad_text_with_argparses_usage_error():
+    import argparse
+
+    from jaxattn.io import int_at_least, mesh_arg
+
+    assert int_at_least(0)("0") == 0 and int_at_least(2)("7") == 7
+    assert mesh_arg("2x3") == (2, 3)
+    for parse, text, says in [(int_at_least(1), "0", "must be a positive int, received '0'"),
+                              (int_at_least(2, " (two keys)"), "x", "must be an int >= 2 (two keys), received 'x'"),
+                              (mesh_arg, "abc", "must be DATAxMODEL, two positive ints such as 2x3, received 'abc'"),
+                              (mesh_arg, "2x0", "must be DATAxMODEL")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            parse(text)

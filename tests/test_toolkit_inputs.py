@@ -196,7 +196,7 @@ def test_heads_script_refuses_bad_arguments_before_loading_a_model(tmp_path, mon
 def test_bench_mesh_refuses_a_mesh_not_of_the_form_data_x_model(capsys, mesh):
     bench = _script("bench_mesh.py")
     err = _usage_error(capsys, lambda: bench.main(["--model", "tiny", "--mesh", mesh]))
-    assert f"argument --mesh: must be DATAxMODEL, two positive ints such as 2x4, received {mesh!r}" in err, err
+    assert f"argument --mesh: must be DATAxMODEL, two positive ints such as 2x3, received {mesh!r}" in err, err
     assert "Traceback" not in err
 
 

@@ -12,6 +12,7 @@ import pytest
 import jaxattn
 from jaxattn import probes
 from jaxattn.probes import _sweep  # the sweep's internals, tested on purpose
+from tests.test_probes import np_entropy, np_softmax  # the float64 references, shared
 
 
 @pytest.fixture
@@ -32,25 +33,6 @@ def np_cap(x, c):
 def np_cap_slope(x, c):
     """d/dx of c·tanh(x/c) = 1 - tanh²(x/c) = 1/cosh²(x/c), in the form that keeps its digits for large |x/c|."""
     return 1.0 / np.cosh(np.asarray(x, np.float64) / c) ** 2
-
-
-def np_softmax(z, keep=None):
-    z = np.asarray(z, np.float64)
-    if keep is not None:
-        z = np.where(keep, z, -np.inf)
-    m = np.max(z, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(z - m)
-    if keep is not None:
-        e = np.where(keep, e, 0.0)
-    s = e.sum(-1, keepdims=True)
-    return e / np.where(s == 0, 1.0, s)
-
-
-def np_entropy(p):
-    p = np.asarray(p, np.float64)
-    terms = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
-    return -terms.sum(-1)
 
 
 def np_capped_jacobian(x, c, keep=None):

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxattn import gpt2
+from jaxattn.checkpoint import unstack_layers
 from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
 
 
@@ -61,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         GPT2Config(vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=config.n_embd,
                    n_layer=config.n_layer, n_head=config.n_head), _do_init=False)
     hf_run = jax.jit(lambda p, x: hf(x, params=p, output_attentions=True))
+    hf_params = unstack_layers(params, "transformer/h")  # Flax GPT-2's per-layer layout
 
     def ours():
         out = gpt2.forward(params, config, ids)
         return out.logits, out.attentions  # [T, V], [L, N, T, T]
 
     def theirs():
-        out = hf_run(params, ids[None])
+        out = hf_run(hf_params, ids[None])
         return out.logits, out.attentions  # [1, T, V], L x [1, N, T, T]
 
     compile_ours, compile_theirs = _timed(ours), _timed(theirs)  # first calls: compile + run

@@ -48,7 +48,7 @@ import jax
 import numpy as np
 
 from jaxattn import llama
-from jaxattn.checkpoint import flatten, unflatten
+from jaxattn.checkpoint import flatten, unflatten, unstack_layers
 from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
 
 
@@ -118,7 +118,7 @@ def _first_call(what: str, T: int, seed: int) -> None:
         return
     if what in ("flax", "phases-flax"):
         hf = _flax_model(config, T)
-        flat = flatten(params)
+        flat = unstack_layers(flatten(params), "model/layers")  # Flax Llama's per-layer layout
         hf_params = unflatten({**flat, "lm_head/kernel": flat["model/embed_tokens/embedding"].T})
         if what == "phases-flax":
             with jax.numpy_rank_promotion("allow"):
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({platform.processor() or platform.machine()})")
     ids = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.T).astype(np.int32)
     hf = _flax_model(config, args.T)
-    flat = flatten(params)
+    flat = unstack_layers(flatten(params), "model/layers")  # Flax Llama's per-layer layout
     hf_params = unflatten({**flat, "lm_head/kernel": flat["model/embed_tokens/embedding"].T})
     hf_run = jax.jit(lambda p, x: hf(x, params=p, output_attentions=True))
 

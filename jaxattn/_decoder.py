@@ -6,11 +6,13 @@ the unembedding. Everything else, the residual stream, the named sites (capture,
 causal attention through :func:`jaxattn.multi_head_attention`, padding, the cache and sampling, is
 written here once.
 
-The forward, :func:`resume` and generation run the blocks as ONE compiled block in a ``lax.fori_loop``
-over the layers: the block's params reach the family as a pytree whose matrices are :class:`LayerWeight`
-(a product with one is a ``lax.switch`` over the layers' own matrices, so no weight is copied or
-stacked) and whose vectors are stacked ``[L, ...]``. The forward's derivatives run the blocks written
-out (:func:`_all_blocks`).
+Every block's params are stacked ``[L, ...]`` (the in-memory layout; loaders convert Hugging Face's
+per-layer layout), and ONE block function serves the forward, :func:`resume` and generation, with the
+attention as a strategy (the forward's causal self-attention, or the key/value cache's read and write).
+The forward and generation run it as a ``lax.scan`` over the stacked blocks (one compiled block whatever
+the depth; derivatives in both modes are the scan's own); :func:`resume` runs it in a ``lax.fori_loop``
+from a traced start. A family chooses the block's wiring (sequential or parallel) and gives data
+indexed by the layer (a window, a logit cap, anything its own functions read).
 
 Axis alphabet: T tokens (queries; keys are the same tokens, S = T), N query heads, K key/value heads, H
 head dim, D width, V vocabulary, L layers.
@@ -19,53 +21,77 @@ head dim, D width, V vocabulary, L layers.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import causal_layer, check_span, maps_buffer, positions, sampling, span_log_prob, token_ids
+from jaxattn._logits import soft_cap
+from jaxattn._nn import check_span, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
-from jaxattn._sites import Sites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
+from jaxattn._sites import LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
-from jaxattn.checkpoint import check_shapes, flatten
+from jaxattn.checkpoint import Fitting, check_shapes, flatten
 from jaxattn.models import ModelOutput, Sizes
 
 Array = jax.Array
 
 
+def no_layer_data(config: Any) -> dict[str, Any]:
+    """A family's :attr:`Family.layer_data` when every layer is alike: no per-layer data."""
+    return {}
+
+
 class Family(NamedTuple):
-    """What a decoder family supplies (module-level functions: the tuple is hashable, a static argument).
+    """What a decoder family supplies: the extension contract of the shared decoder.
+
+    Every field is a module-level function or a constant (the tuple is hashable: a static argument of
+    the compiled programs). The decoder owns the residual stream, the named sites (capture, patch), the
+    head mask, the causal attention (:func:`jaxattn.multi_head_attention`, with each layer's window and
+    logit cap), padding, the key/value cache and sampling; a family owns what differs between models.
 
     Attributes:
       name: the family's module, for messages (``"jaxattn.llama"``).
-      config_type: its config class.
+      config_type: its config class (hashable, e.g. a ``NamedTuple``).
       sizes: ``config -> Sizes``.
       check_params: ``(params, config) -> None``, raising ``ValueError`` naming the key at fault.
-      layer: ``(params, i) -> p``, block ``i``'s params (every block's pytree has one structure).
+      blocks: ``params -> p``: every block's params as ONE pytree whose leaves are stacked ``[L, ...]``
+        (the in-memory layout): the layers run as a ``lax.scan`` over them, so a family's block
+        functions get block ``l``'s own arrays ``p`` (leaves without the layer axis), to use as any array.
       embed: ``(params, config, ids [T], pos [T]) -> [T, D]``, NaN rows for ids outside ``[0, V)``.
-      rotation: ``(config, pos [T], size) -> rot`` handed to ``qkv`` (``None`` without RoPE).
-      qkv: ``(p, config, x [T, D], rot) -> (q [T, N, H], k [T, K, H], v [T, K, H])``.
-      attn_out: ``(p, config, z [T, N, H]) -> [T, D]``, the output projection.
-      mlp: ``(p, config, x [T, D]) -> [T, D]``, the MLP sublayer's contribution (its norm included).
-        These three get a block's params ``p``; inside the loop over the layers each matrix of ``p`` is a
-        :class:`LayerWeight`, which takes ``x @ w`` and ``w.T`` (all a family does with a matrix).
+      rotation: ``(config, pos [T], size) -> rot`` handed to ``qkv`` (``None`` without RoPE), made once for
+        every layer (a family whose layers rotate differently returns what each needs and picks with ``d``).
+      qkv: ``(p, config, x [T, D], rot, d) -> (q [T, N, H], k [T, K, H], v [T, K, H])``, the attention's
+        input (its norm, q/k norms, the rotation included).
+      attn_out: ``(p, config, z [T, N, H], d) -> [T, D]``, the attention sublayer's contribution to the
+        stream (the output projection, and a post-attention norm where the family has one).
+      mlp: ``(p, config, x [T, D], d) -> [T, D]``, the MLP sublayer's contribution (its norms included).
       final_norm, unembed: ``(params, config, x [..., D])``.
       max_name: the config field of the longest input, for messages.
+      layer_data: ``config -> {name: [L, ...] array}``: data indexed by the layer (NumPy arrays). The
+        block functions get block ``l``'s entries in ``d`` (a dict of arrays without the layer axis, with
+        ``d["index"]``, the layer's index, always there). Two names are read by the decoder's attention:
+        ``"window"`` (int: query ``t`` sees keys ``s`` with ``0 <= t - s < window``, positions counted
+        over real tokens) and ``"logit_cap"`` (float: logits soft-capped ``c · tanh(x / c)`` before the
+        softmax). Anything else (a RoPE base, a layer kind) is the family's own.
+      parallel: the block's wiring: ``False`` (sequential) adds the MLP of the stream after attention,
+        ``x + a + mlp(x + a)``; ``True`` (GPT-J, GPT-NeoX) adds the MLP of the stream entering the block,
+        ``x + a + mlp(x)`` (``resid_mid`` is then ``x + a``, read by nothing else in the block).
     """
 
     name: str
     config_type: type
     sizes: Callable[[Any], Sizes]
     check_params: Callable[[Any, Any], None]
-    layer: Callable[[Any, int], Any]
+    blocks: Callable[[Any], Any]
     embed: Callable[..., Array]
     rotation: Callable[..., Any]
     qkv: Callable[..., tuple[Array, Array, Array]]
@@ -74,6 +100,8 @@ class Family(NamedTuple):
     final_norm: Callable[..., Array]
     unembed: Callable[..., Array]
     max_name: str
+    layer_data: Callable[[Any], Mapping[str, Any]] = no_layer_data
+    parallel: bool = False
 
 
 def check_tree(params: Any, shapes: dict[str, tuple[int, ...]], *, root: str, layout: str, kernel_layout: str) -> None:
@@ -82,6 +110,61 @@ def check_tree(params: Any, shapes: dict[str, tuple[int, ...]], *, root: str, la
     if not isinstance(params, dict) or root not in params:
         raise ValueError(f"params must be a dict with a '{root}' entry ({layout})")
     check_shapes(flatten(params), shapes, "params", kernel_layout=kernel_layout)
+
+
+def check_stacked(params: Any, prefix: str, layers: int, *, field: str, layout: str) -> None:
+    """The blocks under ``prefix`` (``"model/layers"``) are stacked ``[L, ...]`` with ``L`` the config's
+    ``field``; per-layer blocks (``{prefix}/0/...``, Hugging Face's Flax layout) are refused with the one
+    call that converts them. Run before any table of the config's layers is made."""
+    node = params
+    for depth, key in enumerate(prefix.split("/")):
+        if not isinstance(node, Mapping) or key not in node:
+            raise ValueError(f"params must hold the blocks under '{prefix}' ({layout}); "
+                             f"'{'/'.join(prefix.split('/')[:depth + 1])}' is missing")
+        node = node[key]
+    if isinstance(node, Mapping) and "0" in node:
+        raise ValueError(f"params hold one dict per block under '{prefix}' (Hugging Face's per-layer layout); "
+                         f"the blocks are stacked [L, ...] in memory: convert once with "
+                         f"jaxattn.checkpoint.stack_layers(params, {prefix!r})")
+    for key, leaf in flatten(node).items() if isinstance(node, Mapping) else ():
+        shape = tuple(jnp.shape(leaf))
+        if not shape or shape[0] != layers:
+            found = f"{shape[0]} blocks" if shape else "no layer axis"
+            raise ValueError(f"config.{field}={layers} but params hold {found} under '{prefix}' ('{prefix}/{key}' has "
+                             f"shape {shape}, the layers first): the config does not describe these params")
+
+
+def place_stacked(keys: Sequence[str], convert: Callable[[str], Any], place: Callable[[str, Any], Array], prefix: str,
+                  *, workers: int = 4) -> dict[str, Array]:
+    """Params in the stacked layout from per-layer keys (``{prefix}/{i}/{name}``, Hugging Face's layout):
+    ``convert(key)`` gives each key's checked NumPy array, and each block weight's ``L`` arrays are stacked
+    ``[L, ...]`` and handed to ``place(stacked key, array)`` one weight at a time (a few tensors converted
+    at once, off the GIL), so the host holds at most one stacked weight besides the file. A
+    :class:`~jaxattn.checkpoint.Fitting` ``place`` checks each block's array under its own key."""
+    head = prefix + "/"
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for key in keys:
+        layer, _, rest = key[len(head):].partition("/") if key.startswith(head) else ("", "", "")
+        if layer.isdigit() and rest:
+            groups.setdefault(head + rest, []).append((int(layer), key))
+        else:
+            groups[key] = [(-1, key)]
+    out = {}
+    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, workers)) as pool:
+        for name, members in groups.items():
+            members.sort()
+            arrays = list(pool.map(convert, [key for _, key in members]))
+            if members[0][0] < 0:
+                out[name] = place(name, arrays[0])
+                continue
+            if isinstance(place, Fitting):
+                for (_, key), a in zip(members, arrays):
+                    place.check(key, a)
+                out[name] = place.place(name, np.stack(arrays))
+            else:
+                out[name] = place(name, np.stack(arrays))
+            del arrays
+    return out
 
 
 def check_config(family: Family, config: Any) -> Sizes:
@@ -103,16 +186,31 @@ def _keep(mask: Any, T: int, *, name: str = "attention_mask") -> Array:
     return keep
 
 
-def _key_mask(keep: Array, pos: Array, window: int | None) -> Array:
-    """The keep-mask ``[S]`` (padded keys out) or, under a sliding window, ``[T, S]``; a ``[T, S]`` ``keep``
-    (each query's keys, :func:`resume`'s packed sequences) stays ``[T, S]``, the window applied to it.
+def _windowed(mask: Array, pos_q: Array, pos_k: Array, window: Array | None) -> Array:
+    """The keep-mask ``mask`` (``[S]`` or ``[T, S]``) with a sliding window: query ``t`` keeps key ``s`` only if
+    ``pos_q[t] - pos_k[s] < window`` (``[T, S]``); ``window=None`` returns ``mask`` as it is.
 
     The window counts positions (real tokens only), so a padded sequence sees the window of the
     sequence alone; causality itself comes from ``is_causal`` (slot order, which padding keeps).
     """
     if window is None:
-        return keep  # [S] (or [T, S])
-    return (keep if keep.ndim == 2 else keep[None, :]) & (pos[:, None] - pos[None, :] < window)  # [T, S]
+        return mask
+    near = pos_q[:, None] - pos_k[None, :] < window  # [T, S]
+    return (mask if mask.ndim == 2 else mask[None, :]) & near
+
+
+def layer_data(family: Family, config: Any) -> dict[str, Array]:
+    """Every layer's data ``{name: [L, ...]}`` (:attr:`Family.layer_data`) with ``"index"``, the layers' indices."""
+    L = family.sizes(config).layers
+    data = {name: jnp.asarray(a) for name, a in family.layer_data(config).items()}
+    for name, a in data.items():
+        if a.ndim < 1 or a.shape[0] != L:
+            raise ValueError(f"{family.name}: layer data {name!r} must be [L, ...] with L = {L}, received shape "
+                             f"{tuple(a.shape)}")
+    if "logit_cap" in data:
+        data["logit_cap"] = data["logit_cap"].astype(jnp.float32)
+    data["index"] = jnp.arange(L, dtype=jnp.int32)
+    return data
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,31 +228,34 @@ def _rotation(family: Family, config: Any, pos: Array, size: int) -> Any:
     return _sharding.auto(lambda pos: family.rotation(config, pos, size))(pos)
 
 
-def _attn_out(family: Family, config: Any, p: Any, z: Array) -> Array:
-    return _sharding.auto(lambda p, z: family.attn_out(p, config, z))(p, z)
+def _attn_out(family: Family, config: Any, p: Any, z: Array, d: Any) -> Array:
+    return _sharding.auto(lambda p, z, d: family.attn_out(p, config, z, d))(p, z, d)
 
 
-def _mlp(family: Family, config: Any, p: Any, x: Array) -> Array:
-    return _sharding.auto(lambda p, x: family.mlp(p, config, x))(p, x)
+def _mlp(family: Family, config: Any, p: Any, x: Array, d: Any) -> Array:
+    return _sharding.auto(lambda p, x, d: family.mlp(p, config, x, d))(p, x, d)
 
 
-def _attn_logits(q: Array, k: Array, scale: Array, group: int) -> Array:
-    """``[N, T, S]``: each query head's logits against its key head (``group = N / K`` query heads each)."""
+def _attn_logits(q: Array, k: Array, scale: Array, group: int, cap: Array | None) -> Array:
+    """``[N, T, S]``: each query head's logits against its key head (``group = N / K`` query heads each),
+    soft-capped by ``cap``: the softmax's own input."""
 
-    def logits(q, k, scale):
+    def logits(q, k, scale, cap):
         k_rep = jnp.repeat(k, group, axis=1)  # [T, N, H]
-        return jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep)
+        out = jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep)
+        return soft_cap(out, cap)
 
-    return _sharding.auto(logits, _sharding.head_specs(q)[1])(q, k, scale)
+    return _sharding.auto(logits, _sharding.head_specs(q)[1])(q, k, scale, cap)
 
 
-def _attend(q: Array, k: Array, v: Array, mask: Array, scale: Array, offset: int) -> Array:
-    """``z [R, N, H]`` of :func:`jaxattn.multi_head_attention` of ``R`` queries that continue ``offset`` earlier
-    keys (causal with ``causal_offset=offset``; ``mask`` says which keys are real)."""
-    def attend(q, k, v, mask, scale):
-        return multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True, causal_offset=offset)
+def _attend(q: Array, k: Array, v: Array, mask: Array, scale: Array, offset: int, cap: Array | None) -> tuple[Array, Array]:
+    """``(z [R, N, H], weights [N, R, S])`` of :func:`jaxattn.multi_head_attention` of ``R`` queries that
+    continue ``offset`` earlier keys (causal with ``causal_offset=offset``; ``mask`` keeps the real keys)."""
+    def attend(q, k, v, mask, scale, cap):
+        return multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True, causal_offset=offset,
+                                    logit_cap=cap)
 
-    return _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)[0]
+    return _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale, cap)
 
 
 def _unembed(family: Family, config: Any, params: Any, h: Array) -> Array:
@@ -162,186 +263,101 @@ def _unembed(family: Family, config: Any, params: Any, h: Array) -> Array:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The forward: one compiled block, run by a loop over the layers
+# One block, for the forward, resume and generation: the attention is a strategy (the forward's causal
+# self-attention, or the cache's read and write).
 # ----------------------------------------------------------------------------------------------------
 
 
-@jax.tree_util.register_pytree_node_class
-class LayerWeight:
-    """Block ``i``'s weight matrix inside the loop over the layers: every layer's matrix (as they lie in the
-    params, never stacked) and the loop's traced index ``i``.
-
-    It supports what a family's block functions do with a matrix, ``x @ w`` and ``w.T``: the product is a
-    ``lax.switch`` over the layers whose branch ``j`` multiplies by layer ``j``'s matrix, so every weight
-    is read where it lies. Picking layer ``i``'s matrix first (a switch that returns it, or a slice of a
-    stacked copy) would copy all the weights on every call.
-
-    A one-row ``x [1, D]`` (a generated token) is multiplied as two rows, itself and a row of zeros: XLA
-    compiles a matrix-vector product to machine code of its own, one per product (a switch over 30
-    layers would compile 30 of each), and hands products of two or more rows to its matrix library,
-    which compiles nothing and reads the matrix once either way.
-    """
-
-    def __init__(self, layers: tuple[Array, ...], i: Array, transposed: bool = False):
-        self.layers, self.i, self.transposed = layers, i, transposed
-
-    def tree_flatten(self):
-        return (self.layers, self.i), self.transposed
-
-    @classmethod
-    def tree_unflatten(cls, transposed, children):
-        return cls(*children, transposed)
-
-    @property
-    def T(self) -> "LayerWeight":
-        return LayerWeight(self.layers, self.i, not self.transposed)
-
-    def __rmatmul__(self, x: Array) -> Array:
-        dims = (((x.ndim - 1,), (1 if self.transposed else 0,)), ((), ()))  # x's last axis against w's rows (or columns)
-        dtype = jnp.result_type(x, self.layers[0])
-
-        def product(w, x):
-            return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), dims)
-
-        one_row = x.ndim == 2 and x.shape[0] == 1
-        if one_row:
-            x = jnp.concatenate([x, jnp.zeros_like(x)])  # [2, D]
-        y = jax.lax.switch(self.i, [functools.partial(product, w) for w in self.layers], x)
-        return y[:1] if one_row else y
-
-
-def _layers(family: Family, config: Any, params: Any) -> Any:
-    """Every block's params as the loop over the layers reads them (:func:`_layer_at`): a pytree shaped like
-    one block's, each matrix (two or more axes) a tuple of the layers' own arrays, each vector (a norm's
-    scale, a bias) stacked ``[L, ...]`` (a copy of a few numbers per layer)."""
-    blocks = [family.layer(params, j) for j in range(family.sizes(config).layers)]
-    return jax.tree.map(lambda *a: tuple(a) if a[0].ndim >= 2 else jnp.stack(a), *blocks)
-
-
-def _layer_at(layers: Any, i: Array) -> Any:
-    """Block ``i``'s params (``i`` traced) from :func:`_layers`: its vectors, and a :class:`LayerWeight` for
-    each matrix."""
-    return jax.tree.map(lambda a: LayerWeight(a, i) if isinstance(a, tuple) else a[i], layers,
-                        is_leaf=lambda a: isinstance(a, tuple))
-
-
-def _block(family: Family, config: Any, p: Any, i: Any, x: Array, rot: Any, mask: Array, scale: Array,
-           heads: Array, weights: Array | None, sites: Sites) -> tuple[Array, Array | None]:
-    """Block ``i`` (an int, or a traced index inside the loop) on the stream ``x [T, D]`` entering it:
-    ``(x [T, D] leaving it, weights [L, N, T, T] with row i written)``; ``p`` is the block's params (in the
-    loop, :func:`_layer_at`'s); every named site passes ``sites``."""
-    s = family.sizes(config)
-    N, K = s.heads, s.kv_heads
-    x = sites("resid_pre", i, x)  # [T, D]
-    q, k, v = (sites(name, i, a) for name, a in zip("qkv", family.qkv(p, config, x, rot)))  # [T, N|K, H]
-    z, weights = causal_layer(q, k, v, mask, scale, weights, i, sites)  # [T, N, H], [L, N, T, T]
-    if "attn_logits" in sites.capture:  # per query head, against its key head: the softmax's own input
-        sites("attn_logits", i, _attn_logits(q, k, scale, N // K))  # [N, T, T]
-    z = sites("z", i, z) * heads[i][None, :, None].astype(z.dtype)  # [T, N, H], each head times its gate
-    a = sites("attn_out", i, _attn_out(family, config, p, z))  # [T, D]
-    x = sites("resid_mid", i, x + a)  # [T, D]
-    m = sites("mlp_out", i, _mlp(family, config, p, x))  # [T, D]
-    return sites("resid_post", i, x + m), weights  # [T, D]
-
-
 class _Run(NamedTuple):
-    """What runs the blocks besides the stream: the same for every block."""
+    """What every block of one forward shares besides the stream."""
 
     rot: Any  # the family's rotation of the positions (None without RoPE)
     mask: Array  # the keep-mask [S] or [T, S]; causality comes from the slot order
+    pos: Array  # [T] each row's position (real tokens counted), for windows
     scale: Array  # the logit scale, float32
-    heads: Array  # head_mask [L, N]
 
 
-def _buffers(family: Family, config: Any, params: Any, x: Array, run: _Run, capture: tuple[str, ...], patch: Any,
-             maps: bool) -> tuple[Array | None, dict[str, Array]]:
-    """Zeroed ``[L, ...]`` buffers for what the blocks write, made before the loop that carries them: every
-    layer's maps (None without ``maps``) and each captured tensor, shaped (and, under Explicit mesh axes,
-    split; inside ``shard_map``, varying) like block 0's."""
-    L = family.sizes(config).layers
-    q, k = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[:2], x)
-    weights = maps_buffer(_sharding.maps_struct(L, x.shape[0], q, k)) if maps else None  # [L, N, T, T]
-    if not capture:
-        return weights, {}
+def _block(family: Family, config: Any, p: Any, d: Any, head: Array, x: Array, rot: Any, attend: Callable,
+           sites: LayerSites) -> tuple[Array, Any]:
+    """One block on the stream ``x [T, D]`` entering it: ``(x [T, D] leaving it, what attend returns besides z)``.
 
-    def block0(x):  # what block 0 captures, as a Sites keeps it: [L, ...] buffers
-        sites = Sites(capture, patch, L)
-        _block(family, config, family.layer(params, 0), 0, x, *run, None, sites)
-        return sites.kept
-
-    shapes = jax.eval_shape(block0, x)
-    return weights, {name: _sharding.zeros(a.shape, a.dtype, a) for name, a in shapes.items()}
-
-
-def _blocks(family: Family, config: Any, params: Any, x: Array, start: Any, run: _Run, weights: Array | None,
-            sites: Sites) -> tuple[Array, Array | None, dict[str, Array]]:
-    """Blocks ``start..L-1`` on the stream ``x [T, D]`` entering block ``start`` (an int or a traced int32
-    scalar), as one ``lax.fori_loop``: one compiled block serves every layer (and every start).
-
-    Returns ``(x [T, D] leaving the last block, weights, captured)``: ``weights [L, N, T, T]`` with rows
-    ``start..L-1`` written (None stays None), ``captured`` the ``[L, ...]`` buffers of ``sites``, which
-    must be made before the loop (:func:`_buffers`)."""
-    L = family.sizes(config).layers
-    layers = _layers(family, config, params)
-
-    def body(i, carry):
-        x, weights, kept = carry
-        sites_i = Sites(sites.capture, sites.patch, L, kept)
-        x, weights = _block(family, config, _layer_at(layers, i), i, x, *run, weights, sites_i)
-        return x, weights, sites_i.kept
-
-    return jax.lax.fori_loop(start, L, body, (x, weights, sites.kept))
-
-
-def _unrolled(family: Family, config: Any, capture: tuple[str, ...], maps: bool, params: Any, x: Array, run: _Run,
-              patch: Any) -> tuple[Array, Array | None, dict[str, Array]]:
-    """Every block from the stream ``x [T, D]`` entering block 0, written out one after the other (what
-    the derivatives of :func:`_all_blocks` run): ``(x, weights [L, N, T, T] (None without maps), captured)``."""
-    L = family.sizes(config).layers
-    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=maps)
-    sites = Sites(capture, patch, L, kept)
-    for i in range(L):
-        x, weights = _block(family, config, family.layer(params, i), i, x, *run, weights, sites)
-    return x, weights, sites.kept
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _all_blocks(family: Family, config: Any, capture: tuple[str, ...], maps: bool, params: Any, x: Array, run: _Run,
-                patch: Any) -> tuple[Array, Array | None, dict[str, Array]]:
-    """Every block from the stream ``x [T, D]`` entering block 0: ``(x, weights [L, N, T, T], captured)``;
-    without ``maps`` no map is kept (``weights`` is None: nothing of ``[L, N, T, T]`` is allocated).
-
-    Evaluated as the loop of :func:`_blocks` (one compiled block). Its derivatives, forward and reverse,
-    are those of :func:`_unrolled`, the same blocks written out: reverse mode through the loop would add
-    the cotangents of EVERY layer's params at every step (each branch of the switch returns zeros for
-    the params it does not read), where the written-out blocks give each layer's params their own.
+    ``p``: the block's params (leaves without the layer axis); ``d``: its layer data; ``head [N]``: its
+    head gates; ``attend(q, k, v, d, sites) -> (z [T, N, H], extra)``: the attention; every named site
+    passes ``sites``.
     """
-    L = family.sizes(config).layers
-    weights, kept = _buffers(family, config, params, x, run, capture, patch, maps=maps)
-    return _blocks(family, config, params, x, 0, run, weights, Sites(capture, patch, L, kept))
+    x = sites("resid_pre", x)  # [T, D]
+    q, k, v = (sites(name, a) for name, a in zip("qkv", family.qkv(p, config, x, rot, d)))  # [T, N|K, H]
+    z, extra = attend(q, k, v, d, sites)  # [T, N, H]
+    z = sites("z", z) * head[None, :, None].astype(z.dtype)  # each head times its gate
+    a = sites("attn_out", _attn_out(family, config, p, z, d))  # [T, D]
+    mid = sites("resid_mid", x + a)  # [T, D]
+    m = sites("mlp_out", _mlp(family, config, p, x if family.parallel else mid, d))  # [T, D]
+    return sites("resid_post", mid + m), extra  # [T, D]
 
 
-@functools.partial(_all_blocks.defjvp, symbolic_zeros=True)
-def _all_blocks_jvp(family: Family, config: Any, capture: tuple[str, ...], maps: bool, primals: tuple,
-                    tangents: tuple) -> tuple:
-    """The JVP of :func:`_unrolled`, taken in the inputs that are perturbed only (a parameter without a
-    tangent, or an integer input, stays a constant instead of carrying zeros through every product)."""
-    leaves, tree = jax.tree.flatten(primals)
-    t_leaves = jax.tree.leaves(tangents, is_leaf=lambda t: isinstance(t, SymbolicZero))
-    moving = [not isinstance(t, SymbolicZero) for t in t_leaves]
-    t_moving = [t for t, m in zip(t_leaves, moving) if m]
-
-    def of_moving(*xs):
-        it = iter(xs)
-        return _unrolled(family, config, capture, maps, *jax.tree.unflatten(tree, [next(it) if m else a
-                                                                            for a, m in zip(leaves, moving)]))
-
-    return jax.jvp(of_moving, tuple(a for a, m in zip(leaves, moving) if m), tuple(t_moving))
-
-
-def _run(family: Family, config: Any, keep: Array, pos: Array, T: int, heads: Array, scale: Array) -> _Run:
+def _self_attention(family: Family, config: Any, run: _Run, maps: bool) -> Callable:
+    """The forward's attention strategy: causal self-attention of the block's own rows, its map through the
+    ``attn_weights`` site (returned as ``extra`` with ``maps``, else None)."""
     s = family.sizes(config)
-    return _Run(_rotation(family, config, pos, T), _key_mask(keep, pos, s.window), scale, heads)
+
+    def attend(q, k, v, d, sites):
+        mask = _windowed(run.mask, run.pos, run.pos, d.get("window"))  # [S] or [T, S]
+        cap = d.get("logit_cap")
+        z, w = _attend(q, k, v, mask, run.scale, 0, cap)  # [T, N, H], [N, T, T]
+        if "attn_logits" in sites.capture:  # per query head, against its key head: the softmax's own input
+            sites("attn_logits", _attn_logits(q, k, run.scale, s.heads // s.kv_heads, cap))  # [N, T, T]
+        w = sites("attn_weights", w)  # [N, T, T]
+        z = sites.remix(w, v, z, mask, causal=True)  # the rows a patch takes, from its weights
+        return z, (w if maps else None)
+
+    return attend
+
+
+def _split_patch(patch: Mapping[str, tuple[Array, Array]], L: int) -> tuple[dict, dict]:
+    """``patch`` split into what the scan over the layers slices (arrays with a layer axis of ``L``) and what
+    every layer reads whole (a layer axis of 1, dropped): two ``{(name, 0 | 1): array}`` dicts."""
+    sliced, whole = {}, {}
+    for name, pair in patch.items():
+        for j, a in enumerate(pair):
+            if a.shape[0] == L:
+                sliced[(name, j)] = a
+            else:
+                whole[(name, j)] = a[0]
+    return sliced, whole
+
+
+def _patch_rows(rows: Mapping[tuple[str, int], Array]) -> dict[str, tuple[Array, Array]]:
+    return {name: (rows[(name, 0)], rows[(name, 1)]) for name, _ in rows if _ == 0}
+
+
+def _scan_blocks(family: Family, config: Any, params: Any, x: Array, run: _Run, heads: Array,
+                 capture: tuple[str, ...], patch: Mapping[str, tuple[Array, Array]], maps: bool
+                 ) -> tuple[Array, Array | None, dict[str, Array]]:
+    """Every block on the stream ``x [T, D]`` entering block 0, as ONE ``lax.scan`` over the stacked blocks:
+    ``(x [T, D] leaving the last, weights [L, N, T, T] (None without maps), captured {name: [L, ...]})``.
+
+    Differentiable in both modes like any scan: each layer's params get their own cotangent."""
+    L = family.sizes(config).layers
+    sliced, whole = _split_patch(patch, L)
+    attend = _self_attention(family, config, run, maps)
+
+    def body(x, xs):
+        p, d, head, rows = xs
+        sites = LayerSites(capture, _patch_rows({**whole, **rows}))
+        x, w = _block(family, config, p, d, head, x, run.rot, attend, sites)
+        kept = dict(sites.kept)
+        if maps and "attn_weights" not in kept:
+            kept["attn_weights"] = w
+        return x, kept
+
+    x, kept = jax.lax.scan(body, x, (family.blocks(params), layer_data(family, config), heads, sliced))
+    weights = kept["attn_weights"] if maps else None
+    return x, weights, {name: kept[name] for name in capture}
+
+
+def _run(family: Family, config: Any, keep: Array, pos: Array, T: int, scale: Array) -> _Run:
+    window = family.sizes(config).window  # a window every layer shares (Mistral's); per-layer ones in layer_data
+    return _Run(_rotation(family, config, pos, T), _windowed(keep, pos, pos, window), pos, scale)
 
 
 def _head(family: Family, config: Any, params: Any, x: Array, weights: Array | None, captured: dict) -> ModelOutput:
@@ -355,22 +371,37 @@ def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, 
     T = ids.shape[0]
     pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
     x = _embed(family, config, params, ids, pos)  # [T, D]
-    run = _run(family, config, keep, pos, T, heads, scale)
-    x, weights, captured = _all_blocks(family, config, capture, maps, params, x, run, patch)
+    run = _run(family, config, keep, pos, T, scale)
+    x, weights, captured = _scan_blocks(family, config, params, x, run, heads, capture, patch, maps)
     return _head(family, config, params, x, weights, captured)
+
+
+def _at(tree: Any, i: Array) -> Any:
+    """Row ``i`` (traced) of every ``[L, ...]`` leaf."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config", "rows"))
 def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, family: Family, config,
             rows: int) -> ModelOutput:
     """Blocks ``layer..L-1`` from the stream ``resid [T, D]`` entering block ``layer`` (a traced int32 scalar):
-    the forward's loop, started at ``layer``, so one compiled block serves every start layer. ``rows``:
-    the positions the rotation covers, ``[0, rows)``."""
+    the forward's block in a ``lax.fori_loop`` from ``layer``, each block's params read at its index, so one
+    compiled block serves every start layer. ``rows``: the positions the rotation covers, ``[0, rows)``."""
     L = family.sizes(config).layers
-    run = _run(family, config, keep, pos, rows, heads, scale)
-    q0 = jax.eval_shape(lambda x: family.qkv(family.layer(params, 0), config, x, run.rot)[0], resid)  # [T, N, H]
+    run = _Run(_rotation(family, config, pos, rows), _windowed(keep, pos, pos, family.sizes(config).window), pos, scale)
+    stacked, data = family.blocks(params), layer_data(family, config)
+    attend = _self_attention(family, config, run, maps=True)
+    q0 = jax.eval_shape(lambda x: family.qkv(_at(stacked, 0), config, x, run.rot, _at(data, 0))[0], resid)
     weights = _sharding.maps_like(weights, q0)  # under Explicit mesh axes: split like the maps written into it
-    x, weights, _ = _blocks(family, config, params, resid, layer, run, weights, Sites((), patch, L))
+
+    def body(i, carry):
+        x, weights = carry
+        sites = LayerSites((), {name: tuple(a[0] if a.shape[0] == 1 else a[i] for a in pair)
+                                for name, pair in patch.items()})
+        x, w = _block(family, config, _at(stacked, i), _at(data, i), heads[i], x, run.rot, attend, sites)
+        return x, weights.at[i].set(w.astype(weights.dtype))
+
+    x, weights = jax.lax.fori_loop(layer, L, body, (resid, weights))
     return _head(family, config, params, x, weights, {})
 
 
@@ -575,27 +606,37 @@ def _pick(logits: Array, key: Array | None, temperature: Array, greedy: bool) ->
 PROMPT_ROWS = 8  # a prompt this long or shorter is read by the generation step itself
 
 
-def _cache_step(family: Family, config: Any, layers: Any, x: Array, rot: Any, seen: Array, own: Array, at: Array,
-                cache: tuple[Array, Array], scale: Array, heads: Array) -> tuple[Array, tuple[Array, Array]]:
-    """Every block on rows ``x [R, D]`` that go to cache slots ``at..at+R-1``. Each layer attends, through
-    :func:`jaxattn.multi_head_attention`, to the cached keys and values (``cache``, ``[L, S, K, H]`` each)
-    that ``seen`` keeps (``[S]``, or ``[R, S]`` under a sliding window) and, causally, to the rows' own
-    (``own [R]`` keeps the real ones, ``[R, R]`` under a window); then writes the rows' own into the cache."""
+def _cache_blocks(family: Family, config: Any, params: Any, x: Array, rot: Any, rows_pos: Array, key_pos: Array,
+                  seen: Array, own: Array, at: Array, cache: tuple[Array, Array], scale: Array, heads: Array
+                  ) -> tuple[Array, tuple[Array, Array]]:
+    """Every block on rows ``x [R, D]`` (positions ``rows_pos [R]``) that go to cache slots ``at..at+R-1``, as
+    one ``lax.scan`` over the layers running the forward's block with the cache's attention: each layer
+    attends, through :func:`jaxattn.multi_head_attention`, to the cached keys and values (``cache``,
+    ``[L, S, K, H]`` each, key positions ``key_pos [S]``) that ``seen [S]`` keeps and, causally, to the rows'
+    own (``own [R]`` keeps the real ones), each within the layer's window; then writes the rows' own into
+    the cache (carried, so written in place)."""
     S = cache[0].shape[1]
 
-    def layer(l, c):
-        x, (cache_k, cache_v) = c
-        p = _layer_at(layers, l)
-        q, k, v = family.qkv(p, config, x, rot)  # [R, N, H], 2 x [R, K, H]
-        keys, values = (jnp.concatenate([c[l].astype(q.dtype), a]) for c, a in ((cache_k, k), (cache_v, v)))  # [S + R, K, H]
-        z = _attend(q, keys, values, jnp.concatenate([seen, own], axis=-1), scale, S)  # [R, N, H]
+    def body(carry, xs):
+        x, (cache_k, cache_v) = carry
+        p, d, head = xs
+        l = d["index"]
+
+        def attend(q, k, v, d, sites):
+            keys, values = (jnp.concatenate([c[l].astype(q.dtype), a]) for c, a in ((cache_k, k), (cache_v, v)))  # [S + R, K, H]
+            window = d.get("window")
+            mask = jnp.concatenate([_windowed(seen, rows_pos, key_pos, window), _windowed(own, rows_pos, rows_pos, window)],
+                                   axis=-1)  # [S + R] or [R, S + R]
+            z, _ = _attend(q, keys, values, mask, scale, S, d.get("logit_cap"))  # [R, N, H]
+            return z, (k, v)
+
+        x, (k, v) = _block(family, config, p, d, head, x, rot, attend, LayerSites((), {}))
         cache_k, cache_v = (jax.lax.dynamic_update_index_in_dim(c, jax.lax.dynamic_update_slice_in_dim(
             c[l], a.astype(c.dtype), at, 0), l, 0) for c, a in ((cache_k, k), (cache_v, v)))
-        z = z * heads[l][None, :, None].astype(z.dtype)
-        x = x + _attn_out(family, config, p, z)
-        return x + _mlp(family, config, p, x), (cache_k, cache_v)  # [R, D]
+        return (x, (cache_k, cache_v)), None
 
-    return jax.lax.fori_loop(0, family.sizes(config).layers, layer, (x, cache))
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (family.blocks(params), layer_data(family, config), heads))
+    return x, cache
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy", "return_logits"))
@@ -618,11 +659,11 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     key_pos = jnp.concatenate([pos, real + jnp.arange(slots - T, dtype=jnp.int32)])  # [slots]
     key_keep = jnp.concatenate([keep, jnp.ones((slots - T,), bool)])  # [slots]: new tokens are real
     last = jnp.max(jnp.where(keep, jnp.arange(T), -1))  # the last real token: it predicts the first new one
-    layers = _layers(family, config, params)
     keys = None if greedy else jax.random.split(key, new)
-    run = _run(family, config, keep, pos, T, heads, scale)
-    k0 = jax.eval_shape(lambda: family.qkv(family.layer(params, 0), config, _embed(family, config, params, prompt, pos),
-                                           run.rot)[1])  # [T, K, H]
+    run = _run(family, config, keep, pos, T, scale)
+    k0 = jax.eval_shape(lambda: family.qkv(_at(family.blocks(params), 0), config,
+                                           _embed(family, config, params, prompt, pos), run.rot,
+                                           _at(layer_data(family, config), 0))[1])  # [T, K, H]
     cache = tuple(_sharding.zeros((L, slots, s.kv_heads, s.head_dim), k0.dtype, k0) for _ in "kv")  # split like k
 
     def step(carry, k):  # feeds new token k - 1 (or, when short, the prompt at k = 0) and picks token k
@@ -633,12 +674,12 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         rows_pos = jnp.where(reading, pos, real + k - 1) if short else (real + k - 1)[None]  # [R]
         seen = key_keep & (jnp.arange(slots) < at)  # [slots]: the real tokens before the step
         own = jnp.where(reading, keep, True) if short else jnp.ones((1,), bool)  # [R]
-        if s.window is not None:  # query t sees keys s with t - s < window
-            seen = seen[None, :] & (rows_pos[:, None] - key_pos[None, :] < s.window)  # [R, slots]
-            own = own[None, :] & (rows_pos[:, None] - rows_pos[None, :] < s.window)  # [R, R]
+        seen = _windowed(seen, rows_pos, key_pos, s.window)  # [slots], or [R, slots] under a shared window
+        own = _windowed(own, rows_pos, rows_pos, s.window)  # [R] or [R, R]
         h = _embed(family, config, params, ids, rows_pos)  # [R, D]
         rot = _rotation(family, config, rows_pos, slots)
-        h, cache = _cache_step(family, config, layers, h, rot, seen, own, at, cache, scale, heads)  # [R, D]
+        h, cache = _cache_blocks(family, config, params, h, rot, rows_pos, key_pos, seen, own, at, cache, scale,
+                                 heads)  # [R, D]
         logits = _unembed(family, config, params, family.final_norm(params, config, h))  # [R, V]
         logits = logits[jnp.where(reading, last, 0)] if short else logits[0]  # [V]
         picked = _pick(logits, None if greedy else keys[k], temperature, greedy)
@@ -648,7 +689,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         first, steps = prompt[0], jnp.arange(new)  # prompt[0]: a placeholder, never read
     else:  # the prompt in one pass of the forward's loop: its keys and values fill the cache's first T slots
         x = _embed(family, config, params, prompt, pos)  # [T, D]
-        x, _, kept = _all_blocks(family, config, ("k", "v"), False, params, x, run, {})  # [T, D]
+        x, _, kept = _scan_blocks(family, config, params, x, run, heads, ("k", "v"), {}, maps=False)  # [T, D]
         cache = tuple(jax.lax.dynamic_update_slice(c, kept[n].astype(c.dtype), (0, 0, 0, 0)) for c, n in zip(cache, "kv"))
         logits0 = _unembed(family, config, params, family.final_norm(params, config, x[last]))  # [V]
         first, steps = _pick(logits0, None if greedy else keys[0], temperature, greedy), jnp.arange(1, new)
@@ -678,12 +719,6 @@ def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any,
     return _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
                      jnp.asarray(0.0 if greedy else temperature, jnp.float32), None if greedy else key, family=family,
                      config=config, max_new_tokens=new, greedy=greedy, return_logits=bool(return_logits))
-
-
-def stack_layers(family: Family, params: Any, config: Any) -> Any:
-    """Every block's params stacked over layers, ``[L, ...]`` leaves (for the protocol's per-layer tables)."""
-    L = family.sizes(config).layers
-    return jax.tree.map(lambda *a: jnp.stack(a), *[family.layer(params, i) for i in range(L)])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -8,10 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import _sharding
-from jaxattn._attention import multi_head_attention
 from jaxattn._checks import as_key
-from jaxattn._sites import Sites
 from jaxattn.checkpoint import unflatten
 
 Array = jax.Array
@@ -48,33 +45,6 @@ def embed_ids(table: Array, ids: Array) -> Array:
     valid = (ids >= 0) & (ids < table.shape[0])  # [T]
     rows = table[jnp.clip(ids, 0, table.shape[0] - 1)]  # [T, D]
     return jnp.where(valid[:, None], rows, jnp.nan)
-
-
-def causal_layer(q: Array, k: Array, v: Array, mask: Array, scale: Array, weights: Array | None, layer: Any,
-                 sites: Sites) -> tuple[Array, Array | None]:
-    """One layer's causal attention in a model forward: ``(z [T, N, H], weights [L, N, T, T])``.
-
-    The layer's map passes the ``attn_weights`` site and is written in place into row ``layer`` (an int
-    or a traced index) of ``weights``, the buffer of every layer's maps (:func:`maps_buffer`), so that the
-    maps are never copied into a stack at the end; ``weights=None`` keeps no map (and returns None).
-    With an ``attn_weights`` patch, the rows of ``z`` whose weights it takes are remade from the patched
-    weights (:meth:`jaxattn._sites.Sites.remix`; every other row untouched). ``q [T, N, H]``,
-    ``k, v [T, K, H]``; ``mask``: the keep-mask ``[S]`` or ``[T, S]``.
-    """
-    def attend(q, k, v, mask, scale):
-        return multi_head_attention(q, k, v, mask=mask, scale=scale, is_causal=True)
-
-    z, w = _sharding.auto(attend, _sharding.head_specs(q))(q, k, v, mask, scale)  # [T, N, H], [N, T, T]
-    w = sites("attn_weights", layer, w)  # [N, T, T]
-    z = sites.remix(layer, w, v, z, mask, causal=True)  # [T, N, H]: the rows a patch takes, from its weights
-    return z, None if weights is None else weights.at[layer].set(w.astype(weights.dtype))  # [L, N, T, T], in place
-
-
-def maps_buffer(like: Any) -> Array:
-    """A zeroed buffer ``[L, N, T, S]`` for every layer's map (:func:`causal_layer` writes them into it),
-    shaped like ``like`` (an array or a ``jax.ShapeDtypeStruct``) and, under Explicit mesh axes, split
-    like it. The barrier keeps XLA from turning the zeros and the first write into a slow pad."""
-    return jax.lax.optimization_barrier(_sharding.zeros(like.shape, like.dtype, like))
 
 
 # ----------------------------------------------------------------------------------------------------

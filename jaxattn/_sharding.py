@@ -83,6 +83,8 @@ class Layout(NamedTuple):
 
     def sharding(self, key: str, shape: tuple[int, ...]) -> NamedSharding:
         dims = _rule(key, self.rules) or (None,) * len(shape)
+        if len(dims) == len(shape) - 1:  # a block's weight stacked over the layers: the layer axis is replicated
+            dims = (None, *dims)
         if len(dims) != len(shape):
             raise ValueError(f"{self.where}: weight '{key}' has shape {tuple(shape)}, its split rule {dims} "
                              f"names {len(dims)} dims")
@@ -254,19 +256,6 @@ def head_specs(q: Any) -> tuple[PartitionSpec, PartitionSpec]:
     mesh axes of the tokens and heads of ``q [T, N, H]`` (an array or a ``jax.ShapeDtypeStruct``)."""
     t, n = (tuple(getattr(_sharding_of(q), "spec", ())) + (None, None))[:2]
     return PartitionSpec(t, n, None), PartitionSpec(n, t, None)
-
-
-def maps_struct(layers: int, S: int, q: Any, k: Any) -> jax.ShapeDtypeStruct:
-    """A buffer ``[L, N, T, S]`` for every layer's maps of the queries ``q [T, N, H]`` against keys like ``k``
-    (``jax.ShapeDtypeStruct`` s): its dtype, its split under Explicit axes (the maps' own, as :func:`auto`
-    of an attention with :func:`head_specs` gives them) and the Manual axes it varies over (``q``'s)."""
-    T, N = q.shape[:2]
-    mesh = getattr(_sharding_of(q), "mesh", None)
-    sharding = None
-    if mesh is not None and mesh.explicit_axes:
-        sharding = NamedSharding(mesh, PartitionSpec(None, *head_specs(q)[1]))
-    return jax.ShapeDtypeStruct((layers, N, T, S), jnp.result_type(q.dtype, k.dtype), sharding=sharding,
-                                manual_axis_type=_manual_axis_type(q))
 
 
 def maps_like(weights: Array, q: Any) -> Array:

@@ -132,29 +132,61 @@ class Sites:
         return name in self.patch
 
     def remix(self, layer: Any, weights: Array, v: Array, z: Array, mask: Array, *, causal: bool) -> Array:
-        """``z [T, N, H]`` after the ``attn_weights`` site: each (query, head) row whose weights the patch
-        takes (``where`` True at any key of the row, at this layer) remade from ``weights [N, T, S]`` and
-        ``v [S, K, H]`` (:func:`mix`); every other row is ``z``, attention's own output, untouched, so a
-        layer or a row the patch leaves alone computes exactly as without it.
-
-        ``mask`` (broadcastable to ``[T, S]``) and ``causal`` say which keys each query attends: as in
-        attention itself, a key it does not attend contributes nothing whatever its value (unless the
-        patch gives it a nonzero weight).
-        """
+        """:func:`remix` with this layer's row of the ``attn_weights`` patch (``z`` itself without one)."""
         if "attn_weights" not in self.patch:
             return z
-        N, T, S = weights.shape
-        where = jnp.broadcast_to(_row(self.patch["attn_weights"][1], layer), (N, T, S))  # [N, T, S]
-        kept = jnp.broadcast_to(mask, (T, S))  # [T, S]
-        if causal:
-            kept = kept & jnp.tril(jnp.ones((T, S), bool))  # query t sees keys s <= t (S = T)
-        remade = mix(weights, v, kept)  # [T, N, H]
-        rows = jnp.any(where, axis=-1).T[:, :, None]  # [T, N, 1]
-        return jnp.where(rows, remade.astype(z.dtype), z)  # [T, N, H]
+        return remix(_row(self.patch["attn_weights"][1], layer), weights, v, z, mask, causal=causal)
 
     def captured(self) -> dict[str, Array]:
         """The requested tensors, each ``[L, ...]`` over layers."""
         return {name: self.kept[name] for name in self.capture}
+
+
+class LayerSites:
+    """One block's sites inside a loop over the layers: this layer's rows of the patch, and the captured
+    tensors of this layer (``kept``), which the loop stacks into ``[L, ...]`` (a ``lax.scan``'s outputs).
+
+    ``patch`` is ``{name: (value, where)}`` with this layer's rows (no layer axis).
+    """
+
+    def __init__(self, capture: tuple[str, ...], patch: Mapping[str, tuple[Array, Array]]):
+        self.capture = capture
+        self.patch = dict(patch)
+        self.kept: dict[str, Array] = {}
+
+    def __call__(self, name: str, x: Array) -> Array:
+        if name in self.patch:
+            value, where = self.patch[name]
+            x = jnp.where(where, value.astype(x.dtype), x)
+        if name in self.capture:
+            self.kept[name] = x
+        return x
+
+    def remix(self, weights: Array, v: Array, z: Array, mask: Array, *, causal: bool) -> Array:
+        """:func:`remix` with this layer's ``attn_weights`` patch (``z`` itself without one)."""
+        if "attn_weights" not in self.patch:
+            return z
+        return remix(self.patch["attn_weights"][1], weights, v, z, mask, causal=causal)
+
+
+def remix(where: Array, weights: Array, v: Array, z: Array, mask: Array, *, causal: bool) -> Array:
+    """``z [T, N, H]`` after a patched ``attn_weights`` site: each (query, head) row whose weights the patch
+    takes (``where``, broadcastable to ``[N, T, S]``, True at any key of the row) remade from ``weights
+    [N, T, S]`` and ``v [S, K, H]`` (:func:`mix`); every other row is ``z``, attention's own output,
+    untouched, so a layer or a row the patch leaves alone computes exactly as without it.
+
+    ``mask`` (broadcastable to ``[T, S]``) and ``causal`` say which keys each query attends: as in
+    attention itself, a key it does not attend contributes nothing whatever its value (unless the
+    patch gives it a nonzero weight).
+    """
+    N, T, S = weights.shape
+    where = jnp.broadcast_to(where, (N, T, S))  # [N, T, S]
+    kept = jnp.broadcast_to(mask, (T, S))  # [T, S]
+    if causal:
+        kept = kept & jnp.tril(jnp.ones((T, S), bool))  # query t sees keys s <= t (S = T)
+    remade = mix(weights, v, kept)  # [T, N, H]
+    rows = jnp.any(where, axis=-1).T[:, :, None]  # [T, N, 1]
+    return jnp.where(rows, remade.astype(z.dtype), z)  # [T, N, H]
 
 
 def _row(a: Array, layer: Any) -> Array:

@@ -38,6 +38,8 @@ __all__ = [
     "check_layer_names",
     "check_shapes",
     "flatten",
+    "stack_layers",
+    "unstack_layers",
     "read_config",
     "read_msgpack",
     "read_safetensors",
@@ -456,6 +458,84 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+_LAYER_KEY = re.compile(r"^(\d+)/(.+)$")
+
+
+def _prefix(prefix: str) -> str:
+    if not isinstance(prefix, str) or not prefix or prefix.endswith("/"):
+        raise ValueError(f"prefix must be the blocks' key path such as 'model/layers', received {prefix!r}")
+    return prefix + "/"
+
+
+def stack_layers(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """Per-layer blocks as stacked ``[L, ...]`` leaves: the decoders' in-memory layout.
+
+    ``params`` is a nested dict (or a flat ``{"a/b/c": leaf}`` one, returned flat) whose blocks sit under
+    ``prefix`` as ``{prefix}/{i}/{name}`` for ``i = 0..L-1`` (Hugging Face's Flax layout, e.g.
+    ``FlaxLlamaForCausalLM.params`` with ``prefix="model/layers"``, or ``FlaxGPT2LMHeadModel.params``
+    with ``"transformer/h"``); each ``{prefix}/{name}`` of the result stacks the ``L`` blocks' arrays along
+    a new leading axis. Every other leaf is returned as it is. :func:`unstack_layers` is the inverse.
+
+    Raises:
+      ValueError: no block under ``prefix``, layer indices that are not ``0..L-1``, or blocks that differ
+        in their weights or in a weight's shape (naming the key).
+    """
+    nested = any(isinstance(v, Mapping) for v in params.values())
+    flat = flatten(params) if nested else dict(params)
+    head = _prefix(prefix)
+    blocks: dict[int, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        m = _LAYER_KEY.match(key[len(head):]) if key.startswith(head) else None
+        if m is None:
+            out[key] = value
+        else:
+            blocks.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    if not blocks:
+        raise ValueError(f"params hold no block under '{prefix}/0/...' (the per-layer layout stack_layers reads)")
+    L = len(blocks)
+    if sorted(blocks) != list(range(L)):
+        raise ValueError(f"the blocks under '{prefix}' must be numbered 0..{L - 1}, found {sorted(blocks)[:8]}")
+    names = list(blocks[0])
+    for i in range(L):
+        if set(blocks[i]) != set(names):
+            extra = sorted(set(blocks[i]) ^ set(names))[0]
+            raise ValueError(f"block {i} under '{prefix}' differs from block 0 in weight '{extra}'")
+    for name in names:
+        arrays = [blocks[i][name] for i in range(L)]
+        shapes = {tuple(np.shape(a)) for a in arrays}
+        if len(shapes) != 1:
+            raise ValueError(f"weight '{prefix}/i/{name}' has shapes {sorted(shapes)} across the blocks: they must agree")
+        if all(isinstance(a, np.ndarray) for a in arrays):
+            out[head + name] = np.stack(arrays)
+        else:
+            import jax.numpy as jnp
+
+            out[head + name] = jnp.stack([jnp.asarray(a) for a in arrays])
+    return unflatten(out) if nested else out
+
+
+def unstack_layers(params: Mapping[str, Any], prefix: str, layers: int | None = None) -> dict[str, Any]:
+    """The inverse of :func:`stack_layers`: each ``[L, ...]`` leaf under ``prefix`` split into blocks
+    ``{prefix}/{i}/{name}`` (Hugging Face's per-layer Flax layout, e.g. for ``FlaxLlamaForCausalLM(params=)``
+    or a file). Nested in, nested out (flat in, flat out); ``layers`` checks ``L`` when given."""
+    nested = any(isinstance(v, Mapping) for v in params.values())
+    flat = flatten(params) if nested else dict(params)
+    head = _prefix(prefix)
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if not key.startswith(head):
+            out[key] = value
+            continue
+        L = np.shape(value)[0] if np.ndim(value) else None
+        if L is None or (layers is not None and L != layers):
+            raise ValueError(f"weight '{key}' must be stacked [L, ...]" + (f" with L = {layers}" if layers else "")
+                             + f", received shape {tuple(np.shape(value))}")
+        for i in range(L):
+            out[f"{head}{i}/{key[len(head):]}"] = value[i]
+    return unflatten(out) if nested else out
+
+
 def check_shapes(
     arrays: Mapping[str, Any],
     expected: Mapping[str, tuple[int, ...]],
@@ -470,7 +550,7 @@ def check_shapes(
       expected: ``{key: shape}``.
       source: the file the arrays came from, named in the message.
       kernel_layout: how this file stores 2-D kernels (e.g. ``"(out, in)"``), quoted when a kernel's
-        shape is the expected one reversed.
+        shape is the expected one with its last two dims swapped (a kernel, or kernels stacked over layers).
 
     Raises:
       CheckpointError: naming the file, the key, the expected and the found shape; a kernel whose shape
@@ -488,7 +568,7 @@ def check_shapes(
         found = tuple(np.shape(arrays[key]))
         if found != tuple(shape):
             hint = ""
-            if len(found) == 2 and found == tuple(shape)[::-1]:
+            if len(found) >= 2 and found[:-2] == tuple(shape)[:-2] and found[-2:] == tuple(shape)[-2:][::-1]:
                 hint = " (it looks transposed" + (f"; this file stores kernels as {kernel_layout}" if kernel_layout else "") + ")"
             raise CheckpointError(
                 f"{source}: weight '{key}' has shape {found}, expected {tuple(shape)}{hint}"
@@ -527,14 +607,26 @@ def check_fits(key: str, a: Any, dtype: Any, source: str | os.PathLike) -> None:
         )
 
 
-def fitting(place: Any, dtype: Any, source: str | os.PathLike) -> Any:
-    """A loader's ``place(key, array)`` that first refuses, by :func:`check_fits`, a weight ``dtype`` cannot hold."""
+@dataclasses.dataclass(frozen=True)
+class Fitting:
+    """A loader's ``place(key, array)`` that first refuses, by :func:`check_fits`, a weight ``dtype`` cannot
+    hold; :meth:`check` alone checks a part of a weight under its own key (a block's, before stacking)."""
 
-    def checked(key: str, a: Any) -> Any:
-        check_fits(key, a, dtype, source)
-        return place(key, a)
+    place: Any
+    dtype: Any
+    source: Any
 
-    return checked
+    def check(self, key: str, a: Any) -> None:
+        check_fits(key, a, self.dtype, self.source)
+
+    def __call__(self, key: str, a: Any) -> Any:
+        self.check(key, a)
+        return self.place(key, a)
+
+
+def fitting(place: Any, dtype: Any, source: str | os.PathLike) -> Fitting:
+    """``place`` behind :func:`check_fits` (a :class:`Fitting`)."""
+    return Fitting(place, dtype, source)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -3,19 +3,22 @@
 Axis alphabet: T tokens (queries; keys are the same tokens, so S = T), N heads, H head dim (d_k),
 D model width (n_embd), I MLP width (n_inner), V vocabulary, L layers, P positions (n_positions).
 
-Params are a nested dict in the layout of Hugging Face's Flax GPT-2 (``FlaxGPT2LMHeadModel.params``),
-key paths AND orientation, so the two are interchangeable::
+Params are a nested dict with the key names and orientation of Hugging Face's Flax GPT-2
+(``FlaxGPT2LMHeadModel.params``), every block's weights stacked over the layers (``[L, ...]``, what the
+decoder scans; :func:`jaxattn.checkpoint.stack_layers` converts Flax's per-layer ``transformer/h/{i}/...``
+and ``unstack_layers`` converts back)::
 
-    transformer/wte/embedding                 [V, D]
-    transformer/wpe/embedding                 [P, D]
-    transformer/h/{i}/ln_1/{scale,bias}       [D]
-    transformer/h/{i}/attn/c_attn/kernel      [3D, D]   (out, in): applied as x @ kernel.T
-    transformer/h/{i}/attn/c_attn/bias        [3D]
-    transformer/h/{i}/attn/c_proj/kernel      [D, D]
-    transformer/h/{i}/ln_2/{scale,bias}       [D]
-    transformer/h/{i}/mlp/c_fc/kernel         [I, D]
-    transformer/h/{i}/mlp/c_proj/kernel       [D, I]
-    transformer/ln_f/{scale,bias}             [D]
+    transformer/wte/embedding              [V, D]
+    transformer/wpe/embedding              [P, D]
+    transformer/h/ln_1/{scale,bias}        [L, D]
+    transformer/h/attn/c_attn/kernel       [L, 3D, D]   (out, in): applied as x @ kernel.T
+    transformer/h/attn/c_attn/bias         [L, 3D]
+    transformer/h/attn/c_proj/kernel       [L, D, D]
+    transformer/h/attn/c_proj/bias         [L, D]
+    transformer/h/ln_2/{scale,bias}        [L, D]
+    transformer/h/mlp/c_fc/{kernel,bias}   [L, I, D], [L, I]
+    transformer/h/mlp/c_proj/{kernel,bias} [L, D, I], [L, D]
+    transformer/ln_f/{scale,bias}          [D]
 
 The language-model head is tied to ``wte`` (``logits = h wteᵀ``), as in every released GPT-2.
 """
@@ -34,14 +37,15 @@ import numpy as np
 
 from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import (as_float_dtype, check_depth, check_int, check_last_axis, check_layer,
+from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_layer,
                              check_positive_float32)
-from jaxattn._decoder import Family, stack_layers
+from jaxattn._decoder import Family
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._typing import Array
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
-    check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
+    check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, stack_layers, unflatten,
+    unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
@@ -161,8 +165,18 @@ def read_gpt2_config(path: str | Path) -> GPT2Config:
         raise CheckpointError(f"{path}: {e}") from None
 
 
+_LAYERS = "transformer/h"  # where the blocks sit
+
+
 def param_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
-    """``{"transformer/h/0/attn/c_attn/kernel": (3D, D), ...}``: every weight, in the Flax layout."""
+    """``{"transformer/h/attn/c_attn/kernel": (L, 3D, D), ...}``: every weight, blocks stacked (module docstring)."""
+    L, head = config.n_layer, _LAYERS + "/0/"
+    return {(_LAYERS + "/" + k[len(head):] if k.startswith(head) else k): ((L, *v) if k.startswith(head) else v)
+            for k, v in _flax_shapes(config).items() if k.startswith(head) or not k.startswith(_LAYERS + "/")}
+
+
+def _flax_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """``{"transformer/h/0/attn/c_attn/kernel": (3D, D), ...}``: every weight in Flax's per-layer layout."""
     V, P, D, I = config.vocab_size, config.n_positions, config.n_embd, config.n_inner
     shapes = {"transformer/wte/embedding": (V, D), "transformer/wpe/embedding": (P, D)}
     for i in range(config.n_layer):
@@ -185,7 +199,7 @@ def init_params(seed: int, config: GPT2Config) -> dict:
     Drawn with NumPy (``numpy.random.default_rng(seed)``), so that building even a GPT-2-small-sized
     model compiles nothing.
     """
-    return init_from_shapes(seed, param_shapes(config), ones=("scale",))
+    return unflatten(stack_layers(flatten(init_from_shapes(seed, _flax_shapes(config), ones=("scale",))), _LAYERS))
 
 
 # The released GPT-2 shapes (vocabulary aside): layers, heads, width, positions.
@@ -269,21 +283,22 @@ def _from_safetensors(path: str | Path, config: GPT2Config, place: Any) -> dict:
             raise CheckpointError(f"{path}: weight '{name}' appears twice (with and without 'transformer.')")
         arrays[name] = value
     check_layer_names(arrays, config.n_layer, path, field="n_layer", pattern=r"h\.(\d+)\.")  # before the tables
-    table = {flax_key: _torch_name(flax_key) for flax_key in param_shapes(config)}
+    table = {flax_key: _torch_name(flax_key) for flax_key in _flax_shapes(config)}
     expected = {t: (shape[::-1] if transposed else shape)
-                for (flax_key, shape), (t, transposed) in zip(param_shapes(config).items(), table.values())}
+                for (flax_key, shape), (t, transposed) in zip(_flax_shapes(config).items(), table.values())}
     check_shapes(arrays, expected, path, kernel_layout="(in, out) (PyTorch Conv1D)")
     if lm_head is not None and not np.array_equal(lm_head, arrays["wte.weight"]):
         raise CheckpointError(
             f"{path}: weight 'lm_head.weight' differs from 'wte.weight'; untied GPT-2 heads are not supported"
         )
-    flat = {}
-    for flax_key, (t, transposed) in table.items():
+    def convert(flax_key: str) -> np.ndarray:
+        t, transposed = table[flax_key]
         a = np.asarray(arrays[t], np.float32)
         a = np.ascontiguousarray(a.T) if transposed else a
         check_finite({flax_key: a}, path)
-        flat[flax_key] = place(flax_key, a)
-    return unflatten(flat)
+        return a
+
+    return unflatten(_decoder.place_stacked(list(table), convert, place, _LAYERS, workers=1))
 
 
 def params_from_msgpack(path: str | Path, config: GPT2Config) -> dict:
@@ -300,13 +315,14 @@ def _from_msgpack(path: str | Path, config: GPT2Config, place: Any) -> dict:
         tree = {"transformer": tree}
     flat = flatten(tree)
     check_layer_names(flat, config.n_layer, path, field="n_layer", pattern=r"transformer/h/(\d+)/")  # before the table
-    check_shapes(flat, param_shapes(config), path, kernel_layout="(out, in) (Hugging Face Flax)")
-    out = {}
-    for key, value in flat.items():  # the file is read whole; converted and placed one tensor at a time
-        a = np.asarray(value, np.float32)
+    check_shapes(flat, _flax_shapes(config), path, kernel_layout="(out, in) (Hugging Face Flax)")
+
+    def convert(key: str) -> np.ndarray:  # the file is read whole; converted and placed a stacked weight at a time
+        a = np.asarray(flat[key], np.float32)
         check_finite({key: a}, path)
-        out[key] = place(key, a)
-    return unflatten(out)
+        return a
+
+    return unflatten(_decoder.place_stacked(list(flat), convert, place, _LAYERS, workers=1))
 
 
 def load_tokenizer(files: dict[str, Path], config: GPT2Config) -> TextTokenizer:
@@ -382,17 +398,17 @@ def _embed(params: dict, config: GPT2Config, ids: Array, pos: Array) -> Array:
     return embed_ids(tr["wte"]["embedding"], ids) + tr["wpe"]["embedding"][pos]  # [T, D]; NaN rows for bad ids
 
 
-def _qkv(p: dict, config: GPT2Config, x: Array, rot: None) -> tuple[Array, Array, Array]:
+def _qkv(p: dict, config: GPT2Config, x: Array, rot: None, d: Any) -> tuple[Array, Array, Array]:
     h = layer_norm(x, **p["ln_1"], eps=config.layer_norm_epsilon)  # [T, D]
     q, k, v = jnp.split(_linear(h, p["attn"]["c_attn"]), 3, axis=-1)  # 3 x [T, D]
     return tuple(split_heads(a, config.n_head) for a in (q, k, v))  # 3 x [T, N, H]
 
 
-def _attn_out(p: dict, config: GPT2Config, z: Array) -> Array:
+def _attn_out(p: dict, config: GPT2Config, z: Array, d: Any) -> Array:
     return _linear(merge_heads(z), p["attn"]["c_proj"])  # [T, N, H] -> [T, D]
 
 
-def _mlp(p: dict, config: GPT2Config, x: Array) -> Array:
+def _mlp(p: dict, config: GPT2Config, x: Array, d: Any) -> Array:
     h = layer_norm(x, **p["ln_2"], eps=config.layer_norm_epsilon)  # [T, D]
     act = _ACTIVATIONS[config.activation_function]
     return _linear(act(_linear(h, p["mlp"]["c_fc"])), p["mlp"]["c_proj"])  # [T, I] -> [T, D]
@@ -431,7 +447,7 @@ CAUSAL = True  # query t sees keys s <= t
 
 _FAMILY = Family(
     name="jaxattn.gpt2", config_type=GPT2Config, sizes=sizes, check_params=lambda p, c: check_params(p, c),
-    layer=lambda params, i: params["transformer"]["h"][str(i)], embed=_embed, rotation=lambda c, pos, n: None,
+    blocks=lambda params: params["transformer"]["h"], embed=_embed, rotation=lambda c, pos, n: None,
     qkv=_qkv, attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed,
     max_name="n_positions",
 )
@@ -451,20 +467,21 @@ def attention_input(params: dict, config: GPT2Config, layer: int, x: Array) -> A
     ``layer``, an int in ``[0, L)``, and ``x``'s width are checked (``ValueError`` naming them)."""
     layer = check_layer(layer, config.n_layer)
     x = check_last_axis(x, config.n_embd)
-    return layer_norm(x, **params["transformer"]["h"][str(layer)]["ln_1"], eps=config.layer_norm_epsilon)
+    ln_1 = params["transformer"]["h"]["ln_1"]
+    return layer_norm(x, ln_1["scale"][layer], ln_1["bias"][layer], eps=config.layer_norm_epsilon)
 
 
 def head_projections(params: dict, config: GPT2Config) -> Array:
     """``[L, N, H, D]``: each head's rows of ``c_proj`` (``attn_out = Σ_n z[:, n] @ W[n] + c_proj.bias``)."""
     L, N, H, D = config.n_layer, config.n_head, config.head_dim, config.n_embd
-    w = stack_layers(_FAMILY, params, config)["attn"]["c_proj"]["kernel"]  # [L, D, N·H] (out, in)
+    w = params["transformer"]["h"]["attn"]["c_proj"]["kernel"]  # [L, D, N·H] (out, in)
     return jnp.transpose(w, (0, 2, 1)).reshape(L, N, H, D)
 
 
 def qk_weights(params: dict, config: GPT2Config) -> QKWeights:
     """Every head's ``W_Q [L, N, D, H]``, ``b_q``, ``W_K``, ``b_k`` on its input (:func:`attention_input`)."""
     L, N, H, D = config.n_layer, config.n_head, config.head_dim, config.n_embd
-    c_attn = stack_layers(_FAMILY, params, config)["attn"]["c_attn"]
+    c_attn = params["transformer"]["h"]["attn"]["c_attn"]
     w = jnp.transpose(c_attn["kernel"], (0, 2, 1)).reshape(L, D, 3, N, H)  # [L, D, 3, N, H] (in, out)
     b = c_attn["bias"].reshape(L, 3, N, H)
     w_q, w_k = (jnp.transpose(w[:, :, j], (0, 2, 1, 3)) for j in (0, 1))  # 2 x [L, N, D, H]
@@ -499,12 +516,12 @@ shard, param_shardings, _layout = _sharding.public_api(
 
 
 def check_params(params: Any, config: GPT2Config) -> None:
-    """Raise ``ValueError`` naming the key whose shape (Flax layout, kernels ``(out, in)``) does not match
-    ``config``, or that is missing; shapes and dtypes only, so traced params (``jit``, ``grad``) pass."""
-    check_depth(params, ("transformer", "h"), config.n_layer, field="n_layer",
-                layout="Hugging Face Flax GPT-2 layout")  # before the table of every layer's weights
+    """Raise ``ValueError`` naming the key whose shape (Flax GPT-2 names, kernels ``(out, in)``, blocks stacked
+    ``[L, ...]``) does not match ``config``, or that is missing; shapes and dtypes only, so traced params (``jit``, ``grad``) pass."""
+    _decoder.check_stacked(params, _LAYERS, config.n_layer, field="n_layer",
+                           layout="Flax GPT-2 names, blocks stacked")  # before the table of every weight
     _decoder.check_tree(params, param_shapes(config), root="transformer", kernel_layout="(out, in)",
-                        layout="Hugging Face Flax GPT-2 layout")
+                        layout="Flax GPT-2 names, blocks stacked")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -528,7 +545,7 @@ def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: Tex
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **config._asdict()}
-    flat = {k: np.asarray(v) for k, v in flatten(params).items()}
+    flat = {k: np.asarray(v) for k, v in unstack_layers(flatten(params), _LAYERS).items()}
     if format == "safetensors":
         from safetensors.numpy import save as save_safetensors
 

@@ -9,20 +9,23 @@ Each block: ``h += o_proj(attn(RoPE(q), RoPE(k), v))`` on ``RMSNorm(h)``, then
 embedding (tied) or ``lm_head``. Attention is :func:`jaxattn.multi_head_attention` with K < N heads
 (no repeated keys or values).
 
-Params are a nested dict in the layout of Hugging Face's Flax Llama (``FlaxLlamaForCausalLM.params``),
-key paths AND orientation, so the two are interchangeable::
+Params are a nested dict with the key names and orientation of Hugging Face's Flax Llama
+(``FlaxLlamaForCausalLM.params``), every block's weights stacked over the layers (``[L, ...]``, what the
+decoder scans; :func:`jaxattn.checkpoint.stack_layers` converts Flax's per-layer ``model/layers/{i}/...``
+and ``unstack_layers`` converts back)::
 
-    model/embed_tokens/embedding                          [V, D]
-    model/layers/{i}/input_layernorm/weight               [D]
-    model/layers/{i}/self_attn/q_proj/kernel              [D, N·H]   (in, out): applied as x @ kernel
-    model/layers/{i}/self_attn/{k,v}_proj/kernel          [D, K·H]
-    model/layers/{i}/self_attn/{q,k,v}_proj/bias          [N·H], [K·H]   (only with qkv_bias: Qwen2)
-    model/layers/{i}/self_attn/o_proj/kernel              [N·H, D]   (and bias [D] with o_bias)
-    model/layers/{i}/post_attention_layernorm/weight      [D]
-    model/layers/{i}/mlp/{gate,up}_proj/kernel            [D, I]
-    model/layers/{i}/mlp/down_proj/kernel                 [I, D]
-    model/norm/weight                                     [D]
-    lm_head/kernel                                        [D, V]     (absent when tie_word_embeddings)
+    model/embed_tokens/embedding                       [V, D]
+    model/layers/input_layernorm/weight                [L, D]
+    model/layers/self_attn/q_proj/kernel               [L, D, N·H]   (in, out): applied as x @ kernel
+    model/layers/self_attn/{k,v}_proj/kernel           [L, D, K·H]
+    model/layers/self_attn/{q,k,v}_proj/bias           [L, N·H], [L, K·H]   (only with qkv_bias: Qwen2)
+    model/layers/self_attn/{q,k}_norm/weight           [L, H]        (only with q/k norms: Qwen3)
+    model/layers/self_attn/o_proj/kernel               [L, N·H, D]   (and bias [L, D] with o_bias)
+    model/layers/post_attention_layernorm/weight       [L, D]
+    model/layers/mlp/{gate,up}_proj/kernel             [L, D, I]
+    model/layers/mlp/down_proj/kernel                  [L, I, D]
+    model/norm/weight                                  [D]
+    lm_head/kernel                                     [D, V]        (absent when tie_word_embeddings)
 
 RoPE rotates HALVES of each head, ``(x[j], x[j + H/2])`` by the angle ``pos · θ^(-2j/H)``, as Hugging
 Face does; a GGUF file's q and k rows (permuted for llama.cpp's adjacent pairs) are brought to this
@@ -34,9 +37,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -47,14 +48,15 @@ import numpy as np
 
 from jaxattn import _decoder, _sharding
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import (as_float_dtype, check_depth, check_int, check_last_axis, check_layer,
+from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_layer,
                              check_positive_float32)
-from jaxattn._decoder import Family, stack_layers
+from jaxattn._decoder import Family
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes
 from jaxattn._typing import Array
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
-    check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, unflatten)
+    check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
+    stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn.models import QKWeights, Sizes
 
@@ -313,8 +315,18 @@ def config_dict(config: LlamaConfig) -> dict[str, Any]:
     return cfg
 
 
+_LAYERS = "model/layers"  # where the blocks sit
+
+
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """``{"model/layers/0/self_attn/q_proj/kernel": (D, N·H), ...}``: every weight, in the Flax layout."""
+    """``{"model/layers/self_attn/q_proj/kernel": (L, D, N·H), ...}``: every weight, blocks stacked (module docstring)."""
+    L, head = config.num_hidden_layers, _LAYERS + "/0/"
+    return {(_LAYERS + "/" + k[len(head):] if k.startswith(head) else k): ((L, *v) if k.startswith(head) else v)
+            for k, v in _flax_shapes(config).items() if k.startswith(head) or not k.startswith(_LAYERS + "/")}
+
+
+def _flax_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """``{"model/layers/0/self_attn/q_proj/kernel": (D, N·H), ...}``: every weight in Flax's per-layer layout."""
     V, D, I = config.vocab_size, config.hidden_size, config.intermediate_size
     N, K, H = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     shapes = {"model/embed_tokens/embedding": (V, D)}
@@ -346,7 +358,8 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def init_params(seed: int, config: LlamaConfig) -> dict:
     """Random float32 params: weights ``N(0, 0.02²)``, zero biases, RMSNorms that scale by 1 (NumPy, no compile)."""
-    return init_from_shapes(seed, param_shapes(config), ones=() if config.norm_plus_one else ("weight",))
+    flat = flatten(init_from_shapes(seed, _flax_shapes(config), ones=() if config.norm_plus_one else ("weight",)))
+    return unflatten(stack_layers(flat, _LAYERS))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -400,21 +413,20 @@ def _from_torch(arrays: Mapping[str, Any], config: LlamaConfig, source: str | Pa
         if embed is None or np.shape(head) != np.shape(embed) or not np.array_equal(head, embed):
             raise CheckpointError(f"{source}: weight 'lm_head.weight' differs from 'model.embed_tokens.weight' "
                                   "but tie_word_embeddings is true")
-    table = {flax_key: _torch_name(flax_key) for flax_key in param_shapes(config)}
+    table = {flax_key: _torch_name(flax_key) for flax_key in _flax_shapes(config)}
     expected = {t: (shape[::-1] if transposed else shape)
-                for (t, transposed), shape in zip(table.values(), param_shapes(config).values())}
+                for (t, transposed), shape in zip(table.values(), _flax_shapes(config).values())}
     check_shapes(arrays, expected, source, kernel_layout="(out, in) (PyTorch nn.Linear)")
 
-    def convert(flax_key: str) -> tuple[str, Array]:
+    def convert(flax_key: str) -> np.ndarray:
         t, transposed = table[flax_key]
         a = np.asarray(arrays[t], np.float32)
         a = np.ascontiguousarray(a.T) if transposed else a
         check_finite({flax_key: a}, source)
-        return flax_key, place(flax_key, a)
+        return a
 
     # Reads (lazy tensors: dequantizes), transposes and checks off the GIL, a few tensors in flight at a time.
-    with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, _WORKERS)) as pool:
-        return unflatten(dict(pool.map(convert, table)))
+    return unflatten(_decoder.place_stacked(list(table), convert, place, _LAYERS, workers=_WORKERS))
 
 
 # The weight layouts a checkpoint directory may hold, each told apart by its token embedding's name.
@@ -430,7 +442,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "flax_model
 
 
 def params_from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str | Path) -> dict:
-    """Params from Flax-named arrays (``{"model/layers/0/self_attn/q_proj/kernel": [in, out], ...}``).
+    """Params (blocks stacked) from Flax-named per-layer arrays (``{"model/layers/0/self_attn/q_proj/kernel":
+    [in, out], ...}``, e.g. ``flatten(FlaxLlamaForCausalLM.params)``).
 
     Transformers' Flax Llama stores an ``lm_head/kernel`` even for a tied model: it must then equal the
     embedding transposed, and is dropped.
@@ -445,13 +458,14 @@ def _from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str | Path,
         if embed is None or np.shape(head) != np.shape(embed)[::-1] or not np.array_equal(np.asarray(head).T, embed):
             raise CheckpointError(f"{source}: weight 'lm_head/kernel' differs from 'model/embed_tokens/embedding' "
                                   "transposed but tie_word_embeddings is true")
-    check_shapes(flat, param_shapes(config), source, kernel_layout="(in, out) (Hugging Face Flax)")
-    out = {}
-    for key, value in flat.items():  # one tensor at a time: read, checked, placed
-        a = np.asarray(value, np.float32)
+    check_shapes(flat, _flax_shapes(config), source, kernel_layout="(in, out) (Hugging Face Flax)")
+
+    def convert(key: str) -> np.ndarray:  # read, checked; placed a stacked weight at a time
+        a = np.asarray(flat[key], np.float32)
         check_finite({key: a}, source)
-        out[key] = place(key, a)
-    return unflatten(out)
+        return a
+
+    return unflatten(_decoder.place_stacked(list(flat), convert, place, _LAYERS, workers=1))
 
 
 def params_from_arrays(arrays: Mapping[str, np.ndarray], config: LlamaConfig, source: str | Path) -> dict:
@@ -660,7 +674,7 @@ def _embed(params: dict, config: LlamaConfig, ids: Array, pos: Array) -> Array:
     return x
 
 
-def _qkv(p: dict, config: LlamaConfig, x: Array, rot: tuple[Array, Array]) -> tuple[Array, Array, Array]:
+def _qkv(p: dict, config: LlamaConfig, x: Array, rot: tuple[Array, Array], d: Any) -> tuple[Array, Array, Array]:
     """Queries ``[T, N, H]``, keys and values ``[T, K, H]`` of one block (q, k rotated by ``rot``)."""
     h = _rms_norm(x, p["input_layernorm"]["weight"], config)  # [T, D]
     a = p["self_attn"]
@@ -672,11 +686,11 @@ def _qkv(p: dict, config: LlamaConfig, x: Array, rot: tuple[Array, Array]) -> tu
     return _rope(q, rot), _rope(k, rot), v
 
 
-def _attn_out(p: dict, config: LlamaConfig, z: Array) -> Array:
+def _attn_out(p: dict, config: LlamaConfig, z: Array, d: Any) -> Array:
     return _linear(merge_heads(z), p["self_attn"]["o_proj"])  # [T, N, H] -> [T, D]
 
 
-def _mlp(p: dict, config: LlamaConfig, x: Array) -> Array:
+def _mlp(p: dict, config: LlamaConfig, x: Array, d: Any) -> Array:
     """The gated MLP on ``rms(x)``: ``down(act(gate(h)) · up(h))`` (SwiGLU; GeGLU for Gemma), ``[T, D] -> [T, D]``."""
     h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config)  # [T, D]
     m = p["mlp"]
@@ -715,7 +729,7 @@ CAUSAL = True  # query t sees keys s <= t (and, under Mistral's sliding window, 
 
 _FAMILY = Family(
     name="jaxattn.llama", config_type=LlamaConfig, sizes=sizes, check_params=lambda p, c: check_params(p, c),
-    layer=lambda params, i: params["model"]["layers"][str(i)], embed=_embed, rotation=_rotation, qkv=_qkv,
+    blocks=lambda params: params["model"]["layers"], embed=_embed, rotation=_rotation, qkv=_qkv,
     attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed,
     max_name="max_position_embeddings",
 )
@@ -737,20 +751,20 @@ def attention_input(params: dict, config: LlamaConfig, layer: int, x: Array) -> 
     ``layer``, an int in ``[0, L)``, and ``x``'s width are checked (``ValueError`` naming them)."""
     layer = check_layer(layer, config.num_hidden_layers)
     x = check_last_axis(x, config.hidden_size)
-    return _rms_norm(x, params["model"]["layers"][str(layer)]["input_layernorm"]["weight"], config)
+    return _rms_norm(x, params["model"]["layers"]["input_layernorm"]["weight"][layer], config)
 
 
 def head_projections(params: dict, config: LlamaConfig) -> Array:
     """``[L, N, H, D]``: each query head's rows of ``o_proj`` (``attn_out = Σ_n z[:, n] @ W[n]`` (+ bias))."""
     L, N, H, D = config.num_hidden_layers, config.num_attention_heads, config.head_dim, config.hidden_size
-    return stack_layers(_FAMILY, params, config)["self_attn"]["o_proj"]["kernel"].reshape(L, N, H, D)
+    return params["model"]["layers"]["self_attn"]["o_proj"]["kernel"].reshape(L, N, H, D)
 
 
 def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
     """Every head's ``W_Q [L, N, D, H]``, ``b_q``, ``W_K [L, K, D, H]``, ``b_k`` on its input (before RoPE)."""
     L, N, K, H, D = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
                      config.head_dim, config.hidden_size)
-    a = stack_layers(_FAMILY, params, config)["self_attn"]
+    a = params["model"]["layers"]["self_attn"]
 
     def heads(w, n):  # [L, D, n·H] -> [L, n, D, H]
         return jnp.transpose(w.reshape(L, D, n, H), (0, 2, 1, 3))
@@ -791,13 +805,13 @@ shard, param_shardings, _layout = _sharding.public_api(
 
 
 def check_params(params: Any, config: LlamaConfig) -> None:
-    """Raise ``ValueError`` naming the key whose shape (Flax Llama layout, kernels ``(in, out)``) does not
-    match ``config``, or that is missing; shapes and dtypes only, so traced params pass (``jit``, ``vmap``)."""
+    """Raise ``ValueError`` naming the key whose shape (Flax Llama names, kernels ``(in, out)``, blocks stacked
+    ``[L, ...]``) does not match ``config``, or that is missing; shapes and dtypes only, so traced params pass (``jit``, ``vmap``)."""
     _decoder.check_config(_FAMILY, config)
-    check_depth(params, ("model", "layers"), config.num_hidden_layers, field="num_hidden_layers",
-                layout="Hugging Face Flax Llama layout")  # before the table of every layer's weights
+    _decoder.check_stacked(params, _LAYERS, config.num_hidden_layers, field="num_hidden_layers",
+                           layout="Flax Llama names, blocks stacked")  # before the table of every weight
     _decoder.check_tree(params, param_shapes(config), root="model", kernel_layout="(in, out)",
-                        layout="Hugging Face Flax Llama layout")
+                        layout="Flax Llama names, blocks stacked")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -821,7 +835,7 @@ def save(directory: str | Path, params: dict, config: LlamaConfig, tokenizer: Te
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for flax_key, value in flatten(params).items():
+    for flax_key, value in unstack_layers(flatten(params), _LAYERS).items():
         name, transposed = _torch_name(flax_key)
         value = np.asarray(value)
         tensors[name] = np.ascontiguousarray(value.T if transposed else value)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxattn.checkpoint import unflatten
+from layouts import per_layer_shapes
 
 TROPHY_CORPUS = [
     "The trophy didn't fit in the suitcase because it was too big.",
@@ -31,14 +32,14 @@ def train_tokenizer(vocab_size: int = 300):
 
 
 def random_params(seed: int, **config) -> dict:
-    """Random GPT-2 params in the Flax layout with EVERY leaf random (biases and LayerNorms too, unlike
+    """Random GPT-2 params in Hugging Face's per-layer Flax layout (``FlaxGPT2LMHeadModel``'s) with EVERY leaf random (biases and LayerNorms too, unlike
     GPT-2's own initialisation), so that parity tests exercise each weight."""
     from jaxattn import gpt2
 
     cfg = gpt2.GPT2Config.make(**{k: v for k, v in config.items() if k in gpt2.GPT2Config._fields})
     rng = np.random.default_rng(seed)
     flat = {}
-    for name, shape in gpt2.param_shapes(cfg).items():
+    for name, shape in per_layer_shapes(gpt2.param_shapes(cfg), "transformer/h").items():
         base = 1.0 if name.endswith("scale") else 0.0
         flat[name] = (base + 0.2 * rng.standard_normal(shape)).astype(np.float32)
     return unflatten(flat)

@@ -19,18 +19,19 @@ import jax
 import numpy as np
 
 from jaxattn import llama
-from jaxattn.checkpoint import flatten, unflatten
+from jaxattn.checkpoint import flatten, stack_layers, unflatten, unstack_layers
+from layouts import per_layer_shapes
 
 
 def random_params(seed: int, config: llama.LlamaConfig) -> dict:
-    """Params in the Flax layout with EVERY leaf random (norm weights ``1 + 0.2 N(0, 1)``, biases too), so
-    that parity tests exercise each weight."""
+    """Params (jaxattn's layout: blocks stacked) with EVERY leaf random (norm weights ``1 + 0.2 N(0, 1)``,
+    biases too), so that parity tests exercise each weight; drawn block by block in Hugging Face's order."""
     rng = np.random.default_rng(seed)
     flat = {}
-    for name, shape in llama.param_shapes(config).items():
+    for name, shape in per_layer_shapes(llama.param_shapes(config), "model/layers").items():
         base = 1.0 if name.endswith("norm/weight") else 0.0  # every RMSNorm: the blocks', the final, q/k (Qwen3)
         flat[name] = (base + 0.2 * rng.standard_normal(shape)).astype(np.float32)
-    return unflatten(flat)
+    return unflatten(stack_layers(flat, "model/layers"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -42,7 +43,7 @@ def torch_layout(params: dict) -> dict[str, np.ndarray]:
     """Flax Llama params as PyTorch ``LlamaForCausalLM`` tensors, written out by hand: ``nn.Linear``
     weights ``[out, in]`` (the Flax kernel transposed), RMSNorm ``weight``, ``embed_tokens.weight``."""
     out = {}
-    for key, value in flatten(params).items():
+    for key, value in unstack_layers(flatten(params), "model/layers").items():
         *parts, leaf = key.split("/")
         value = np.asarray(value)
         if leaf == "kernel":
@@ -112,7 +113,7 @@ def _sinusoidal(theta: float):
 
 
 def hf_model(params: dict, config: llama.LlamaConfig):
-    """``FlaxLlamaForCausalLM`` on ``params`` (copied: the two layouts are the same).
+    """``FlaxLlamaForCausalLM`` on ``params`` (copied, the blocks unstacked into Flax's per-layer layout).
 
     The Flax Llama of transformers 4.57 has no tied head (its ``lm_head`` gets the embedding's transpose),
     has one ``attention_bias`` for q, k, v AND o (a model without an o bias gets zeros), and builds its
@@ -130,7 +131,7 @@ def hf_model(params: dict, config: llama.LlamaConfig):
     )
     with jax.numpy_rank_promotion("allow"):
         model = transformers.FlaxLlamaForCausalLM(hf, _do_init=False)
-    flat = {k: np.asarray(v) for k, v in flatten(params).items()}
+    flat = {k: np.asarray(v) for k, v in unstack_layers(flatten(params), "model/layers").items()}
     if config.tie_word_embeddings:
         flat["lm_head/kernel"] = flat["model/embed_tokens/embedding"].T
     if config.qkv_bias != config.o_bias:

@@ -22,7 +22,8 @@ IDS = np.array([3, 17, 5, 9, 22, 1, 4, 8], np.int32)
 
 def _spread(params, scale):
     """Random params with their matrices scaled up, so that logits spread and greedy tokens vary."""
-    return jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, params)
+    matrix = lambda path: jax.tree_util.keystr(path).endswith(("['kernel']", "['embedding']"))  # noqa: E731
+    return jax.tree_util.tree_map_with_path(lambda path, x: x * scale if matrix(path) else x, params)
 
 
 MODELS = {
@@ -147,15 +148,29 @@ def test_log_prob_keeps_no_attention_map(each_model):
     np.testing.assert_allclose(float(module.log_prob(params, config, IDS, start=2)), expected, rtol=1e-5)
 
 
-def test_the_forward_loops_over_its_layers_and_its_derivatives_do_not(model):
-    """The forward runs one block in a loop (its weights picked by a switch over the layers); its derivatives
-    run the blocks written out, whose values are the loop's, so that each layer's params get their own
-    cotangent (a reverse pass through the switch would add zeros for every other layer's, every step)."""
+def test_the_forward_scans_one_block_and_each_layer_gets_its_own_cotangent(model):
+    """The forward runs one block in a scan over the stacked blocks, with no switch over the layers; its
+    gradient is the scan's own. Each layer's params get their own cotangent:
+    for a tangent in one layer's weights only, the gradient's inner product with it equals the forward-mode
+    derivative (a reverse pass that mixed the layers' cotangents would fail this for one of them)."""
     module, config, params = model
-    loss = lambda p: module.forward(p, config, IDS).logits[-1, 3]
+    loss = lambda p: module.forward(p, config, IDS).logits[-1, 3]  # noqa: E731
     plain = _primitives(jax.make_jaxpr(loss)(params).jaxpr)
-    assert "cond" in plain and {"scan", "while"} & plain  # fori_loop with fixed bounds is a scan
-    assert not {"scan", "while", "cond"} & _primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    assert "scan" in plain and "cond" not in plain  # (custom_jvp_call: the core's softmax and activations)
+    grad = jax.grad(loss)(params)
+    assert "scan" in _primitives(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    rng = np.random.default_rng(0)
+    for layer in range(module.sizes(config).layers):
+        def only(path, x):  # a random tangent in this layer's matrices, zero elsewhere
+            if x.ndim < 3:
+                return jnp.zeros_like(x)
+            return jnp.zeros_like(x).at[layer].set(rng.standard_normal(x.shape[1:]).astype(x.dtype))
+
+        tangent = jax.tree_util.tree_map_with_path(only, params)
+        _, forward_mode = jax.jvp(loss, (params,), (tangent,))
+        reverse_mode = sum(jnp.vdot(g, t) for g, t in zip(jax.tree.leaves(grad), jax.tree.leaves(tangent)))
+        assert abs(float(forward_mode)) > 1e-3  # the layer matters
+        np.testing.assert_allclose(float(reverse_mode), float(forward_mode), rtol=1e-4)
     tangent = jax.tree.map(jnp.ones_like, params)
     out, _ = jax.jvp(lambda p: module.forward(p, config, IDS, capture=("z",)), (params,), (tangent,))
     plain = module.forward(params, config, IDS, capture=("z",))

@@ -10,7 +10,7 @@ import pytest
 
 from gpt2_checkpoints import train_tokenizer
 from jaxattn import llama
-from jaxattn.checkpoint import flatten, unflatten
+from jaxattn.checkpoint import flatten, unflatten, unstack_layers
 from llama_checkpoints import random_params, save_hf
 
 TOL = 1e-5
@@ -69,7 +69,7 @@ def _flax_gemma(params, config, ids):
     )
     with jax.numpy_rank_promotion("allow"):
         model = transformers.FlaxGemmaForCausalLM(hf, _do_init=False)
-        out = model(np.asarray(ids)[None], params=unflatten({k: np.asarray(v) for k, v in flatten(params).items()}),
+        out = model(np.asarray(ids)[None], params=unflatten(unstack_layers({k: np.asarray(v) for k, v in flatten(params).items()}, "model/layers")),
                     output_attentions=True, output_hidden_states=True)
     return (np.asarray(out.logits[0]), np.stack([np.asarray(a[0]) for a in out.attentions]),
             np.stack([np.asarray(h[0]) for h in out.hidden_states]))
@@ -78,7 +78,7 @@ def _flax_gemma(params, config, ids):
 def _numpy_qwen3(params, config, ids):
     """Qwen3 in float64 NumPy, from Hugging Face's modeling_qwen3: RMSNorm of each head's q and k before
     RoPE (rotate halves), no q/k/v bias, SwiGLU, causal GQA."""
-    p = {k: np.asarray(v, np.float64) for k, v in flatten(params).items()}
+    p = {k: np.asarray(v, np.float64) for k, v in unstack_layers(flatten(params), "model/layers").items()}
     N, K, H, eps = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.rms_norm_eps
     T = len(ids)
 
@@ -195,7 +195,7 @@ def test_directories_written_by_flax_llama_save_pretrained_load(tok, tmp_path, h
         kwargs = {"safe_serialization": how != "msgpack"}
         if how == "sharded msgpack":
             kwargs["max_shard_size"] = "20KB"
-        model.save_pretrained(tmp_path, params=weights, **kwargs)
+        model.save_pretrained(tmp_path, params=unstack_layers(weights, "model/layers"), **kwargs)
     tok.save(str(tmp_path / "tokenizer.json"))
     names = {p.name for p in tmp_path.iterdir()}
     expected = {"msgpack": "flax_model.msgpack", "safetensors": "model.safetensors",

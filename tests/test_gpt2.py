@@ -7,6 +7,7 @@ import pytest
 
 from gpt2_checkpoints import hf_model, hf_run, save_checkpoint, torch_layout, train_tokenizer
 from jaxattn import gpt2
+from jaxattn.checkpoint import stack_layers, unstack_layers
 
 TOL = 1e-5
 
@@ -70,9 +71,15 @@ def test_a_long_sequence_matches_flax_gpt2(tmp_path):
 
 
 def test_params_are_interchangeable_with_hugging_face(case):
+    """Loaded params are Hugging Face's with the blocks stacked; stack_layers and unstack_layers convert."""
     model, _, config, params = case
-    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(model.params_)
-    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(model.params_)):
+    theirs = stack_layers(model.params_, "transformer/h")
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(theirs)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(theirs)):
+        np.testing.assert_array_equal(a, b)
+    back = unstack_layers(params, "transformer/h", config.n_layer)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(model.params_)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(model.params_)):
         np.testing.assert_array_equal(a, b)
 
 
@@ -123,10 +130,10 @@ def test_scale_is_the_query_scale(case):
     c = 3.0
     D = config.n_embd
     scaled = jax.tree_util.tree_map(lambda x: x, params)
-    for block in scaled["transformer"]["h"].values():
-        kernel = block["attn"]["c_attn"]["kernel"]  # [3D, D] (out, in): rows 0..D-1 make q
-        bias = block["attn"]["c_attn"]["bias"]
-        block["attn"]["c_attn"] = {"kernel": kernel.at[:D].multiply(c), "bias": bias.at[:D].multiply(c)}
+    blocks = scaled["transformer"]["h"]  # every block's, stacked [L, ...]
+    kernel = blocks["attn"]["c_attn"]["kernel"]  # [L, 3D, D] (out, in): rows 0..D-1 make q
+    bias = blocks["attn"]["c_attn"]["bias"]
+    blocks["attn"]["c_attn"] = {"kernel": kernel.at[:, :D].multiply(c), "bias": bias.at[:, :D].multiply(c)}
     a = run(params, config, ids5(config), scale=c / np.sqrt(config.head_dim))
     b = run(scaled, config, ids5(config))
     np.testing.assert_allclose(a.attentions, b.attentions, atol=TOL, rtol=0)
@@ -197,7 +204,7 @@ def test_forward_rejects_bad_input_ids(ids, error, match):
 def test_forward_rejects_params_of_another_config():
     config = gpt2.GPT2Config.make(vocab_size=40, n_positions=16, n_embd=8, n_layer=1, n_head=2)
     other = gpt2.GPT2Config.make(vocab_size=40, n_positions=16, n_embd=8, n_layer=1, n_head=2, n_inner=16)
-    with pytest.raises(ValueError, match=r"'transformer/h/0/mlp/c_fc/kernel' has shape \(16, 8\), expected \(32, 8\)"):
+    with pytest.raises(ValueError, match=r"'transformer/h/mlp/c_fc/kernel' has shape \(1, 16, 8\), expected \(1, 32, 8\)"):
         gpt2.forward(gpt2.init_params(0, other), config, np.zeros(3, np.int32))
     with pytest.raises(ValueError, match=r"scale must be finite and > 0"):
         gpt2.forward(gpt2.init_params(0, config), config, np.zeros(3, np.int32), scale=0.0)

@@ -32,8 +32,8 @@ def tiny():
 def without_head(params, layer, head, H):
     """The params with head (layer, head)'s input columns of the output projection set to 0, by hand."""
     p = jax.tree.map(lambda x: x, params)
-    kernel = p["transformer"]["h"][str(layer)]["attn"]["c_proj"]["kernel"]  # (out, in): z's features are the inputs
-    p["transformer"]["h"][str(layer)]["attn"]["c_proj"]["kernel"] = kernel.at[:, head * H:(head + 1) * H].set(0.0)
+    kernel = p["transformer"]["h"]["attn"]["c_proj"]["kernel"]  # [L, out, in]: z's features are the inputs
+    p["transformer"]["h"]["attn"]["c_proj"]["kernel"] = kernel.at[layer, :, head * H:(head + 1) * H].set(0.0)
     return p
 
 

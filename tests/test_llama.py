@@ -11,7 +11,7 @@ import pytest
 
 from gpt2_checkpoints import train_tokenizer
 from jaxattn import llama
-from jaxattn.checkpoint import CheckpointError, flatten
+from jaxattn.checkpoint import CheckpointError, flatten, unstack_layers
 from llama_checkpoints import (
     edit_config,
     gguf_tensors,
@@ -115,7 +115,7 @@ def test_flax_reference_uses_the_rope_base(case):
 def test_params_are_interchangeable_with_flax(case):
     config, params, model, _, _ = case
     theirs = flatten(model.params_)
-    ours = flatten(params)
+    ours = unstack_layers(flatten(params), "model/layers")  # Flax's per-layer layout
     extra = {k for k in theirs if k not in ours}  # Flax Llama always has lm_head and, with biases, all four
     assert extra == ({"lm_head/kernel"} if config.tie_word_embeddings else set()) | (
         {f"model/layers/{i}/self_attn/o_proj/bias" for i in range(config.num_hidden_layers)}
@@ -176,8 +176,9 @@ def test_gguf_quantized_weights_load_within_their_step(tok, tmp_path, kind):
     weights = random_params(3, config)
     matrices = {k: kind for k, v in gguf_tensors(weights, config).items() if v.ndim == 2}
     params, _, _ = llama.load(save_gguf(tmp_path / "q.gguf", weights, config, tok, types=matrices))
-    for key, value in flatten(weights).items():
-        got = np.asarray(flatten(params)[key])
+    loaded = unstack_layers(flatten(params), "model/layers")  # each block's weights apart: blocks are quantized apart
+    for key, value in unstack_layers(flatten(weights), "model/layers").items():
+        got = np.asarray(loaded[key])
         assert got.dtype == np.float32 and got.shape == value.shape
         err = np.max(np.abs(got - value)) / np.max(np.abs(value))
         assert err <= QUANTIZED[kind] if value.ndim == 2 else err == 0.0, (key, err)
@@ -201,9 +202,9 @@ def test_gguf_k_quants_load_as_gguf_dequantizes_them(tok, tmp_path, kind):
     meta = {**llama_metadata(config), **tokenizer_metadata(tok)}
     types = {"blk.0.ffn_up.weight": kind, "blk.0.attn_v.weight": kind}
     params, _, _ = llama.load(write_gguf(tmp_path / "k.gguf", meta, tensors, types=types))
-    layer = params["model"]["layers"]["0"]
-    for name, got in (("blk.0.ffn_up.weight", layer["mlp"]["up_proj"]["kernel"]),
-                      ("blk.0.attn_v.weight", layer["self_attn"]["v_proj"]["kernel"])):
+    layer = params["model"]["layers"]
+    for name, got in (("blk.0.ffn_up.weight", layer["mlp"]["up_proj"]["kernel"][0]),
+                      ("blk.0.attn_v.weight", layer["self_attn"]["v_proj"]["kernel"][0])):
         expect = gguf.quants.dequantize(tensors[name], qtype).T  # [in, out], the Flax orientation
         np.testing.assert_array_equal(got, expect)
 
@@ -259,7 +260,7 @@ def test_config_fields_of_each_family_are_read(tok, tmp_path):
     directory = save_hf(tmp_path / "mistral", random_params(0, config), config, tok)
     params, loaded, _ = llama.load(directory)
     assert loaded == config and loaded.head_dim == 4 and loaded.sliding_window == 3
-    assert params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"].shape == (16, 8)
+    assert params["model"]["layers"]["self_attn"]["q_proj"]["kernel"].shape == (1, 16, 8)
     qwen = make_config(tok, **CONFIGS["qwen2-mha2-bias"])
     directory = save_hf(tmp_path / "qwen2", random_params(0, qwen), qwen, tok)
     assert llama.load(directory)[1] == qwen
@@ -370,8 +371,8 @@ def test_head_mask_zero_equals_removing_the_head_from_o_proj(small):
     mask = np.ones((L, N), np.float32)
     mask[L - 1, 2] = 0.0
     cut = jax.tree_util.tree_map(lambda x: x, params)
-    o = cut["model"]["layers"][str(L - 1)]["self_attn"]["o_proj"]
-    o["kernel"] = o["kernel"].at[2 * H:3 * H].set(0.0)  # the rows head 2 writes through
+    o = cut["model"]["layers"]["self_attn"]["o_proj"]
+    o["kernel"] = o["kernel"].at[L - 1, 2 * H:3 * H].set(0.0)  # the rows head 2 writes through, in the last block
     a = llama.forward(params, config, ids, head_mask=mask).logits
     np.testing.assert_allclose(a, llama.forward(cut, config, ids).logits, atol=1e-6, rtol=0)
     assert np.max(np.abs(np.asarray(a) - np.asarray(llama.forward(params, config, ids).logits))) > 1e-4
@@ -444,7 +445,7 @@ def test_forward_is_pure_in_params_and_head_mask(small):
     ids = ids_of(config, T=6, seed=8)
     grads = jax.grad(lambda p: llama.forward(p, config, ids).logits[-1].sum())(params)
     assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
-    assert np.any(np.asarray(grads["model"]["layers"]["0"]["self_attn"]["k_proj"]["kernel"]) != 0)
+    assert np.any(np.asarray(grads["model"]["layers"]["self_attn"]["k_proj"]["kernel"][0]) != 0)
     gates = jax.grad(lambda m: llama.forward(params, config, ids, head_mask=m).logits[-1, 0])(jnp.ones((1, 4)))
     assert gates.shape == (1, 4) and np.all(np.isfinite(gates)) and np.any(gates != 0)
     batch = jnp.stack([ids, ids[::-1]])
@@ -483,7 +484,7 @@ def test_config_and_params_are_checked(small):
     with pytest.raises(ValueError, match=r"a qwen2 config has q, k, v biases"):
         llama.LlamaConfig.make(**{**config._asdict(), "model_type": "qwen2"})
     other = config._replace(num_key_value_heads=4)
-    with pytest.raises(ValueError, match=r"'model/layers/0/self_attn/k_proj/kernel' has shape \(32, 8\), expected \(32, 32\)"):
+    with pytest.raises(ValueError, match=r"'model/layers/self_attn/k_proj/kernel' has shape \(1, 32, 8\), expected \(1, 32, 32\)"):
         llama.forward(params, other, np.zeros(3, np.int32))
     with pytest.raises(TypeError, match=r"config must be a LlamaConfig"):
         llama.forward(params, dict(config._asdict()), np.zeros(3, np.int32))
@@ -716,10 +717,9 @@ def _wrong_rope_pairing(params, config):
     """The q/k kernels in llama.cpp's row order: the rotation pairs features (2j, 2j+1), not (j, j + H/2)."""
     N, K = config.num_attention_heads, config.num_key_value_heads
     out = jax.tree_util.tree_map(lambda x: x, params)
-    for i in range(config.num_hidden_layers):
-        a = out["model"]["layers"][str(i)]["self_attn"]
-        for name, heads in (("q_proj", N), ("k_proj", K)):
-            a[name] = {"kernel": jnp.asarray(permute(np.asarray(a[name]["kernel"]).T, N, heads).T)}
+    a = out["model"]["layers"]["self_attn"]
+    for name, heads in (("q_proj", N), ("k_proj", K)):
+        a[name] = {"kernel": jnp.stack([jnp.asarray(permute(np.asarray(w).T, N, heads).T) for w in a[name]["kernel"]])}
     return out
 
 

@@ -119,7 +119,7 @@ def test_resume_checks_the_stream_dtype_of_traced_params(tiny):
 def too_big_for_float16(tmp_path_factory):
     """A checkpoint directory whose layer-0 q_proj holds 1e5 (float16's largest finite number is 65504)."""
     params = random_params(1, LLAMA)
-    params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"][3, 5] = 1e5
+    params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][0, 3, 5] = 1e5  # layer 0's
     directory = tmp_path_factory.mktemp("big-q")
     return llama.save(directory, params, LLAMA, TextTokenizer(train_tokenizer()))
 
@@ -133,7 +133,7 @@ def test_load_float16_refuses_a_weight_beyond_its_range(too_big_for_float16):
 
 def test_load_bfloat16_keeps_a_weight_float16_cannot_hold(too_big_for_float16):
     params, _, _ = llama.load(too_big_for_float16, dtype=jnp.bfloat16)
-    q = params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+    q = params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][0]
     assert q.dtype == jnp.bfloat16 and float(q[3, 5]) == pytest.approx(1e5, rel=1e-2)
     assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(params))
 

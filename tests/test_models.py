@@ -59,8 +59,8 @@ def test_jit_vmap_and_eager_agree_over_params_and_batches(params):
 
 def test_wrong_params_are_refused_before_tracing(params):
     bad = jax.tree.map(lambda x: x, params)
-    bad["transformer"]["h"]["0"]["attn"]["c_attn"]["kernel"] = jnp.zeros((8, 24))
-    with pytest.raises(ValueError, match=r"c_attn/kernel' has shape \(8, 24\), expected \(24, 8\) \(it looks transposed"):
+    bad["transformer"]["h"]["attn"]["c_attn"]["kernel"] = jnp.zeros((2, 8, 24))
+    with pytest.raises(ValueError, match=r"c_attn/kernel' has shape \(2, 8, 24\), expected \(2, 24, 8\) \(it looks transposed"):
         jax.jit(lambda p: gpt2.forward(p, TINY, IDS).logits)(bad)
     with pytest.raises(ValueError, match="transformer"):
         gpt2.check_params({"h": {}}, TINY)
@@ -101,8 +101,8 @@ def test_head_mask_of_ones_is_no_mask_and_a_zero_removes_that_head_by_hand(param
     mask[1, 0] = 0.0
     ablated = gpt2.forward(params, TINY, IDS, head_mask=mask)
     by_hand = jax.tree.map(lambda x: x, params)
-    kernel = by_hand["transformer"]["h"]["1"]["attn"]["c_proj"]["kernel"]  # [D, N·H], (out, in)
-    by_hand["transformer"]["h"]["1"]["attn"]["c_proj"]["kernel"] = kernel.at[:, 0:4].set(0.0)  # head 0's inputs
+    kernel = by_hand["transformer"]["h"]["attn"]["c_proj"]["kernel"]  # [L, D, N·H], (out, in)
+    by_hand["transformer"]["h"]["attn"]["c_proj"]["kernel"] = kernel.at[1, :, 0:4].set(0.0)  # layer 1, head 0's inputs
     np.testing.assert_allclose(ablated.logits, gpt2.forward(by_hand, TINY, IDS).logits, atol=1e-5)
     assert not np.allclose(ablated.logits, plain.logits, atol=1e-3)
     half = gpt2.forward(params, TINY, IDS, head_mask=np.where(mask == 0, 0.5, 1.0)).logits
@@ -342,3 +342,30 @@ def test_head_mesh_on_this_process_devices():
     assert mesh.devices.size <= len(jax.devices()) and 9 % mesh.shape["model"] == 0
     with pytest.raises(TypeError, match=r"sizes must be a model's Sizes"):
         head_mesh((2, 9, 3))
+
+
+def test_per_layer_params_are_refused_with_the_call_that_stacks_them(params):
+    """Hugging Face's per-layer layout converts both ways with stack_layers / unstack_layers; the forward
+    names the conversion when handed the per-layer one."""
+    from jaxattn.checkpoint import stack_layers, unstack_layers
+
+    per_layer = unstack_layers(params, "transformer/h", TINY.n_layer)
+    assert set(per_layer["transformer"]["h"]) == {"0", "1"}
+    np.testing.assert_array_equal(per_layer["transformer"]["h"]["1"]["attn"]["c_proj"]["kernel"],
+                                  params["transformer"]["h"]["attn"]["c_proj"]["kernel"][1])
+    with pytest.raises(ValueError, match=r"params hold one dict per block under 'transformer/h' .* convert once with "
+                                         r"jaxattn\.checkpoint\.stack_layers\(params, 'transformer/h'\)"):
+        gpt2.forward(per_layer, TINY, IDS)
+    back = stack_layers(per_layer, "transformer/h")
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    broken = jax.tree.map(lambda x: x, per_layer)
+    broken["transformer"]["h"]["1"]["ln_1"]["bias"] = jnp.zeros(3)
+    with pytest.raises(ValueError, match=r"weight 'transformer/h/i/ln_1/bias' has shapes \[\(3,\), \(8,\)\] across the blocks"):
+        stack_layers(broken, "transformer/h")
+    gap = {"transformer": {"h": {"0": per_layer["transformer"]["h"]["0"], "2": per_layer["transformer"]["h"]["1"]}}}
+    with pytest.raises(ValueError, match=r"the blocks under 'transformer/h' must be numbered 0\.\.1, found \[0, 2\]"):
+        stack_layers(gap, "transformer/h")
+    with pytest.raises(ValueError, match=r"must be stacked \[L, \.\.\.\] with L = 3"):
+        unstack_layers(params, "transformer/h", 3)

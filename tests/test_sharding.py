@@ -130,9 +130,9 @@ def test_shard_on_one_device_places_every_weight(one_device_mesh):
 
     params, config = _tiny_llama()
     flat = flatten(llama.shard(params, config, one_device_mesh))
-    assert flat["model/layers/0/self_attn/q_proj/kernel"].sharding.spec == P(None, "model")
-    assert flat["model/layers/0/self_attn/o_proj/kernel"].sharding.spec == P("model", None)
-    assert flat["model/layers/0/mlp/down_proj/kernel"].sharding.spec == P("model", None)
+    assert flat["model/layers/self_attn/q_proj/kernel"].sharding.spec == P(None, None, "model")  # [L, D, N·H]
+    assert flat["model/layers/self_attn/o_proj/kernel"].sharding.spec == P(None, "model", None)
+    assert flat["model/layers/mlp/down_proj/kernel"].sharding.spec == P(None, "model", None)
     assert flat["model/norm/weight"].sharding.spec == P(None)
     for key, value in flatten(params).items():
         np.testing.assert_array_equal(np.asarray(flat[key]), np.asarray(value))
@@ -418,11 +418,11 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         ids, mask = batch(4, 10, config.vocab_size)
         sharded, errs = compare_forward(llama, params, config, m, ids, mask, N=config.num_attention_heads)
         expect_param_specs(sharded, {
-            "model/layers/0/self_attn/q_proj/kernel": (None, "model"),
-            "model/layers/0/self_attn/k_proj/kernel": (None, "model"),
-            "model/layers/0/self_attn/o_proj/kernel": ("model", None),
-            "model/layers/1/mlp/up_proj/kernel": (None, "model"),
-            "model/layers/1/mlp/down_proj/kernel": ("model", None),
+            "model/layers/self_attn/q_proj/kernel": (None, None, "model"),
+            "model/layers/self_attn/k_proj/kernel": (None, None, "model"),
+            "model/layers/self_attn/o_proj/kernel": (None, "model", None),
+            "model/layers/mlp/up_proj/kernel": (None, None, "model"),
+            "model/layers/mlp/down_proj/kernel": (None, "model", None),
             "model/embed_tokens/embedding": (None, None),
             "model/norm/weight": (None,),
         })
@@ -438,8 +438,8 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         m = mesh((2, 2), AxisType.Explicit)
         ids, mask = batch(2, 6, config.vocab_size)
         sharded, errs = compare_forward(llama, params, config, m, ids, mask, N=config.num_attention_heads)
-        expect_param_specs(sharded, {"model/layers/0/self_attn/k_proj/kernel": (None, "model"),
-                                     "model/layers/0/mlp/down_proj/kernel": ("model", None),
+        expect_param_specs(sharded, {"model/layers/self_attn/k_proj/kernel": (None, None, "model"),
+                                     "model/layers/mlp/down_proj/kernel": (None, "model", None),
                                      "model/embed_tokens/embedding": (None, None)})
         return errs
 
@@ -465,8 +465,8 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         sharded, errs = compare_forward(gpt2, params, config, m, ids, mask, N=4)
         errs["log_prob"] = compare_log_prob(gpt2, params, sharded, config, m, ids, mask)
         expect_param_specs(sharded, {
-            "transformer/h/0/attn/c_attn/kernel": ("model", None), "transformer/h/0/attn/c_proj/kernel": (None, "model"),
-            "transformer/h/0/mlp/c_fc/bias": ("model",), "transformer/wte/embedding": (None, None),
+            "transformer/h/attn/c_attn/kernel": (None, "model", None), "transformer/h/attn/c_proj/kernel": (None, None, "model"),
+            "transformer/h/mlp/c_fc/bias": (None, "model",), "transformer/wte/embedding": (None, None),
         })
         return errs
 
@@ -557,9 +557,9 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         ids, mask = smollm2_batch(tok)
         sharded, errs = compare_forward(llama, params, config, m, ids, mask, N=9, capture=())
         expect_param_specs(sharded, {
-            "model/layers/0/self_attn/q_proj/kernel": (None, "model"),
-            "model/layers/29/self_attn/v_proj/kernel": (None, "model"),
-            "model/layers/29/mlp/down_proj/kernel": ("model", None),
+            "model/layers/self_attn/q_proj/kernel": (None, None, "model"),
+            "model/layers/self_attn/v_proj/kernel": (None, None, "model"),
+            "model/layers/mlp/down_proj/kernel": (None, "model", None),
         })
         shard_bytes = {d.id: 0 for d in m.devices.flat}
         for leaf in jax.tree.leaves(sharded):

@@ -21,8 +21,13 @@ A, B = 3, 4  # the logit difference read: logit[A] - logit[B]
 def _spread(params, seed, scale):
     """Matrices scaled up (logits that vary); every vector (biases, norm weights) moved off 0 and 1."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: x * scale if x.ndim > 1 else x + 0.3 * rng.standard_normal(x.shape).astype(x.dtype),
-                        params)
+
+    def spread(path, x):  # a matrix (or matrices stacked over the layers) is a kernel or an embedding
+        if jax.tree_util.keystr(path).endswith(("['kernel']", "['embedding']")):
+            return x * scale
+        return x + 0.3 * rng.standard_normal(x.shape).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(spread, params)
 
 
 MODELS = {
@@ -287,7 +292,7 @@ def test_logit_attribution_by_hand():
 
     H = m.config.head_dim
     for layer in range(2):
-        proj = p["h"][str(layer)]["attn"]["c_proj"]  # kernel (out, in): head n's inputs are columns n·H..(n+1)·H
+        proj = jax.tree.map(lambda a: a[layer], p["h"]["attn"]["c_proj"])  # kernel (out, in): head n's inputs are columns n·H..(n+1)·H
         for head in range(2):
             v = proj["kernel"][:, head * H:(head + 1) * H] @ c["z"][layer, -1, head]
             assert float(parts["heads"][layer, head]) == pytest.approx(share(v), abs=1e-4)

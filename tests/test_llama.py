@@ -528,7 +528,7 @@ def _set_nan(a):
 
 
 BROKEN_GGUF = [
-    ("wrong architecture", _meta(general__architecture="gpt2"), r"general\.architecture is 'gpt2'; this loader reads the 'llama'"),
+    ("wrong architecture", _meta(general__architecture="gpt2"), r"general\.architecture is 'gpt2'; this loader reads 'llama', 'gemma3'"),
     ("unknown tensor type", _tensor("blk.0.ffn_up.weight", lambda a: a.astype(np.int32)),
      r"tensor 'blk\.0\.ffn_up\.weight' has type I32, which this loader does not read \(supported: F32, F16"),
     ("missing tensor", _tensor("blk.1.ffn_down.weight", None), r"missing tensor 'blk\.1\.ffn_down\.weight'"),
@@ -543,7 +543,8 @@ BROKEN_GGUF = [
     ("partial rope", _meta(llama__rope__dimension_count=4),
      r"llama\.rope\.dimension_count = 4 but the head dim is 8 \('llama\.embedding_length' = 32 / "
      r"'llama\.attention\.head_count' = 4\); partial rotary embeddings are not supported"),
-    ("sentencepiece tokenizer", _meta(tokenizer__ggml__model="llama"), r"tokenizer\.ggml\.model is 'llama'; only 'gpt2'"),
+    ("wordpiece tokenizer", _meta(tokenizer__ggml__model="bert"),
+     r"tokenizer\.ggml\.model is 'bert'; supported: 'gpt2' \(byte-level BPE\), 'llama' \(SentencePiece BPE\)"),
     ("unknown pre-tokenizer", _meta(tokenizer__ggml__pre="llama-bpe"),
      r"tokenizer\.ggml\.pre is 'llama-bpe', a pre-tokenizer this loader does not implement \(supported: smollm, gpt-2\)"),
     ("no tokenizer", _meta(tokenizer__ggml__model=None), r"the file holds no tokenizer"),
@@ -605,7 +606,7 @@ BROKEN_HF = [
     ("rope scaling", "llama", lambda d: edit_config(d, rope_scaling={"rope_type": "linear", "factor": 2.0}),
      r"config\.json: field 'rope_scaling' = .* is not supported"),
     ("other model_type", "llama", lambda d: edit_config(d, model_type="gpt_neox"),
-     r"config\.json: model_type 'gpt_neox' is not supported \(supported: 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma'\)"),
+     r"config\.json: model_type 'gpt_neox' is not supported \(supported: 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3_text'\)"),
     ("gelu", "llama", lambda d: edit_config(d, hidden_act="gelu"), r"config\.json: field 'hidden_act' = 'gelu' is not supported"),
     ("mlp bias", "llama", lambda d: edit_config(d, mlp_bias=True), r"config\.json: field 'mlp_bias' = True is not supported"),
     ("qwen2 sliding window", "qwen2", lambda d: edit_config(d, use_sliding_window=True),

@@ -71,23 +71,24 @@ def entropy_bounds(module: Any, params: Any, config: Any, input_ids: Any, *, cau
                          "q and k per head (qk_norm), so the bound does not apply")
     causal = bool(_protocol(module, "CAUSAL")) if causal is None else causal
     keep = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
-    window = _protocol(module, "sizes")(config).window
-    if window is not None:
-        t = jnp.arange(T)
-        keep = keep & (t[:, None] - t[None, :] < window)
+    sizes = _protocol(module, "sizes")(config)
+    t = jnp.arange(T)
+    windows = sizes.layer_windows or (sizes.window,) * x.shape[0]  # each layer's sliding window (None: all keys)
+    keep = jnp.stack([keep if w is None else keep & (t[:, None] - t[None, :] < w) for w in windows])  # [L, T, T]
 
-    def one(x, w_q, b_q, w_k, b_k):
-        return logit_spread_bound(x, w_q, w_k, b_q=b_q, b_k=b_k, scale=qk.scale, mask=keep, rotary=qk.rotary)
+    def one(x, w_q, b_q, w_k, b_k, mask):
+        return logit_spread_bound(x, w_q, w_k, b_q=b_q, b_k=b_k, scale=qk.scale, mask=mask, rotary=qk.rotary)
 
     def sigma(w_q, b_q, w_k, b_k):
         return qk_spectral_norm(w_q, w_k, b_q, b_k=b_k, rotary=qk.rotary)
 
     w_k = jnp.repeat(qk.w_k, N // K, axis=1)  # [L, N, D, H]: query head n reads key head n // (N/K)
     b_k = None if qk.b_k is None else jnp.repeat(qk.b_k, N // K, axis=1)  # [L, N, H]
-    per_head = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0, 0)))  # a None bias has no leaves to map
-    beta = jax.jit(per_head)(x, qk.w_q, qk.b_q, w_k, b_k)  # [L, N, T]
+    per_head = jax.vmap(jax.vmap(one, in_axes=(None, 0, 0, 0, 0, None)))  # a None bias has no leaves to map
+    beta = jax.jit(per_head)(x, qk.w_q, qk.b_q, w_k, b_k, keep)  # [L, N, T]
     sig = jax.vmap(jax.vmap(sigma))(qk.w_q, qk.b_q, w_k, b_k)  # [L, N]
     a = out.captured["attn_logits"].astype(jnp.float32)  # [L, N, T, T]
-    spread = jnp.max(jnp.where(keep, a, -jnp.inf), -1) - jnp.min(jnp.where(keep, a, jnp.inf), -1)  # [L, N, T]
-    return {"bound": entropy_floor(beta, jnp.sum(keep, axis=1), max_keys=T), "entropy": entropy(out.attentions, keep),
+    rows = keep[:, None]  # [L, 1, T, T]
+    spread = jnp.max(jnp.where(rows, a, -jnp.inf), -1) - jnp.min(jnp.where(rows, a, jnp.inf), -1)  # [L, N, T]
+    return {"bound": entropy_floor(beta, jnp.sum(rows, axis=-1), max_keys=T), "entropy": entropy(out.attentions, rows),
             "sigma": sig, "spread_bound": beta, "spread": spread}

@@ -29,20 +29,21 @@ import functools
 import json
 import re
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import _decoder, _sharding
+from jaxattn import _sharding, decoder
 from jaxattn._attention import merge_heads, split_heads
 from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_layer,
                              check_positive_float32)
-from jaxattn._decoder import Family
+from jaxattn.decoder import Family
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
-from jaxattn._typing import Array
+from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
     check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, stack_layers, unflatten,
     unstack_layers)
@@ -298,7 +299,7 @@ def _from_safetensors(path: str | Path, config: GPT2Config, place: Any) -> dict:
         check_finite({flax_key: a}, path)
         return a
 
-    return unflatten(_decoder.place_stacked(list(table), convert, place, _LAYERS, workers=1))
+    return unflatten(decoder.place_stacked(list(table), convert, place, _LAYERS, workers=1))
 
 
 def params_from_msgpack(path: str | Path, config: GPT2Config) -> dict:
@@ -322,7 +323,7 @@ def _from_msgpack(path: str | Path, config: GPT2Config, place: Any) -> dict:
         check_finite({key: a}, path)
         return a
 
-    return unflatten(_decoder.place_stacked(list(flat), convert, place, _LAYERS, workers=1))
+    return unflatten(decoder.place_stacked(list(flat), convert, place, _LAYERS, workers=1))
 
 
 def load_tokenizer(files: dict[str, Path], config: GPT2Config) -> TextTokenizer:
@@ -452,13 +453,79 @@ _FAMILY = Family(
     max_name="n_positions",
 )
 
-forward, log_prob, generate = _decoder.public_api(
-    _FAMILY, title="GPT-2's", config_name="GPT2Config",
-    formula="``h₀ = wte[ids] + wpe[positions]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with "
-            "causal multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`; "
-            "``logits = ln_f(h) wteᵀ``.",
-)
-resume = _decoder.public_resume(_FAMILY, title="GPT-2's")
+def forward(
+    params: Any,
+    config: GPT2Config,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_attention_logits: bool = False,
+    return_qkv: bool = False,
+    return_hidden_states: bool = False,
+    capture: Sequence[str] = (),
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+) -> ModelOutput:
+    return decoder.forward(_FAMILY, params, config, input_ids, attention_mask=attention_mask, head_mask=head_mask,
+                           scale=scale, return_attention_logits=return_attention_logits, return_qkv=return_qkv,
+                           return_hidden_states=return_hidden_states, capture=capture, patch=patch)
+
+
+def log_prob(
+    params: Any,
+    config: GPT2Config,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    start: Int[ArrayLike, ""] = 0,
+    end: Int[ArrayLike, ""] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+) -> Float[Array, ""]:
+    return decoder.log_prob(_FAMILY, params, config, input_ids, attention_mask=attention_mask, start=start, end=end,
+                            scale=scale)
+
+
+def generate(
+    params: Any,
+    config: GPT2Config,
+    prompt_ids: Int[ArrayLike, "T"],
+    *,
+    max_new_tokens: int,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    temperature: Any = 0.0,
+    key: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_logits: bool = False,
+) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
+    return decoder.generate(_FAMILY, params, config, prompt_ids, max_new_tokens=max_new_tokens,
+                            attention_mask=attention_mask, head_mask=head_mask, temperature=temperature, key=key,
+                            scale=scale, return_logits=return_logits)
+
+
+def resume(
+    params: Any,
+    config: GPT2Config,
+    resid_pre: Float[ArrayLike, "T D"],
+    layer: Int[ArrayLike, ""],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | Bool[ArrayLike, "T T"] | None = None,
+    positions: Int[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+    attentions: Float[ArrayLike, "L N T T"] | None = None,
+) -> ModelOutput:
+    return decoder.resume(_FAMILY, params, config, resid_pre, layer, attention_mask=attention_mask,
+                          positions=positions, head_mask=head_mask, scale=scale, patch=patch, attentions=attentions)
+
+
+_DOC = dict(title="GPT-2's", config='GPT2Config', formula='``h₀ = wte[ids] + wpe[positions]``; each block ``h += attn(ln_1(h))``, ``h += mlp(ln_2(h))`` with causal multi-head attention ``softmax(scale · q kᵀ) v`` from :func:`jaxattn.multi_head_attention`; ``logits = ln_f(h) wteᵀ``.')
+decoder.document(forward, decoder.FORWARD_DOC, _FAMILY, **_DOC)
+decoder.document(log_prob, decoder.LOG_PROB_DOC, _FAMILY, **_DOC)
+decoder.document(generate, decoder.GENERATE_DOC, _FAMILY, **_DOC)
+decoder.document(resume, decoder.RESUME_DOC, _FAMILY, **_DOC)
 
 
 def attention_input(params: dict, config: GPT2Config, layer: int, x: Array) -> Array:
@@ -518,9 +585,9 @@ shard, param_shardings, _layout = _sharding.public_api(
 def check_params(params: Any, config: GPT2Config) -> None:
     """Raise ``ValueError`` naming the key whose shape (Flax GPT-2 names, kernels ``(out, in)``, blocks stacked
     ``[L, ...]``) does not match ``config``, or that is missing; shapes and dtypes only, so traced params (``jit``, ``grad``) pass."""
-    _decoder.check_stacked(params, _LAYERS, config.n_layer, field="n_layer",
+    decoder.check_stacked(params, _LAYERS, config.n_layer, field="n_layer",
                            layout="Flax GPT-2 names, blocks stacked")  # before the table of every weight
-    _decoder.check_tree(params, param_shapes(config), root="transformer", kernel_layout="(out, in)",
+    decoder.check_tree(params, param_shapes(config), root="transformer", kernel_layout="(out, in)",
                         layout="Flax GPT-2 names, blocks stacked")
 
 
@@ -540,7 +607,7 @@ def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: Tex
     """
     if format not in ("safetensors", "msgpack"):
         raise ValueError(f"format must be 'safetensors' or 'msgpack', received {format!r}")
-    _decoder.check_config(_FAMILY, config)
+    decoder.check_config(_FAMILY, config)
     check_params(params, config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -39,22 +39,22 @@ import importlib.util
 import json
 import re
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import _decoder, _sharding
+from jaxattn import _sharding, decoder
 from jaxattn._attention import merge_heads, split_heads
 from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_layer,
                              check_positive_float32)
-from jaxattn._decoder import Family
+from jaxattn.decoder import Family
 from jaxattn._extras import require
 from jaxattn._logits import soft_cap
 from jaxattn._nn import embed_ids, init_from_shapes
-from jaxattn._typing import Array
+from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
     check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
     stack_layers, unflatten, unstack_layers)
@@ -324,6 +324,9 @@ class LlamaConfig(NamedTuple):
             if len(layer_types) != L or any(t not in LAYER_TYPES for t in layer_types):
                 raise ValueError(f"layer_types must name one of {', '.join(LAYER_TYPES)} for each of the {L} layers, "
                                  f"received {list(layer_types)!r}")
+            if model_type == "gemma3_text" and attn_logit_softcapping is not None:
+                raise ValueError("a gemma3_text config's attn_logit_softcapping is not applied by Gemma 3 (transformers' "
+                                 "Gemma3Attention stores it and never passes it on); set it to None")
             if model_type == "gemma2" and (rope_local_base_freq is not None or rope_scaling_factor is not None):
                 raise ValueError("a gemma2 config has one RoPE base (rope_theta), no rope_local_base_freq or scaling")
             if model_type == "gemma3_text" and rope_local_base_freq is None:
@@ -392,7 +395,7 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
         gemma = dict(layer_types=layer_types, query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
                      attn_logit_softcapping=raw.get("attn_logit_softcapping"),
-                     final_logit_softcapping=raw.get("final_logit_softcapping"), sliding_window=raw.get("sliding_window"))
+                     final_logit_softcapping=raw.get("final_logit_softcapping"))
         if model_type == "gemma3_text":
             scaling = raw.get("rope_scaling")
             factor = None
@@ -412,7 +415,7 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
             max_position_embeddings=raw["max_position_embeddings"], rope_theta=raw["rope_theta"],
             rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
             qkv_bias=bias or model_type == "qwen2", o_bias=bias,
-            sliding_window=raw.get("sliding_window") if model_type == "mistral" else None, model_type=model_type,
+            sliding_window=raw.get("sliding_window") if model_type == "mistral" or gemma else None, model_type=model_type,
             hidden_act=(raw.get("hidden_activation") or raw.get("hidden_act")) if model_type.startswith("gemma") else None,
             **gemma,
         )
@@ -522,8 +525,7 @@ def _torch_name(flax_key: str) -> tuple[str, bool]:
 
 def _inv_freq(config: LlamaConfig) -> np.ndarray:
     """RoPE's frequencies ``θ^(-2j/H)``, ``j < H/2`` (float64)."""
-    H = config.head_dim
-    return 1.0 / config.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)
+    return decoder.rope_frequencies(config.head_dim, config.rope_theta)
 
 
 _WORKERS = 4  # tensors converted at once while loading: the host holds about this many in float32
@@ -566,7 +568,7 @@ def _from_torch(arrays: Mapping[str, Any], config: LlamaConfig, source: str | Pa
         return a
 
     # Reads (lazy tensors: dequantizes), transposes and checks off the GIL, a few tensors in flight at a time.
-    return unflatten(_decoder.place_stacked(list(table), convert, place, _LAYERS, workers=_WORKERS))
+    return unflatten(decoder.place_stacked(list(table), convert, place, _LAYERS, workers=_WORKERS))
 
 
 # The weight layouts a checkpoint directory may hold, each told apart by its token embedding's name.
@@ -605,7 +607,7 @@ def _from_flax(flat: Mapping[str, Any], config: LlamaConfig, source: str | Path,
         check_finite({key: a}, source)
         return a
 
-    return unflatten(_decoder.place_stacked(list(flat), convert, place, _LAYERS, workers=1))
+    return unflatten(decoder.place_stacked(list(flat), convert, place, _LAYERS, workers=1))
 
 
 def params_from_arrays(arrays: Mapping[str, np.ndarray], config: LlamaConfig, source: str | Path) -> dict:
@@ -826,12 +828,8 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
 
 
 def _rms_norm(x: Array, weight: Array, config: LlamaConfig, *, stream: Array | None = None) -> Array:
-    """``w · x / sqrt(mean(s²) + eps)`` over the last axis of ``x [..., D]``, the statistic in float32 from
-    ``s = stream`` (``x`` itself when None); Gemma scales by ``1 + w`` instead of ``w``."""
-    x32, s32 = x.astype(jnp.float32), (x if stream is None else stream).astype(jnp.float32)
-    var = jnp.mean(s32 * s32, axis=-1, keepdims=True)  # [..., 1]
-    w = (1 + weight if config.norm_plus_one else weight).reshape((1,) * (x.ndim - 1) + weight.shape)  # [..., D]
-    return w * (x32 / jnp.sqrt(var + config.rms_norm_eps)).astype(x.dtype)  # [..., D], as Hugging Face divides
+    """:func:`jaxattn.decoder.rms_norm` with the config's epsilon; Gemma scales by ``1 + w``."""
+    return decoder.rms_norm(x, weight, eps=config.rms_norm_eps, plus_one=config.norm_plus_one, stream=stream)
 
 
 def _linear(x: Array, p: dict) -> Array:
@@ -843,27 +841,21 @@ def _rope_kinds(config: LlamaConfig) -> list[np.ndarray]:
     """The inverse frequencies of each kind of layer's RoPE (float32, ``[H/2]``): ``rope_theta``'s (divided by
     a linear ``rope_scaling_factor``) for full layers, then, for Gemma 3, ``rope_local_base_freq``'s for
     sliding ones (Hugging Face's ``Gemma3TextModel.rotary_emb_local``, no scaling)."""
-    full = _inv_freq(config) / (config.rope_scaling_factor or 1.0)
+    H = config.head_dim
+    full = decoder.rope_frequencies(H, config.rope_theta, factor=config.rope_scaling_factor or 1.0)
     if config.rope_local_base_freq is None:
-        return [full.astype(np.float32)]
-    local = _inv_freq(config._replace(rope_theta=config.rope_local_base_freq))
-    return [full.astype(np.float32), local.astype(np.float32)]
+        return [full]
+    return [full, decoder.rope_frequencies(H, config.rope_local_base_freq)]
 
 
 def _rotation(config: LlamaConfig, pos: Array, size: int) -> tuple[Array, Array]:
     """``cos, sin [R, n, 1, H/2]`` of the angles ``pos · inv_freq`` at positions ``pos [n]`` in ``[0, size)``,
     for each of the ``R`` kinds of layer's RoPE (:func:`_rope_kinds`; one, but for Gemma 3).
 
-    Rows of ``[size, H/2]`` tables made in numpy (float32 angles, as Hugging Face makes them) while
-    tracing: XLA gathers them where a cos/sin computed in the graph would be fused into, and recomputed
-    by, every layer's rotation. A position outside ``[0, size)`` (only a traced one can be: concrete
-    ones are checked) gets NaN, never another position's row (a gather would wrap or clamp it).
+    Each is :func:`jaxattn.decoder.rope_table`'s (NumPy tables gathered by position, NaN outside).
     """
-    angle = np.stack([np.arange(size, dtype=np.float32)[:, None] * f[None, :] for f in _rope_kinds(config)])  # [R, size, H/2]
-    inside = ((pos >= 0) & (pos < size))[None, :, None, None]  # [1, n, 1, 1]
-    at = jnp.where(inside[0, :, 0, 0], pos, 0)  # [n]
-    return tuple(jnp.where(inside, jnp.asarray(table)[:, at][:, :, None, :], jnp.nan)
-                 for table in (np.cos(angle), np.sin(angle)))  # 2 x [R, n, 1, H/2]
+    tables = [decoder.rope_table(pos, size, f) for f in _rope_kinds(config)]  # R x (cos, sin)
+    return tuple(jnp.stack(t) for t in zip(*tables))  # 2 x [R, n, 1, H/2]
 
 
 def _layer_data(config: LlamaConfig) -> dict[str, np.ndarray]:
@@ -877,13 +869,6 @@ def _layer_data(config: LlamaConfig) -> dict[str, np.ndarray]:
     if config.attn_logit_softcapping is not None:
         data["logit_cap"] = np.full(config.num_hidden_layers, config.attn_logit_softcapping, np.float32)
     return data
-
-
-def _rope(x: Array, rot: tuple[Array, Array]) -> Array:
-    """Rotate halves: ``(x₁, x₂) -> (x₁ cos - x₂ sin, x₂ cos + x₁ sin)``; ``x [T, heads, H]``."""
-    cos, sin = rot  # 2 x [T, 1, H/2]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [T, heads, H/2]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)  # [T, heads, H]
 
 
 def _embed(params: dict, config: LlamaConfig, ids: Array, pos: Array) -> Array:
@@ -904,7 +889,7 @@ def _qkv(p: dict, config: LlamaConfig, x: Array, rot: tuple[Array, Array], d: An
         q, k = _rms_norm(q, a["q_norm"]["weight"], config), _rms_norm(k, a["k_norm"]["weight"], config)
     kind = d.get("rope", 0)  # this layer's kind of RoPE (Gemma 3: sliding layers' own base)
     rot = tuple(r[kind] for r in rot)  # 2 x [T, 1, H/2]
-    return _rope(q, rot), _rope(k, rot), v
+    return decoder.rope(q, rot), decoder.rope(k, rot), v
 
 
 def _attn_out(p: dict, config: LlamaConfig, z: Array, d: Any) -> Array:
@@ -919,7 +904,8 @@ def _mlp(p: dict, config: LlamaConfig, x: Array, d: Any) -> Array:
     sandwich = config.variant.sandwich
     h = _rms_norm(x, p["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"]["weight"], config)
     m = p["mlp"]
-    y = _linear(_ACTIVATIONS[config.hidden_act](_linear(h, m["gate_proj"])) * _linear(h, m["up_proj"]), m["down_proj"])
+    y = decoder.gated_mlp(h, m["gate_proj"]["kernel"], m["up_proj"]["kernel"], m["down_proj"]["kernel"],
+                          _ACTIVATIONS[config.hidden_act])
     return _rms_norm(y, p["post_feedforward_layernorm"]["weight"], config) if sandwich else y
 
 
@@ -971,15 +957,79 @@ _FAMILY = Family(
     max_name="max_position_embeddings", layer_data=_layer_data,
 )
 
-forward, log_prob, generate = _decoder.public_api(
-    _FAMILY, title="The", config_name="LlamaConfig",
-    formula="``h₀ = embed[ids]`` (times ``sqrt(D)`` for Gemma); each block ``h += o_proj(attn(rms(h)))``, "
-            "``h += glu(rms(h))`` (SwiGLU; GeGLU for Gemma), attention ``softmax(scale · RoPE(q) RoPE(k)ᵀ) v`` "
-            "(Qwen3: q and k RMS-normalised per head first) from :func:`jaxattn.multi_head_attention` with K "
-            "key/value heads shared by N/K query heads each (causal; Mistral's sliding window when the config "
-            "has one); ``logits = rms(h) Wᵀ``.",
-)
-resume = _decoder.public_resume(_FAMILY, title="The")
+def forward(
+    params: Any,
+    config: LlamaConfig,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_attention_logits: bool = False,
+    return_qkv: bool = False,
+    return_hidden_states: bool = False,
+    capture: Sequence[str] = (),
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+) -> ModelOutput:
+    return decoder.forward(_FAMILY, params, config, input_ids, attention_mask=attention_mask, head_mask=head_mask,
+                           scale=scale, return_attention_logits=return_attention_logits, return_qkv=return_qkv,
+                           return_hidden_states=return_hidden_states, capture=capture, patch=patch)
+
+
+def log_prob(
+    params: Any,
+    config: LlamaConfig,
+    input_ids: Int[ArrayLike, "T"],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    start: Int[ArrayLike, ""] = 0,
+    end: Int[ArrayLike, ""] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+) -> Float[Array, ""]:
+    return decoder.log_prob(_FAMILY, params, config, input_ids, attention_mask=attention_mask, start=start, end=end,
+                            scale=scale)
+
+
+def generate(
+    params: Any,
+    config: LlamaConfig,
+    prompt_ids: Int[ArrayLike, "T"],
+    *,
+    max_new_tokens: int,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    temperature: Any = 0.0,
+    key: Any = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    return_logits: bool = False,
+) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
+    return decoder.generate(_FAMILY, params, config, prompt_ids, max_new_tokens=max_new_tokens,
+                            attention_mask=attention_mask, head_mask=head_mask, temperature=temperature, key=key,
+                            scale=scale, return_logits=return_logits)
+
+
+def resume(
+    params: Any,
+    config: LlamaConfig,
+    resid_pre: Float[ArrayLike, "T D"],
+    layer: Int[ArrayLike, ""],
+    *,
+    attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | Bool[ArrayLike, "T T"] | None = None,
+    positions: Int[ArrayLike, "T"] | None = None,
+    head_mask: Real[ArrayLike, "L N"] | None = None,
+    scale: Real[ArrayLike, ""] | None = None,
+    patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
+    attentions: Float[ArrayLike, "L N T T"] | None = None,
+) -> ModelOutput:
+    return decoder.resume(_FAMILY, params, config, resid_pre, layer, attention_mask=attention_mask,
+                          positions=positions, head_mask=head_mask, scale=scale, patch=patch, attentions=attentions)
+
+
+_DOC = dict(title='The', config='LlamaConfig', formula="``h₀ = embed[ids]`` (times ``sqrt(D)`` for Gemma); each block ``h += o_proj(attn(rms(h)))``, ``h += glu(rms(h))`` (SwiGLU; GeGLU for Gemma; Gemma 2 and 3 also normalise each sublayer's output), attention ``softmax(scale · RoPE(q) RoPE(k)ᵀ) v`` (Qwen3, Gemma 3: q and k RMS-normalised per head first) from :func:`jaxattn.multi_head_attention` with K key/value heads shared by N/K query heads each (causal; Mistral's sliding window, Gemma's sliding layers, Gemma 2's soft caps when the config has them); ``logits = rms(h) Wᵀ``.")
+decoder.document(forward, decoder.FORWARD_DOC, _FAMILY, **_DOC)
+decoder.document(log_prob, decoder.LOG_PROB_DOC, _FAMILY, **_DOC)
+decoder.document(generate, decoder.GENERATE_DOC, _FAMILY, **_DOC)
+decoder.document(resume, decoder.RESUME_DOC, _FAMILY, **_DOC)
 
 
 def attention_input(params: dict, config: LlamaConfig, layer: int, x: Array) -> Array:
@@ -1044,10 +1094,10 @@ shard, param_shardings, _layout = _sharding.public_api(
 def check_params(params: Any, config: LlamaConfig) -> None:
     """Raise ``ValueError`` naming the key whose shape (Flax Llama names, kernels ``(in, out)``, blocks stacked
     ``[L, ...]``) does not match ``config``, or that is missing; shapes and dtypes only, so traced params pass (``jit``, ``vmap``)."""
-    _decoder.check_config(_FAMILY, config)
-    _decoder.check_stacked(params, _LAYERS, config.num_hidden_layers, field="num_hidden_layers",
+    decoder.check_config(_FAMILY, config)
+    decoder.check_stacked(params, _LAYERS, config.num_hidden_layers, field="num_hidden_layers",
                            layout="Flax Llama names, blocks stacked")  # before the table of every weight
-    _decoder.check_tree(params, param_shapes(config), root="model", kernel_layout="(in, out)",
+    decoder.check_tree(params, param_shapes(config), root="model", kernel_layout="(in, out)",
                         layout="Flax Llama names, blocks stacked")
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import _decoder, bert, gpt2, interventions, llama, models
+from jaxattn import decoder, bert, gpt2, interventions, llama, models
 from jaxattn.checkpoint import CheckpointError
 
 GPT2 = gpt2.GPT2Config.make(vocab_size=23, n_positions=24, n_embd=8, n_layer=2, n_head=2)
@@ -91,7 +91,7 @@ def test_generate_from_a_prompt_longer_than_prompt_rows(model, left, right):
     token before it, padded or not."""
     module, config, params = model
     prompt = np.array([3, 17, 5, 9, 22, 1, 4, 8, 2, 13, 7], np.int32)  # 11 tokens
-    assert len(prompt) > _decoder.PROMPT_ROWS
+    assert len(prompt) > decoder.PROMPT_ROWS
     ids = np.concatenate([np.zeros(left, np.int32), prompt, np.zeros(right, np.int32)])
     mask = np.array([0] * left + [1] * len(prompt) + [0] * right)
     out, logits = module.generate(params, config, ids, attention_mask=mask, max_new_tokens=4, return_logits=True)

@@ -290,10 +290,10 @@ def test_forward_warns_once_when_a_jit_closes_over_the_params(tiny, monkeypatch)
     none with params as an argument, none under vmap alone, none a second time."""
     import warnings
 
-    from jaxattn import _decoder
+    from jaxattn import decoder
 
     params = tiny[0]
-    monkeypatch.setattr(_decoder, "_WARNED_CLOSED_OVER", [])
+    monkeypatch.setattr(decoder, "_WARNED_CLOSED_OVER", [])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.jit(lambda p, ids: llama.forward(p, LLAMA, ids).logits).lower(params, IDS)  # params as an argument

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import _decoder, bert, gpt2, models
+from jaxattn import decoder, bert, gpt2, models
 
 TINY = gpt2.GPT2Config.make(vocab_size=23, n_positions=16, n_embd=8, n_layer=2, n_head=2)
 IDS = np.array([3, 17, 5, 9, 22, 1, 4], np.int32)
@@ -145,12 +145,12 @@ def test_greedy_generation_equals_an_argmax_loop_over_full_forwards(params):
 
 def test_one_compiled_step_serves_every_new_token(params):
     gpt2.generate(params, TINY, IDS[:3], max_new_tokens=5)
-    before = _decoder._generate._cache_size()
+    before = decoder._generate._cache_size()
     gpt2.generate(params, TINY, IDS[2:5], max_new_tokens=5)  # same shapes, other tokens: no new program
-    assert _decoder._generate._cache_size() == before
+    assert decoder._generate._cache_size() == before
 
 
-@pytest.mark.slow  # make test-slow: make test checks padded prompts in tests/test_decoder.py
+@pytest.mark.slow  # make test-slow: make test checks padded prompts in tests/testdecoder.py
 def test_batched_prompts_of_different_lengths_through_left_padding(params):
     prompts = [IDS[:3], IDS[1:6]]
     width = max(map(len, prompts))

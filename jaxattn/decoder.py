@@ -1,21 +1,28 @@
-"""One causal decoder for every bundled family: the forward, the key/value-cache generation, span scores.
+"""One causal decoder for every family, and the public contract a new family is written against.
 
-A family (GPT-2, the Llama family) supplies a :class:`Family`: its sizes, embedding, the block's q/k/v
-(its pre-norm and RoPE included), output projection and MLP (its pre-norm included), the final norm and
-the unembedding. Everything else, the residual stream, the named sites (capture, patch), the head mask,
-causal attention through :func:`jaxattn.multi_head_attention`, padding, the cache and sampling, is
-written here once.
+A family (GPT-2, the Llama family with its Gemma and Qwen variants, or one of your own) is a
+:class:`Family`: its sizes, embedding, the block's q/k/v (norms and rotation included), the attention
+sublayer's output and the MLP's (their norms included), the final norm and the unembedding, the block's
+wiring (sequential or parallel) and data indexed by the layer (a sliding window, a logit cap, a RoPE
+base). Everything else is written here once: the residual stream, the named sites (``capture``,
+``patch``), the head mask, causal attention through :func:`jaxattn.multi_head_attention` (each layer's
+window and cap), padding, the key/value cache and sampling. :func:`forward`, :func:`log_prob`,
+:func:`generate` and :func:`resume` take the family first; a model module defines its own ``forward``
+etc. as plain functions that call them (:func:`document` gives them the shared docstrings).
+
+Building blocks a family's functions use, config-free: :func:`rms_norm`, :func:`rope_frequencies`,
+:func:`rope_table` and :func:`rope` (rotate-halves RoPE), :func:`gated_mlp`; and for params and loading:
+:func:`check_stacked`, :func:`check_tree`, :func:`place_stacked`.
 
 Every block's params are stacked ``[L, ...]`` (the in-memory layout; loaders convert Hugging Face's
-per-layer layout), and ONE block function serves the forward, :func:`resume` and generation, with the
-attention as a strategy (the forward's causal self-attention, or the key/value cache's read and write).
-The forward and generation run it as a ``lax.scan`` over the stacked blocks (one compiled block whatever
-the depth; derivatives in both modes are the scan's own); :func:`resume` runs it in a ``lax.fori_loop``
-from a traced start. A family chooses the block's wiring (sequential or parallel) and gives data
-indexed by the layer (a window, a logit cap, anything its own functions read).
+per-layer layout with :func:`jaxattn.checkpoint.stack_layers`), and ONE block function serves the
+forward, :func:`resume` and generation, with the attention as a strategy (the forward's causal
+self-attention, or the key/value cache's read and write). The forward and generation run it as a
+``lax.scan`` over the stacked blocks (one compiled block whatever the depth; derivatives in both modes
+are the scan's own); :func:`resume` runs it in a ``lax.fori_loop`` from a traced start.
 
 Axis alphabet: T tokens (queries; keys are the same tokens, S = T), N query heads, K key/value heads, H
-head dim, D width, V vocabulary, L layers.
+head dim, D width, I MLP width, V vocabulary, L layers.
 """
 
 from __future__ import annotations
@@ -38,11 +45,17 @@ from jaxattn._logits import soft_cap
 from jaxattn._nn import check_span, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
-from jaxattn._typing import ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import Fitting, check_shapes, flatten
 from jaxattn.models import ModelOutput, Sizes
 
 Array = jax.Array
+
+__all__ = [
+    "FORWARD_DOC", "Family", "GENERATE_DOC", "LOG_PROB_DOC", "PROMPT_ROWS", "RESUME_DOC", "check_config",
+    "check_stacked", "check_tree", "document", "forward", "gated_mlp", "generate", "layer_data", "log_prob",
+    "no_layer_data", "place_stacked", "resume", "rms_norm", "rope", "rope_frequencies", "rope_table",
+    "warn_if_params_closed_over",
+]
 
 
 def no_layer_data(config: Any) -> dict[str, Any]:
@@ -102,6 +115,57 @@ class Family(NamedTuple):
     max_name: str
     layer_data: Callable[[Any], Mapping[str, Any]] = no_layer_data
     parallel: bool = False
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks of a family's functions (config-free)
+# ----------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: Array, weight: Array, *, eps: float, plus_one: bool = False, stream: Array | None = None) -> Array:
+    """``w · x / sqrt(mean(s²) + eps)`` over the last axis of ``x [..., D]`` (``weight [D]``), the statistic in
+    float32 from ``s = stream`` (``x`` itself when None: ``stream`` freezes it at another tensor's, as a
+    linearised norm needs); ``plus_one`` scales by ``1 + w`` (Gemma's convention). The normalised ``x`` is
+    cast back to ``x``'s dtype before the scale, as Hugging Face's Llama does."""
+    x32, s32 = x.astype(jnp.float32), (x if stream is None else stream).astype(jnp.float32)
+    var = jnp.mean(s32 * s32, axis=-1, keepdims=True)  # [..., 1]
+    w = (1 + weight if plus_one else weight).reshape((1,) * (x.ndim - 1) + weight.shape)  # [..., D]
+    return w * (x32 / jnp.sqrt(var + eps)).astype(x.dtype)  # [..., D]
+
+
+def rope_frequencies(head_dim: int, base: float, *, factor: float = 1.0) -> np.ndarray:
+    """RoPE's inverse frequencies ``base^(-2j/H) / factor``, ``j < H/2`` (float64 NumPy; ``factor``: linear
+    scaling, positions divided by it)."""
+    return 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) / factor
+
+
+def rope_table(pos: Array, size: int, inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """``cos, sin [n, 1, H/2]`` of the angles ``pos · inv_freq`` at positions ``pos [n]`` in ``[0, size)``.
+
+    Rows of ``[size, H/2]`` tables made in NumPy (float32 angles, as Hugging Face makes them) while
+    tracing: XLA gathers them where a cos/sin computed in the graph would be fused into, and recomputed
+    by, every layer's rotation. A position outside ``[0, size)`` (only a traced one can be: concrete
+    ones are checked) gets NaN, never another position's row (a gather would wrap or clamp it).
+    """
+    angle = np.arange(size, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)[None, :]  # [size, H/2]
+    inside = ((pos >= 0) & (pos < size))[:, None, None]  # [n, 1, 1]
+    at = jnp.where(inside[:, 0, 0], pos, 0)  # [n]
+    return tuple(jnp.where(inside, jnp.asarray(table)[at][:, None, :], jnp.nan)
+                 for table in (np.cos(angle), np.sin(angle)))  # 2 x [n, 1, H/2]
+
+
+def rope(x: Array, rot: tuple[Array, Array]) -> Array:
+    """Rotate halves (Hugging Face's and llama.cpp's NEOX convention): ``(x₁, x₂) -> (x₁ cos - x₂ sin,
+    x₂ cos + x₁ sin)`` of ``x [T, heads, H]`` with ``rot = (cos, sin)``, each ``[T, 1, H/2]``, in float32."""
+    cos, sin = rot
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # 2 x [T, heads, H/2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)  # [T, heads, H]
+
+
+def gated_mlp(x: Array, gate: Array, up: Array, down: Array, activation: Callable[[Array], Array]) -> Array:
+    """``down(act(x @ gate) · (x @ up))``, ``x [T, D]``, kernels ``(in, out)``: ``gate, up [D, I]``, ``down [I, D]``
+    (SwiGLU with ``jax.nn.silu``, GeGLU with ``gelu``)."""
+    return (activation(x @ gate) * (x @ up)) @ down  # [T, D]
 
 
 def check_tree(params: Any, shapes: dict[str, tuple[int, ...]], *, root: str, layout: str, kernel_layout: str) -> None:
@@ -168,6 +232,7 @@ def place_stacked(keys: Sequence[str], convert: Callable[[str], Any], place: Cal
 
 
 def check_config(family: Family, config: Any) -> Sizes:
+    """``family.sizes(config)``, after ``config`` is checked to be the family's config type (``TypeError``)."""
     if not isinstance(config, family.config_type):
         raise TypeError(f"config must be a {family.config_type.__name__}, received {type(config).__name__}")
     return family.sizes(config)
@@ -405,10 +470,10 @@ def _resume(params, resid, layer, keep, pos, heads, scale, patch, weights, *, fa
     return _head(family, config, params, x, weights, {})
 
 
-def _checked_resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any, *,
+def resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any, *,
                     attention_mask: Any = None, positions: Any = None, head_mask: Any = None, scale: Any = None,
                     patch: Any = None, attentions: Any = None) -> ModelOutput:
-    """The checked resumed forward of a family (each model module's ``resume`` documents it)."""
+    """``family``'s forward resumed at block ``layer`` (:data:`RESUME_DOC`; each model module's ``resume``)."""
     s = check_config(family, config)
     family.check_params(params, config)
     x = _stream(resid_pre, s.width)
@@ -537,11 +602,11 @@ def warn_if_params_closed_over(params: Any, input_ids: Any, fn: str) -> None:
         )
 
 
-def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
+def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
             head_mask: Any = None, scale: Any = None, return_attention_logits: bool = False,
             return_qkv: bool = False, return_hidden_states: bool = False, capture: Any = (),
             patch: Any = None) -> ModelOutput:
-    """The checked forward of a family (each model module's ``forward`` documents it)."""
+    """``family``'s forward pass on one sequence (:data:`FORWARD_DOC`; each model module's ``forward``)."""
     warn_if_params_closed_over(params, input_ids, f"{family.name}.forward")
     s = check_config(family, config)
     family.check_params(params, config)
@@ -559,9 +624,9 @@ def _checked_forward(family: Family, params: Any, config: Any, input_ids: Any, *
     return with_sugar(out, asked, **flags)
 
 
-def _checked_log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
+def log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
              start: Any = 0, end: Any = None, scale: Any = None) -> Array:
-    """The checked span score of a family (each model module's ``log_prob`` documents it)."""
+    """``family``'s log-probability of a span (:data:`LOG_PROB_DOC`; each model module's ``log_prob``)."""
     warn_if_params_closed_over(params, input_ids, f"{family.name}.log_prob")
     s = check_config(family, config)
     family.check_params(params, config)
@@ -701,10 +766,10 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     return (ids, logits) if return_logits else ids
 
 
-def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_new_tokens: Any,
+def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_new_tokens: Any,
              attention_mask: Any = None, head_mask: Any = None, temperature: Any = 0.0, key: Any = None,
              scale: Any = None, return_logits: bool = False) -> Any:
-    """The checked generation of a family (each model module's ``generate`` documents it)."""
+    """``family``'s continuation of a prompt (:data:`GENERATE_DOC`; each model module's ``generate``)."""
     s = check_config(family, config)
     family.check_params(params, config)
     new = check_int(max_new_tokens, "max_new_tokens")
@@ -722,10 +787,10 @@ def _checked_generate(family: Family, params: Any, config: Any, prompt_ids: Any,
 
 
 # ----------------------------------------------------------------------------------------------------
-# Each family's public forward, log_prob and generate: one signature and one docstring, written here.
+# The docstrings every family's forward, log_prob, generate and resume share (:func:`document`).
 # ----------------------------------------------------------------------------------------------------
 
-_FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attention map (jit-compiled).
+FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attention map (jit-compiled).
 
     {formula} The maps returned are the weights that produced the output.
 
@@ -734,10 +799,9 @@ _FORWARD_DOC = """{title} forward pass on one sequence, with every layer's atten
     params or over a batch of sequences all work. Only static shapes are checked here; :func:`load` and
     :func:`check_params` check a checkpoint's structure.
 
-    The blocks run as ONE compiled block in a loop over the layers, each layer's weights read where they
-    lie in ``params``, so the first call compiles one block whatever the depth; derivatives (``jax.grad``,
-    ``jax.jvp``) run the same blocks written out one after another, which gives each layer's params
-    their own cotangent.
+    The blocks run as ONE compiled block in a ``lax.scan`` over the blocks' params, stacked ``[L, ...]``,
+    so the first call compiles one block whatever the depth; derivatives (``jax.grad``, ``jax.jvp``) are
+    the scan's own, each layer's params getting their own cotangent.
 
     Args:
       params: the params pytree (the module docstring's layout), e.g. from :func:`load`.
@@ -781,7 +845,7 @@ _FORWARD_DOC = """{title} forward pass on one sequence, with every layer's atten
       and the sugar fields asked for.
     """
 
-_LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
+LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real tokens: the log-probability of a span.
 
     Token ``t`` is scored from the logits of the last real token before it, so a padded sequence scores
     as the sequence alone: the first real token has no prediction and never counts, nor do padded
@@ -800,12 +864,12 @@ _LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real
       a float32 scalar (nats).
     """
 
-_GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
+GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a key/value cache; returns ``[T + new]``.
 
     The cache (every layer's keys, after any rotation, and values: ``[L, slots, K, H]``) is preallocated,
     and ONE compiled step (a ``lax.scan``) reads each new token, attending to the cache and to itself
-    through :func:`jaxattn.multi_head_attention`, the layers run as the forward runs them (one compiled
-    block in a loop). A prompt of at most 8 tokens is read by that same step, so generation compiles one
+    through :func:`jaxattn.multi_head_attention`, the layers run by the forward's own block (one compiled
+    block in a scan over the layers, the attention reading and writing the cache). A prompt of at most 8 tokens is read by that same step, so generation compiles one
     block whatever the depth; a longer one in one pass of the forward's loop (a second compiled block).
     Greedy (``temperature=0``) output is the argmax of the full :func:`forward` at every step. The first
     new token is predicted from the last REAL prompt token, so a left- or right-padded prompt continues
@@ -827,7 +891,7 @@ _GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a k
     """
 
 
-_RESUME_DOC = """{title} forward resumed at block ``layer`` from the residual stream entering it (jit-compiled).
+RESUME_DOC = """{title} forward resumed at block ``layer`` from the residual stream entering it (jit-compiled).
 
     Runs blocks ``layer..L-1`` only, from ``resid_pre``: given ``out = forward(params, config, ids,
     capture=("resid_pre",))``, ``resume(params, config, out.captured["resid_pre"][l], l)`` gives
@@ -866,88 +930,8 @@ _RESUME_DOC = """{title} forward resumed at block ``layer`` from the residual st
     """
 
 
-def public_resume(family: Family, *, title: str) -> Callable:
-    """A family's public ``resume`` (the model protocol's resumed forward), with its signature and docstring."""
-
-    def resume(
-        params: Any,
-        config: Any,
-        resid_pre: Float[ArrayLike, "T D"],
-        layer: Int[ArrayLike, ""],
-        *,
-        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | Bool[ArrayLike, "T T"] | None = None,
-        positions: Int[ArrayLike, "T"] | None = None,
-        head_mask: Real[ArrayLike, "L N"] | None = None,
-        scale: Real[ArrayLike, ""] | None = None,
-        patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-        attentions: Float[ArrayLike, "L N T T"] | None = None,
-    ) -> ModelOutput:
-        return _checked_resume(family, params, config, resid_pre, layer, attention_mask=attention_mask,
-                               positions=positions, head_mask=head_mask, scale=scale, patch=patch,
-                               attentions=attentions)
-
-    resume.__doc__ = _RESUME_DOC.format(title=title, max_name=family.max_name)
-    resume.__module__ = family.name
-    resume.__qualname__ = resume.__name__
-    return resume
-
-
-def public_api(family: Family, *, title: str, formula: str, config_name: str) -> tuple[Callable, ...]:
-    """A family's public ``(forward, log_prob, generate)``: the signatures and docstrings every family shares,
-    with ``title`` (e.g. "GPT-2's"), ``formula`` (the forward in one paragraph) and the config class name."""
-
-    def forward(
-        params: Any,
-        config: Any,
-        input_ids: Int[ArrayLike, "T"],
-        *,
-        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-        head_mask: Real[ArrayLike, "L N"] | None = None,
-        scale: Real[ArrayLike, ""] | None = None,
-        return_attention_logits: bool = False,
-        return_qkv: bool = False,
-        return_hidden_states: bool = False,
-        capture: Sequence[str] = (),
-        patch: Mapping[str, tuple[ArrayLike, ArrayLike]] | None = None,
-    ) -> ModelOutput:
-        return _checked_forward(family, params, config, input_ids, attention_mask=attention_mask,
-                                head_mask=head_mask, scale=scale, return_attention_logits=return_attention_logits,
-                                return_qkv=return_qkv, return_hidden_states=return_hidden_states, capture=capture,
-                                patch=patch)
-
-    def log_prob(
-        params: Any,
-        config: Any,
-        input_ids: Int[ArrayLike, "T"],
-        *,
-        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-        start: Int[ArrayLike, ""] = 0,
-        end: Int[ArrayLike, ""] | None = None,
-        scale: Real[ArrayLike, ""] | None = None,
-    ) -> Float[Array, ""]:
-        return _checked_log_prob(family, params, config, input_ids, attention_mask=attention_mask, start=start,
-                                 end=end, scale=scale)
-
-    def generate(
-        params: Any,
-        config: Any,
-        prompt_ids: Int[ArrayLike, "T"],
-        *,
-        max_new_tokens: int,
-        attention_mask: Int[ArrayLike, "T"] | Bool[ArrayLike, "T"] | None = None,
-        head_mask: Real[ArrayLike, "L N"] | None = None,
-        temperature: Any = 0.0,
-        key: Any = None,
-        scale: Real[ArrayLike, ""] | None = None,
-        return_logits: bool = False,
-    ) -> Int[Array, "T_new"] | tuple[Int[Array, "T_new"], Float[Array, "new V"]]:
-        return _checked_generate(family, params, config, prompt_ids, max_new_tokens=max_new_tokens,
-                                 attention_mask=attention_mask, head_mask=head_mask, temperature=temperature,
-                                 key=key, scale=scale, return_logits=return_logits)
-
-    fields = dict(title=title, formula=formula, config=config_name, max_name=family.max_name)
-    for fn, doc in ((forward, _FORWARD_DOC), (log_prob, _LOG_PROB_DOC), (generate, _GENERATE_DOC)):
-        fn.__doc__ = doc.format(**fields)
-        fn.__module__ = family.name
-        fn.__qualname__ = fn.__name__
-    return forward, log_prob, generate
+def document(fn: Callable, doc: str, family: Family, **fields: str) -> Callable:
+    """``fn`` (a model module's own ``forward``, ``log_prob``, ``generate`` or ``resume``) with ``doc`` (one of
+    :data:`FORWARD_DOC`, ...) filled in with ``fields`` and the family's ``max_name``, as its docstring."""
+    fn.__doc__ = doc.format(max_name=family.max_name, **fields)
+    return fn

@@ -1,0 +1,179 @@
+"""Gemma 2 and Gemma 3 through jaxattn.llama against the float64 NumPy reference (tests/gemma_reference.py),
+on tiny random checkpoints written as transformers writes them: logits, every map and every hidden state with
+T larger than the window, greedy continuations across the window's edge, the GGUF and Hugging Face paths
+giving the same params, and the tables."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import gemma_reference as ref
+from gpt2_checkpoints import train_tokenizer
+from jaxattn import interventions, llama
+from jaxattn.checkpoint import CheckpointError, flatten, unstack_layers
+from llama_checkpoints import tokenizer_metadata, write_gguf
+
+TOL = 2e-5
+W = 4  # the sliding window: every T below is larger
+TINY = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, sliding_window=W, query_pre_attn_scalar=8, max_position_embeddings=64)
+MIXED = ["sliding_attention", "full_attention", "sliding_attention"]
+CASES = {
+    "gemma2-caps": ("gemma2", dict(layer_types=MIXED, attn_logit_softcapping=3.0, final_logit_softcapping=5.0)),
+    "gemma3-local-base-scaling": ("gemma3_text", dict(layer_types=MIXED, rope_local_base_freq=100.0,
+                                                      rope_scaling={"rope_type": "linear", "factor": 4.0})),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(300)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tok, tmp_path_factory):
+    model_type, fields = CASES[request.param]
+    cfg = ref.config_dict(model_type, **TINY, **fields)
+    weights = ref.random_weights(cfg, seed=len(request.param))
+    directory = ref.save_hf(tmp_path_factory.mktemp(request.param), cfg, weights, tok.to_str())
+    params, config, _ = llama.load(directory)
+    return cfg, weights, params, config, directory
+
+
+def test_config_is_read_as_transformers_wrote_it(case):
+    cfg, _, _, config, _ = case
+    assert config.model_type == cfg["model_type"] and config.layer_types == tuple(MIXED)
+    assert config.sliding_window == W and config.query_pre_attn_scalar == 8.0
+    if config.model_type == "gemma2":
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (3.0, 5.0)
+    else:
+        assert (config.rope_local_base_freq, config.rope_scaling_factor) == (100.0, 4.0)
+
+
+@pytest.mark.parametrize("T", [5, 12])
+def test_forward_matches_the_float64_reference(case, T):
+    """Logits, every layer's map and the hidden states (the stream entering each block, then the final
+    norm's output) within float32 error; sliding layers are exactly 0 beyond their window."""
+    cfg, weights, params, config, _ = case
+    ids = np.random.default_rng(T).integers(0, config.vocab_size, T)
+    out = llama.forward(params, config, ids, return_hidden_states=True)
+    want = ref.forward(weights, cfg, ids)
+    np.testing.assert_allclose(out.logits, want["logits"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(out.attentions, want["maps"], atol=TOL, rtol=0)
+    np.testing.assert_allclose(out.hidden_states, want["hidden"], atol=TOL * 10, rtol=1e-5)
+    far = np.tril(np.ones((T, T), bool), -W)  # keys at distance >= W
+    assert np.all(np.asarray(out.attentions)[[0, 2]][:, :, far] == 0)
+    assert T <= W or np.all(np.asarray(out.attentions)[1][:, far] > 0)  # the full layer sees them
+
+
+def test_greedy_generation_is_the_references_across_the_window_edge(case):
+    cfg, weights, params, config, _ = case
+    for prompt in (np.array([5, 17, 3]), np.arange(10) * 7 % config.vocab_size):  # read by the step, or in one pass
+        got = np.asarray(llama.generate(params, config, prompt, max_new_tokens=8))
+        np.testing.assert_array_equal(got, ref.greedy(weights, cfg, prompt, 8))
+
+
+def test_log_prob_resume_and_an_ablation_table(case):
+    cfg, weights, params, config, _ = case
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, 9)
+    logp = jax.nn.log_softmax(np.asarray(ref.forward(weights, cfg, ids)["logits"], np.float64), axis=-1)
+    np.testing.assert_allclose(float(llama.log_prob(params, config, ids, start=1)),
+                               sum(logp[t - 1, ids[t]] for t in range(1, 9)), rtol=1e-5)
+    out = llama.forward(params, config, ids, capture=("resid_pre",))
+    again = llama.resume(params, config, out.captured["resid_pre"][1], 1, attentions=out.attentions)
+    np.testing.assert_allclose(again.logits, out.logits, atol=1e-5, rtol=0)
+    bound = interventions.bind(llama, params, config, ids)
+    metric = lambda o: o.logits[-1, 3] - o.logits[-1, 4]  # noqa: E731
+    table = np.asarray(interventions.ablation_effects(bound, metric))
+    mask = np.ones((3, 4), np.float32)
+    mask[2, 1] = 0.0
+    cut = llama.forward(params, config, ids, head_mask=mask)
+    assert table[2, 1] == pytest.approx(float(metric(cut) - metric(out)), abs=1e-5)
+    assert np.abs(table).max() > 1e-4
+
+
+def _gguf_of(weights, cfg, tok):
+    """A gemma3 GGUF of the weights as llama.cpp's converter writes one: gguf-py's tensor names, norm weights
+    stored as 1 + w, no q/k permutation, and the sizes under gemma3.* (sliding pattern: llama.cpp's own)."""
+    import gguf
+    from gguf.tensor_mapping import TensorNameMap
+
+    names = TensorNameMap(gguf.MODEL_ARCH.GEMMA3, cfg["num_hidden_layers"])
+    tensors = {}
+    for name, w in weights.items():
+        base, leaf = name.rsplit(".", 1)
+        key = f"{names.get_name(base)}.{leaf}"
+        tensors[key] = (w + 1.0 if base.endswith("norm") else w).astype(np.float32)
+    meta = {
+        "general.architecture": "gemma3", "gemma3.context_length": cfg["max_position_embeddings"],
+        "gemma3.embedding_length": cfg["hidden_size"], "gemma3.block_count": cfg["num_hidden_layers"],
+        "gemma3.feed_forward_length": cfg["intermediate_size"],
+        "gemma3.attention.head_count": cfg["num_attention_heads"],
+        "gemma3.attention.head_count_kv": cfg["num_key_value_heads"],
+        "gemma3.attention.key_length": cfg["head_dim"], "gemma3.attention.value_length": cfg["head_dim"],
+        "gemma3.attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"], "gemma3.rope.freq_base": cfg["rope_theta"],
+        "gemma3.attention.sliding_window": cfg["sliding_window"],
+        **tokenizer_metadata(tok),
+    }
+    return meta, tensors
+
+
+def test_gguf_and_hugging_face_paths_give_the_same_params(tok, tmp_path):
+    """A Gemma 3 of six layers (llama.cpp's pattern: five sliding, one full) written both ways."""
+    cfg = ref.config_dict("gemma3_text", **{**TINY, "num_hidden_layers": 6, "query_pre_attn_scalar": 8})
+    weights = ref.random_weights(cfg, seed=3)
+    hf_params, hf_config, _ = llama.load(ref.save_hf(tmp_path / "hf", cfg, weights, tok.to_str()))
+    meta, tensors = _gguf_of(weights, cfg, tok)
+    path = write_gguf(tmp_path / "g.gguf", meta, tensors)
+    params, config, _ = llama.load(path)
+    assert config == hf_config
+    ours, theirs = flatten(params), flatten(hf_params)
+    assert set(ours) == set(theirs)
+    for key in ours:  # norms went through 1 + w and back in float32
+        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-6 if "norm" in key else 0, rtol=0, err_msg=key)
+    ids = np.arange(9) * 11 % cfg["vocab_size"]
+    np.testing.assert_allclose(llama.forward(params, config, ids).logits, ref.forward(weights, cfg, ids)["logits"],
+                               atol=TOL, rtol=0)
+
+
+def test_save_writes_what_transformers_and_load_read(case, tok, tmp_path):
+    cfg, weights, params, config, _ = case
+    directory = llama.save(tmp_path / "saved", params, config)
+    written = json.loads((directory / "config.json").read_text())
+    assert written["model_type"] == cfg["model_type"] and written["layer_types"] == MIXED
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    again, loaded, _ = llama.load(directory)
+    assert loaded == config
+    for key, value in flatten(params).items():
+        np.testing.assert_array_equal(flatten(again)[key], value)
+    per_layer = unstack_layers(flatten(params), "model/layers")
+    assert "model/layers/2/post_feedforward_layernorm/weight" in per_layer
+
+
+def test_gemma_configs_refuse_what_they_cannot_mean():
+    fields = dict(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                  max_position_embeddings=16, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"a gemma3_text config needs sliding_window"):
+        llama.LlamaConfig.make(model_type="gemma3_text", **fields)
+    with pytest.raises(ValueError, match=r"layer_types must name one of full_attention, sliding_attention for each of "
+                                         r"the 2 layers"):
+        llama.LlamaConfig.make(model_type="gemma2", sliding_window=4, layer_types=["full_attention"], **fields)
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping is not applied by Gemma 3"):
+        llama.LlamaConfig.make(model_type="gemma3_text", sliding_window=4, attn_logit_softcapping=50.0, **fields)
+    with pytest.raises(ValueError, match=r"a llama config has no layer_types"):
+        llama.LlamaConfig.make(model_type="llama", layer_types=["full_attention"] * 2, **fields)
+    default = llama.LlamaConfig.make(model_type="gemma2", sliding_window=4, **fields)
+    assert default.layer_types == ("sliding_attention", "full_attention")  # Hugging Face's default
+
+
+def test_a_gemma3_rope_scaling_it_does_not_implement_is_refused(tok, tmp_path):
+    cfg = ref.config_dict("gemma3_text", **TINY, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    directory = ref.save_hf(tmp_path / "y", cfg, ref.random_weights(cfg, 0), tok.to_str())
+    with pytest.raises(CheckpointError, match=r"field 'rope_scaling' = .*'yarn'.* is not supported"):
+        llama.load(directory)
+    with pytest.raises(ValueError, match=r"a gemma2 config has one RoPE base"):
+        llama.LlamaConfig.make(vocab_size=4, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                               num_attention_heads=2, max_position_embeddings=8, tie_word_embeddings=True,
+                               model_type="gemma2", sliding_window=2, rope_local_base_freq=5.0)

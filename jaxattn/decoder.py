@@ -671,37 +671,96 @@ def _pick(logits: Array, key: Array | None, temperature: Array, greedy: bool) ->
 PROMPT_ROWS = 8  # a prompt this long or shorter is read by the generation step itself
 
 
+class _Cache(NamedTuple):
+    """The key/value cache of generation. Full layers keep every slot: ``full_k, full_v [Lf, slots, K, H]``.
+    Sliding-window layers keep a ring of their last keys, indexed by POSITION (``position % Wr``), so padding
+    takes no room: ``ring_k, ring_v [Lw, Wr, K, H]`` and ``ring_pos [Wr]``, the position each entry holds
+    (``-1``: empty), the same for every windowed layer. Absent parts are None."""
+
+    full_k: Array | None
+    full_v: Array | None
+    ring_k: Array | None
+    ring_v: Array | None
+    ring_pos: Array | None
+
+
+def _cache_plan(family: Family, config: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(windowed [L] bool, index [L] int32 into its part of the cache, Wr)``: which layers keep a ring (a
+    layer-data window shorter than the longest input) and the ring's length, the longest such window
+    (0 without one). Read from the family's NumPy layer data: concrete, so the plan is static."""
+    L, longest = family.sizes(config).layers, family.sizes(config).max_length
+    window = family.layer_data(config).get("window")
+    windowed = np.zeros(L, bool) if window is None else np.asarray(window) < longest
+    index = np.zeros(L, np.int32)
+    for part in (windowed, ~windowed):
+        index[part] = np.arange(int(part.sum()), dtype=np.int32)
+    return windowed, index, int(np.max(np.asarray(window)[windowed])) if windowed.any() else 0
+
+
+def _ring_write(ring_pos: Array, rows_pos: Array, write: Array) -> tuple[Array, Array]:
+    """``(ring index [R] of each row, -1 for a row not written, ring_pos after the write)``: the rows ``write``
+    marks go to ``position % Wr``; when two of them share an index (a prompt longer than the ring), only the
+    later position is written, so no write's order matters."""
+    Wr = ring_pos.shape[0]
+    last = jnp.max(jnp.where(write, rows_pos, -1))
+    keep = write & (rows_pos > last - Wr)  # [R]: the last Wr positions written
+    at = jnp.where(keep, rows_pos % Wr, -1)  # [R]
+    return at, ring_pos.at[jnp.where(keep, at, Wr)].set(rows_pos, mode="drop")
+
+
 def _cache_blocks(family: Family, config: Any, params: Any, x: Array, rot: Any, rows_pos: Array, key_pos: Array,
-                  seen: Array, own: Array, at: Array, cache: tuple[Array, Array], scale: Array, heads: Array
-                  ) -> tuple[Array, tuple[Array, Array]]:
+                  seen: Array, own: Array, at: Array, write: Array, cache: _Cache, scale: Array, heads: Array
+                  ) -> tuple[Array, _Cache]:
     """Every block on rows ``x [R, D]`` (positions ``rows_pos [R]``) that go to cache slots ``at..at+R-1``, as
     one ``lax.scan`` over the layers running the forward's block with the cache's attention: each layer
-    attends, through :func:`jaxattn.multi_head_attention`, to the cached keys and values (``cache``,
-    ``[L, S, K, H]`` each, key positions ``key_pos [S]``) that ``seen [S]`` keeps and, causally, to the rows'
-    own (``own [R]`` keeps the real ones), each within the layer's window; then writes the rows' own into
-    the cache (carried, so written in place)."""
-    S = cache[0].shape[1]
+    attends, through :func:`jaxattn.multi_head_attention`, to its cached keys and values that ``seen [S]``
+    keeps (key positions ``key_pos [S]``) or, for a windowed layer, to its ring's entries within the window,
+    and, causally, to the rows' own (``own [R]`` keeps the real ones), each within the layer's window; then
+    writes the rows' own into its part of the cache (a ring takes the rows ``write [R]`` marks)."""
+    windowed, index, Wr = _cache_plan(family, config)
+    S = None if cache.full_k is None else cache.full_k.shape[1]
+    ring_at, ring_pos = (None, None) if cache.ring_pos is None else _ring_write(cache.ring_pos, rows_pos, write)
 
     def body(carry, xs):
-        x, (cache_k, cache_v) = carry
-        p, d, head = xs
-        l = d["index"]
+        x, parts = carry
+        p, d, head, is_ring, i = xs
 
         def attend(q, k, v, d, sites):
-            keys, values = (jnp.concatenate([c[l].astype(q.dtype), a]) for c, a in ((cache_k, k), (cache_v, v)))  # [S + R, K, H]
-            window = d.get("window")
-            mask = jnp.concatenate([_windowed(seen, rows_pos, key_pos, window), _windowed(own, rows_pos, rows_pos, window)],
-                                   axis=-1)  # [S + R] or [R, S + R]
-            z, _ = _attend(q, keys, values, mask, scale, S, d.get("logit_cap"))  # [R, N, H]
-            return z, (k, v)
+            window, cap = d.get("window"), d.get("logit_cap")
+            own_w = _windowed(own, rows_pos, rows_pos, window)  # [R] or [R, R]
 
-        x, (k, v) = _block(family, config, p, d, head, x, rot, attend, LayerSites((), {}))
-        cache_k, cache_v = (jax.lax.dynamic_update_index_in_dim(c, jax.lax.dynamic_update_slice_in_dim(
-            c[l], a.astype(c.dtype), at, 0), l, 0) for c, a in ((cache_k, k), (cache_v, v)))
-        return (x, (cache_k, cache_v)), None
+            def full(parts):
+                c = parts
+                keys, values = (jnp.concatenate([a[i].astype(q.dtype), b]) for a, b in ((c.full_k, k), (c.full_v, v)))
+                mask = _windowed(seen, rows_pos, key_pos, window)
+                mask = jnp.concatenate([jnp.broadcast_to(mask, own_w.shape[:-1] + mask.shape[-1:]), own_w], axis=-1)
+                z, _ = _attend(q, keys, values, mask, scale, S, cap)  # [R, N, H]
+                new = (jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_update_slice_in_dim(
+                    a[i], b.astype(a.dtype), at, 0), i, 0) for a, b in ((c.full_k, k), (c.full_v, v)))
+                return z, c._replace(**dict(zip(("full_k", "full_v"), new)))
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (family.blocks(params), layer_data(family, config), heads))
-    return x, cache
+            def ring(parts):
+                c = parts
+                keys, values = (jnp.concatenate([a[i].astype(q.dtype), b]) for a, b in ((c.ring_k, k), (c.ring_v, v)))
+                held = (cache.ring_pos >= 0)[None, :] & (rows_pos[:, None] - cache.ring_pos[None, :] < window)  # [R, Wr]
+                mask = jnp.concatenate([held, jnp.broadcast_to(own_w, held.shape[:1] + own_w.shape[-1:])], axis=-1)
+                z, _ = _attend(q, keys, values, mask, scale, Wr, cap)  # [R, N, H]
+                new = (jax.lax.dynamic_update_index_in_dim(a, a[i].at[jnp.where(ring_at >= 0, ring_at, Wr)].set(
+                    b.astype(a.dtype), mode="drop"), i, 0) for a, b in ((c.ring_k, k), (c.ring_v, v)))
+                return z, c._replace(**dict(zip(("ring_k", "ring_v"), new)))
+
+            if cache.ring_k is None:
+                return full(parts)
+            if cache.full_k is None:
+                return ring(parts)
+            return jax.lax.cond(is_ring, ring, full, parts)
+
+        x, parts = _block(family, config, p, d, head, x, rot, attend, LayerSites((), {}))
+        return (x, parts), None
+
+    xs = (family.blocks(params), layer_data(family, config), heads, jnp.asarray(windowed), jnp.asarray(index))
+    (x, parts), _ = jax.lax.scan(body, (x, cache), xs)
+    return x, parts._replace(ring_pos=ring_pos)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy", "return_logits"))
@@ -710,7 +769,8 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     """ONE compiled step of ``R`` rows reads each new token into the next cache slot (a ``lax.scan``), its
     ``R - 1`` other rows repeating it; its rows attend to the cache before the token's slot and causally
     to their own keys, so what a step writes after its token is never seen (the next token's step writes
-    over it first). A prompt of at most ``PROMPT_ROWS`` tokens is read by that same step (``R = T``, the
+    over it first). A sliding-window layer keeps only a ring of its last keys (:class:`_Cache`), written
+    with the token's row alone. A prompt of at most ``PROMPT_ROWS`` tokens is read by that same step (``R = T``, the
     scan's first step), so generation compiles one block; a longer one in one pass of the forward's loop
     (``R = 1``), which costs a second compiled block and saves reading the prompt a few rows a step.
     Every step unembeds its rows and picks from one, the last real prompt token's or the new token's."""
@@ -729,7 +789,12 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     k0 = jax.eval_shape(lambda: family.qkv(_at(family.blocks(params), 0), config,
                                            _embed(family, config, params, prompt, pos), run.rot,
                                            _at(layer_data(family, config), 0))[1])  # [T, K, H]
-    cache = tuple(_sharding.zeros((L, slots, s.kv_heads, s.head_dim), k0.dtype, k0) for _ in "kv")  # split like k
+    windowed, _, Wr = _cache_plan(family, config)
+    Wr = min(Wr, slots)
+    full, ring = np.flatnonzero(~windowed), np.flatnonzero(windowed)  # which layers keep every slot, which a ring
+    zeros = lambda n, length: None if n == 0 else _sharding.zeros((n, length, s.kv_heads, s.head_dim), k0.dtype, k0)  # noqa: E731
+    cache = _Cache(zeros(len(full), slots), zeros(len(full), slots), zeros(len(ring), Wr), zeros(len(ring), Wr),
+                   None if len(ring) == 0 else jnp.full((Wr,), -1, jnp.int32))  # split like k
 
     def step(carry, k):  # feeds new token k - 1 (or, when short, the prompt at k = 0) and picks token k
         cache, token = carry
@@ -739,12 +804,13 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         rows_pos = jnp.where(reading, pos, real + k - 1) if short else (real + k - 1)[None]  # [R]
         seen = key_keep & (jnp.arange(slots) < at)  # [slots]: the real tokens before the step
         own = jnp.where(reading, keep, True) if short else jnp.ones((1,), bool)  # [R]
+        write = jnp.where(reading, keep, jnp.arange(R) == 0) if short else own  # [R]: the real rows, into a ring
         seen = _windowed(seen, rows_pos, key_pos, s.window)  # [slots], or [R, slots] under a shared window
         own = _windowed(own, rows_pos, rows_pos, s.window)  # [R] or [R, R]
         h = _embed(family, config, params, ids, rows_pos)  # [R, D]
         rot = _rotation(family, config, rows_pos, slots)
-        h, cache = _cache_blocks(family, config, params, h, rot, rows_pos, key_pos, seen, own, at, cache, scale,
-                                 heads)  # [R, D]
+        h, cache = _cache_blocks(family, config, params, h, rot, rows_pos, key_pos, seen, own, at, write, cache,
+                                 scale, heads)  # [R, D]
         logits = _unembed(family, config, params, family.final_norm(params, config, h))  # [R, V]
         logits = logits[jnp.where(reading, last, 0)] if short else logits[0]  # [V]
         picked = _pick(logits, None if greedy else keys[k], temperature, greedy)
@@ -755,7 +821,14 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     else:  # the prompt in one pass of the forward's loop: its keys and values fill the cache's first T slots
         x = _embed(family, config, params, prompt, pos)  # [T, D]
         x, _, kept = _scan_blocks(family, config, params, x, run, heads, ("k", "v"), {}, maps=False)  # [T, D]
-        cache = tuple(jax.lax.dynamic_update_slice(c, kept[n].astype(c.dtype), (0, 0, 0, 0)) for c, n in zip(cache, "kv"))
+        if len(full):  # full layers: every prompt row in the first T slots
+            cache = cache._replace(**{f"full_{n}": jax.lax.dynamic_update_slice(
+                getattr(cache, f"full_{n}"), kept[n][full].astype(k0.dtype), (0, 0, 0, 0)) for n in "kv"})
+        if len(ring):  # windowed layers: the last Wr real rows, each at its position in the ring
+            at, ring_pos = _ring_write(cache.ring_pos, pos, keep)
+            at = jnp.where(at >= 0, at, Wr)
+            cache = cache._replace(ring_pos=ring_pos, **{f"ring_{n}": getattr(cache, f"ring_{n}").at[:, at].set(
+                kept[n][ring].astype(k0.dtype), mode="drop") for n in "kv"})
         logits0 = _unembed(family, config, params, family.final_norm(params, config, x[last]))  # [V]
         first, steps = _pick(logits0, None if greedy else keys[0], temperature, greedy), jnp.arange(1, new)
     _, (picked, logits) = jax.lax.scan(step, (cache, first), steps)

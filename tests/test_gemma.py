@@ -177,3 +177,41 @@ def test_a_gemma3_rope_scaling_it_does_not_implement_is_refused(tok, tmp_path):
         llama.LlamaConfig.make(vocab_size=4, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                num_attention_heads=2, max_position_embeddings=8, tie_word_embeddings=True,
                                model_type="gemma2", sliding_window=2, rope_local_base_freq=5.0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_prompt_generates_as_the_prompt_alone_across_the_window(case, side):
+    """The rings of the windowed layers are indexed by position, so padding takes no room in them."""
+    _, _, params, config, _ = case
+    prompt = np.array([5, 17, 3, 9, 22, 1, 4, 8, 2, 13])  # read in one pass: longer than the step's rows
+    for p in (prompt, prompt[:5]):
+        alone = np.asarray(llama.generate(params, config, p, max_new_tokens=6))[len(p):]
+        pad = np.zeros(3, np.int64)
+        ids = np.concatenate([pad, p] if side == "left" else [p, pad])
+        mask = np.concatenate([np.zeros(3), np.ones(len(p))] if side == "left" else [np.ones(len(p)), np.zeros(3)])
+        got = np.asarray(llama.generate(params, config, ids, attention_mask=mask.astype(np.int32), max_new_tokens=6))
+        np.testing.assert_array_equal(got[len(ids):], alone)
+
+
+def test_windowed_layers_keep_a_ring_of_their_last_keys(case):
+    """Generation's program holds a full cache for the full layer only, [1, slots, K, H], and a ring of W
+    entries for the two sliding layers, [2, W, K, H]: no [L, slots, K, H] buffer."""
+    _, _, params, config, _ = case
+    prompt, new = np.arange(6), 30
+    jaxpr = jax.make_jaxpr(lambda p: llama.generate(p, config, prompt, max_new_tokens=new))(params).jaxpr
+
+    def shapes(jaxpr):
+        for eqn in jaxpr.eqns:
+            for v in eqn.outvars:
+                yield tuple(getattr(v.aval, "shape", ()))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from shapes(inner)
+
+    made = set(shapes(jaxpr))
+    slots = len(prompt) + new + len(prompt) - 2
+    K, H = config.num_key_value_heads, config.head_dim
+    assert (1, slots, K, H) in made and (2, W, K, H) in made
+    assert (3, slots, K, H) not in made

@@ -717,8 +717,9 @@ def _cache_blocks(family: Family, config: Any, params: Any, x: Array, rot: Any, 
     keeps (key positions ``key_pos [S]``) or, for a windowed layer, to its ring's entries within the window,
     and, causally, to the rows' own (``own [R]`` keeps the real ones), each within the layer's window; then
     writes the rows' own into its part of the cache (a ring takes the rows ``write [R]`` marks)."""
-    windowed, index, Wr = _cache_plan(family, config)
+    windowed, index, _ = _cache_plan(family, config)
     S = None if cache.full_k is None else cache.full_k.shape[1]
+    Wr = None if cache.ring_k is None else cache.ring_k.shape[1]  # the window, or every slot when fewer
     ring_at, ring_pos = (None, None) if cache.ring_pos is None else _ring_write(cache.ring_pos, rows_pos, write)
 
     def body(carry, xs):

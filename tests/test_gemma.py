@@ -75,6 +75,16 @@ def test_greedy_generation_is_the_references_across_the_window_edge(case):
         np.testing.assert_array_equal(got, ref.greedy(weights, cfg, prompt, 8))
 
 
+def test_generation_with_a_window_longer_than_the_sequence(case):
+    """A ring as long as the whole generation (the window reaches further): greedy logits are the forward's."""
+    _, _, params, config, _ = case
+    wide = config._replace(sliding_window=40)
+    prompt = np.array([5, 17, 3, 9, 22, 1])  # read by the generation step: causal among its own rows
+    ids, logits = llama.generate(params, wide, prompt, max_new_tokens=6, return_logits=True)
+    full = llama.forward(params, wide, np.asarray(ids)).logits[len(prompt) - 1:-1]
+    np.testing.assert_allclose(logits, full, atol=1e-5, rtol=0)
+
+
 def test_log_prob_resume_and_an_ablation_table(case):
     cfg, weights, params, config, _ = case
     ids = np.random.default_rng(0).integers(0, config.vocab_size, 9)

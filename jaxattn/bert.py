@@ -52,10 +52,11 @@ from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
     check_shapes, fitting, flatten, read_config, read_safetensors, resolve, unflatten)
+from jaxattn import models
 from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 __all__ = [
-    "BERT_SCHEMA", "BUNDLED_NAME", "BUNDLED_PACKAGE", "BertConfig", "CAUSAL", "FILES", "INSTALL_HINT", "attention_input",
+    "BERT_SCHEMA", "BUNDLED_NAME", "BUNDLED_PACKAGE", "BertConfig", "CAUSAL", "SPEC", "FILES", "INSTALL_HINT", "attention_input",
     "bundled_model_dir", "check_params", "embed", "final_norm", "forward", "head_projections", "init_params", "load",
     "load_tokenizer", "mean_pool", "normalize", "param_shapes", "params_from_safetensors", "qk_weights",
     "param_shardings", "read_bert_config", "shard", "sizes", "tokenize", "unembed",
@@ -559,6 +560,11 @@ def qk_weights(params: dict, config: BertConfig) -> QKWeights:
     return QKWeights(heads(a["query"]["kernel"]), a["query"]["bias"].reshape(L, N, H), heads(a["key"]["kernel"]),
                      False, float(H) ** -0.5, a["key"]["bias"].reshape(L, N, H))
 
+
+SPEC = models.ModelSpec(
+    name="jaxattn.bert", causal=CAUSAL, forward=forward, sizes=sizes, final_norm=final_norm, unembed=unembed,
+    attention_input=attention_input, head_projections=head_projections, qk_weights=qk_weights,
+)  # the model protocol, declared (jaxattn.models.ModelSpec): an encoder, no resume
 
 # Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.
 _SPLITS = {

@@ -48,10 +48,11 @@ from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, ch
     check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, stack_layers, unflatten,
     unstack_layers)
 from jaxattn.io import atomic_write
+from jaxattn import models
 from jaxattn.models import QKWeights, Sizes
 
 __all__ = [
-    "CAUSAL", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm",
+    "CAUSAL", "SPEC", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm",
     "final_norm_linear", "forward",
     "generate", "head_projections", "init_params", "load", "load_tokenizer", "log_prob", "param_shapes",
     "param_shardings", "params_from_msgpack", "params_from_safetensors", "qk_weights", "random_model",
@@ -553,6 +554,13 @@ def qk_weights(params: dict, config: GPT2Config) -> QKWeights:
     b = c_attn["bias"].reshape(L, 3, N, H)
     w_q, w_k = (jnp.transpose(w[:, :, j], (0, 2, 1, 3)) for j in (0, 1))  # 2 x [L, N, D, H]
     return QKWeights(w_q, b[:, 0], w_k, False, float(config.head_dim) ** -0.5, b[:, 1])
+
+
+SPEC = models.ModelSpec(
+    name="jaxattn.gpt2", causal=CAUSAL, forward=forward, sizes=sizes, final_norm=final_norm, unembed=unembed,
+    final_norm_linear=final_norm_linear, attention_input=attention_input, head_projections=head_projections,
+    qk_weights=qk_weights, resume=resume, log_prob=log_prob,
+)  # the model protocol, declared (jaxattn.models.ModelSpec)
 
 
 # Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.

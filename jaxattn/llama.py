@@ -59,10 +59,11 @@ from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, ch
     check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
     stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
+from jaxattn import models
 from jaxattn.models import QKWeights, Sizes
 
 __all__ = [
-    "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
+    "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "SPEC", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
     "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
     "final_norm_linear", "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
     "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights",
@@ -1060,6 +1061,13 @@ def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
     b_k = a["k_proj"]["bias"].reshape(L, K, H) if config.qkv_bias else None
     return QKWeights(heads(a["q_proj"]["kernel"], N), b_q, heads(a["k_proj"]["kernel"], K), True,
                      float(config.query_pre_attn_scalar or H) ** -0.5, b_k, qk_norm=config.qk_norm)
+
+
+SPEC = models.ModelSpec(
+    name="jaxattn.llama", causal=CAUSAL, forward=forward, sizes=sizes, final_norm=final_norm, unembed=unembed,
+    final_norm_linear=final_norm_linear, attention_input=attention_input, head_projections=head_projections,
+    qk_weights=qk_weights, resume=resume, log_prob=log_prob,
+)  # the model protocol, declared (jaxattn.models.ModelSpec)
 
 
 # Megatron-style: each weight's dim split over the mesh's model axis (the rest replicated); :func:`shard`.

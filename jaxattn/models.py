@@ -2,8 +2,8 @@
 
 Each model module (``jaxattn.gpt2``, ``jaxattn.llama``, ``jaxattn.bert``) defines, besides
 ``load``/``forward``/``save`` (and ``generate``/``log_prob`` for the causal ones), the functions of the
-model protocol; interventions, the lab and the viewer use these and never a module's parameter paths or
-its name:
+model protocol, and declares them in a :class:`ModelSpec` it exports as ``SPEC``; interventions, the lab
+and the viewer call them through it (:func:`spec`), never through a module's parameter paths or its name:
 
 - ``CAUSAL``: whether query ``t`` sees only keys ``s <= t``;
 - ``sizes(config) -> Sizes``: layers, heads, key/value heads, head dim, width, vocabulary, longest input;
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +44,8 @@ import numpy as np
 
 Array = jax.Array
 
-__all__ = ["BUCKETS", "ModelOutput", "QKWeights", "Sizes", "head_mesh", "head_mesh_shape", "left_pad", "pad_to_bucket"]
+__all__ = ["BUCKETS", "ModelOutput", "ModelSpec", "QKWeights", "Sizes", "head_mesh", "head_mesh_shape", "left_pad",
+           "pad_to_bucket", "spec"]
 
 
 class Sizes(NamedTuple):
@@ -60,6 +61,55 @@ class Sizes(NamedTuple):
     window: int | None = None  # a sliding window of every layer: query t sees keys s with t - s < window (None: all)
     scale_dim: float | None = None  # the default logit scale is scale_dim^-1/2 (None: head_dim^-1/2)
     layer_windows: tuple[int | None, ...] | None = None  # each layer's own window (None in it: a full layer)
+
+
+class ModelSpec(NamedTuple):
+    """The model protocol, declared: the functions interventions, the lab and the viewer call (the module
+    docstring says what each does). Every model module exports one as ``SPEC``; a model of one's own
+    passes a ``ModelSpec`` (or an object with a ``SPEC``) wherever a model module is taken.
+
+    Attributes:
+      name: for messages (``"jaxattn.llama"``).
+      causal: whether query ``t`` sees only keys ``s <= t``.
+      forward: ``(params, config, ids [T], *, attention_mask, head_mask, patch, capture, **kw) -> ModelOutput``.
+      sizes: ``config -> Sizes``.
+      final_norm, unembed, final_norm_linear, attention_input, head_projections, qk_weights: as in the module
+        docstring; ``None`` where the model has none (an encoder's ``unembed``).
+      resume: ``(params, config, resid_pre [T, D], layer, *, attention_mask ([T], or [T, T] with
+        positions), positions, head_mask, scale, patch, attentions) -> ModelOutput``, the forward from
+        block ``layer`` on; ``None``: the tables run whole forwards.
+      log_prob: ``(params, config, ids [T], *, attention_mask, start, end, scale) -> scalar``; causal
+        language models only.
+    """
+
+    name: str
+    causal: bool
+    forward: Callable[..., Any]
+    sizes: Callable[[Any], "Sizes"]
+    final_norm: Callable[..., Any] | None = None
+    unembed: Callable[..., Any] | None = None
+    final_norm_linear: Callable[..., Any] | None = None
+    attention_input: Callable[..., Any] | None = None
+    head_projections: Callable[..., Any] | None = None
+    qk_weights: Callable[..., Any] | None = None
+    resume: Callable[..., Any] | None = None
+    log_prob: Callable[..., Any] | None = None
+
+
+def spec(model: Any) -> ModelSpec:
+    """``model``'s :class:`ModelSpec`: ``model`` itself, or the ``SPEC`` a model module exports.
+
+    Raises:
+      TypeError: naming what to declare, for anything else.
+    """
+    if isinstance(model, ModelSpec):
+        return model
+    declared = getattr(model, "SPEC", None)
+    if isinstance(declared, ModelSpec):
+        return declared
+    name = getattr(model, "__name__", None) or type(model).__name__
+    raise TypeError(f"{name} declares no model protocol: pass a jaxattn.models.ModelSpec, or a module that exports "
+                    f"one as SPEC (as jaxattn.gpt2, jaxattn.llama and jaxattn.bert do)")
 
 
 class ModelOutput(NamedTuple):

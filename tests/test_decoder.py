@@ -396,8 +396,8 @@ def _toy_module():
     def qk_weights(params, config):
         return models.QKWeights(params["wq"][None], None, params["wk"][None], False, H ** -0.5)
 
-    module = types.SimpleNamespace(
-        __name__="my_lab.toy", CAUSAL=True, forward=forward, sizes=lambda c: sizes, qk_weights=qk_weights,
+    module = models.ModelSpec(  # the declared protocol, all a model of one's own needs
+        name="my_lab.toy", causal=True, forward=forward, sizes=lambda c: sizes, qk_weights=qk_weights,
         attention_input=lambda params, config, layer, x: x, final_norm=lambda p, c, x: x,
         unembed=lambda p, c, x: x @ p["embed"].T)
     rng = np.random.default_rng(0)
@@ -423,3 +423,13 @@ def test_a_model_module_of_ones_own_runs_through_interventions():
     bounds = interventions.entropy_bounds(module, params, "toy-config", ids)
     assert bounds["bound"].shape == (1, 2, 5)
     assert bool(jnp.all(bounds["entropy"] >= bounds["bound"] - 1e-5))
+
+
+def test_a_model_that_declares_no_protocol_is_refused_by_name():
+    """bind and the tables read the declared protocol (a ModelSpec, or a module's SPEC), never loose names."""
+    loose = types.SimpleNamespace(__name__="my_lab.loose", forward=lambda *a, **k: None, sizes=lambda c: None)
+    with pytest.raises(TypeError, match=r"my_lab\.loose declares no model protocol: pass a jaxattn\.models\.ModelSpec"):
+        interventions.bind(loose, {}, None, np.array([1, 2], np.int32))
+    for module in (gpt2, llama, bert):
+        assert models.spec(module) is module.SPEC and module.SPEC.causal == module.CAUSAL
+    assert llama.SPEC.resume is llama.resume and bert.SPEC.resume is None

@@ -413,7 +413,7 @@ def rows_metric(out):
     return out.logits[0, 6, A] - out.logits[1, 7, B]
 
 
-rows_metric.logit_rows = (6, 7)
+rows_metric = interventions.LogitMetric(rows_metric, (6, 7))
 
 
 def test_resume_from_any_layer_gives_the_forward_and_packs_a_shared_prefix(model):
@@ -511,12 +511,10 @@ def test_fast_tables_refuse_a_metric_that_reads_rows_it_does_not_declare():
     def wrong(out):
         return out.logits[-1, A] - out.logits[-1, B]
 
-    wrong.logit_rows = (2, 3)
-    with pytest.raises(ValueError, match=r"metric.logit_rows = \(2, 3\) leaves out logits rows the metric reads"):
-        interventions.ablation_effects(m.bound, wrong)
-    wrong.logit_rows = (3, 2)
-    with pytest.raises(ValueError, match=r"metric.logit_rows must be a non-empty sorted tuple of distinct positions"):
-        interventions.ablation_effects(m.bound, wrong)
+    with pytest.raises(ValueError, match=r"metric.rows = \(2, 3\) leaves out logits rows the metric reads"):
+        interventions.ablation_effects(m.bound, interventions.LogitMetric(wrong, (2, 3)))
+    with pytest.raises(ValueError, match=r"metric.rows must be a non-empty sorted tuple of distinct positions"):
+        interventions.ablation_effects(m.bound, interventions.LogitMetric(wrong, (3, 2)))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from jaxattn.interventions._effects import (  # noqa: E402
 )
 from jaxattn.interventions._heads import attention_inputs, entropy_bounds, qk_weights  # noqa: E402
 from jaxattn.interventions._lens import logit_attribution, logit_lens  # noqa: E402
-from jaxattn.interventions._metrics import choice_metric, similarity_metric, span_log_prob  # noqa: E402
+from jaxattn.interventions._metrics import LogitMetric, choice_metric, similarity_metric, span_log_prob  # noqa: E402
 from jaxattn.interventions._model import Bound, bind  # noqa: E402
 from jaxattn.interventions._report import (  # noqa: E402
     METHODS,
@@ -126,6 +126,7 @@ __all__ = [
     "bind",
     "bound_summary",
     "char_span_to_tokens",
+    "LogitMetric",
     "choice_metric",
     "choice_pair",
     "correlations",

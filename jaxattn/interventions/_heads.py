@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.models import QKWeights
+from jaxattn.models import QKWeights, spec
 from jaxattn.probes import entropy, entropy_floor, logit_spread_bound, qk_spectral_norm
 
 Array = jax.Array
@@ -36,10 +36,11 @@ def attention_inputs(module: Any, params: Any, config: Any, resid_pre: Any) -> A
 
 
 def _protocol(module: Any, name: str) -> Any:
-    fn = getattr(module, name, None)
+    """The declared protocol's ``name`` (:class:`jaxattn.models.ModelSpec`); ``TypeError`` when it is None."""
+    declared = spec(module)
+    fn = getattr(declared, name)
     if fn is None:
-        raise TypeError(f"module must implement the model protocol (jaxattn.models): {getattr(module, '__name__', module)!r} "
-                        f"has no {name}")
+        raise TypeError(f"this needs the model protocol's {name}, which {declared.name} does not declare")
     return fn
 
 
@@ -60,7 +61,7 @@ def entropy_bounds(module: Any, params: Any, config: Any, input_ids: Any, *, cau
       behind β (:func:`jaxattn.probes.qk_spectral_norm`).
     """
     ids = np.asarray(input_ids)
-    out = module.forward(params, config, ids, capture=("resid_pre", "attn_logits"))
+    out = spec(module).forward(params, config, ids, capture=("resid_pre", "attn_logits"))
     x = attention_inputs(module, params, config, out.captured["resid_pre"])  # [L, T, D]
     qk = qk_weights(module, params, config)
     N = qk.w_q.shape[1]
@@ -69,7 +70,7 @@ def entropy_bounds(module: Any, params: Any, config: Any, input_ids: Any, *, cau
     if qk.qk_norm:
         raise ValueError("the entropy bound needs q and k linear in the attention input; this model normalises "
                          "q and k per head (qk_norm), so the bound does not apply")
-    causal = bool(_protocol(module, "CAUSAL")) if causal is None else causal
+    causal = spec(module).causal if causal is None else causal
     keep = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
     sizes = _protocol(module, "sizes")(config)
     t = jnp.arange(T)

@@ -31,21 +31,20 @@ Array = jax.Array
 def _module(bound: Any, what: str, needs: tuple[str, ...]) -> Any:
     if not isinstance(bound, Bound):
         raise TypeError(f"bound must be a jaxattn.interventions.Bound (from bind), received {type(bound).__name__}")
-    module = getattr(bound, "module", None)
-    if module is None:
+    if bound.module is None:
         raise ValueError(f"bound must carry its model module ({what} reads the model protocol): make it with "
                          f"interventions.bind(module, ...), received a Bound with module=None")
-    name = getattr(module, "__name__", repr(module))
-    missing = [f for f in needs if not callable(getattr(module, f, None))]
+    module = bound.spec
+    missing = [f for f in needs if getattr(module, f) is None]
     if missing:
         raise ValueError(f"{what} needs the model protocol's {', '.join(missing)} (jaxattn.models); the model "
-                         f"{name} has no {', '.join(missing)}")
+                         f"{module.name} declares no {', '.join(missing)}")
     params, config = bound.args["params"], bound.config
     D = int(module.sizes(config).width)
     try:  # an encoder without a language-model head refuses here, before anything is traced
         jax.eval_shape(lambda p: module.unembed(p, config, jnp.zeros((D,), jnp.float32)), params)
     except ValueError as e:
-        raise ValueError(f"{what} needs logits: the model {name} has no unembedding (no language-model head): "
+        raise ValueError(f"{what} needs logits: the model {module.name} has no unembedding (no language-model head): "
                          f"{e}") from None
     return module
 

@@ -19,6 +19,28 @@ import numpy as np
 Array = jax.Array
 
 
+class LogitMetric:
+    """A metric that declares the rows of a causal model's logits it reads: ``LogitMetric(fn, rows)``.
+
+    Calling it calls ``fn(output)``. ``rows`` (a sorted tuple of distinct positions, the same for every
+    sequence of a batch) lets the effect tables unembed those rows only: the unembedding of every position
+    can cost a fifth of a forward, and the resumed runs hand ``fn`` logits that are NaN elsewhere. The
+    clean run checks once that ``fn`` gives the same value with those rows alone (``ValueError`` otherwise).
+    A plain function is a metric that may read every row.
+    """
+
+    def __init__(self, fn: Callable[[Any], Array], rows: Any):
+        if not callable(fn):
+            raise TypeError(f"fn must be a function output -> scalar, received {type(fn).__name__}")
+        self.fn, self.rows = fn, rows
+
+    def __call__(self, output: Any) -> Array:
+        return self.fn(output)
+
+    def __repr__(self) -> str:
+        return f"LogitMetric({getattr(self.fn, '__name__', self.fn)!r}, rows={self.rows!r})"
+
+
 def span_log_prob(logits: Any, ids: Any, start: Any, end: Any) -> Array:
     """``Σ_{start <= t < end} log softmax(logits[t - 1])[ids[t]]``: a span's log-probability (nats).
 
@@ -38,7 +60,7 @@ def span_log_prob(logits: Any, ids: Any, start: Any, end: Any) -> Array:
     return jnp.sum(jnp.where((t >= start) & (t < end), picked, 0.0))
 
 
-def choice_metric(choices: Mapping[str, Any]) -> Callable[[Any], Array]:
+def choice_metric(choices: Mapping[str, Any]) -> LogitMetric:
     """``output -> log p(choice 0) - log p(choice 1)`` for a bound built on :func:`encode_choices`' rows.
 
     Args:
@@ -47,8 +69,8 @@ def choice_metric(choices: Mapping[str, Any]) -> Callable[[Any], Array]:
 
     Returns:
       a metric of a batched causal model's output (``logits [2, T, V]``): positive when the model prefers
-      choice 0. It reads the logits rows that predict the choices' tokens only, and says which in its
-      attribute ``logit_rows`` (the effect tables then unembed those rows alone).
+      choice 0. It reads the logits rows that predict the choices' tokens only, and declares them (a
+      :class:`LogitMetric`: the effect tables then unembed those rows alone).
     """
     ids = np.asarray(choices["input_ids"])
     start, end = np.asarray(choices["start"]), np.asarray(choices["end"])
@@ -66,8 +88,7 @@ def choice_metric(choices: Mapping[str, Any]) -> Callable[[Any], Array]:
             lp.append(span_log_prob(output.logits[i, a:b], ids_j[i, a:b], 1, b - a))
         return lp[0] - lp[1]
 
-    metric.logit_rows = tuple(sorted({t for i in range(2) for t in range(int(start[i]) - 1, int(end[i]) - 1)}))
-    return metric
+    return LogitMetric(metric, tuple(sorted({t for i in range(2) for t in range(int(start[i]) - 1, int(end[i]) - 1)})))
 
 
 def _unit(x: Array) -> Array:

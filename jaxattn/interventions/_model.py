@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
+from jaxattn.models import ModelSpec, spec
 
 Array = jax.Array
 
@@ -41,8 +41,8 @@ class Bound:
       batch: ``None`` for one sequence, else B: ``apply`` runs ``jax.vmap`` over B sequences that share
         ``head_mask``; a patch value may carry a leading B axis (``[B, L, ...]``, e.g. captured from a
         batch of the same shape) or not (``[L, ...]``, shared); ``where`` never has one.
-      module, config: the model module (its protocol: ``final_norm``, ``unembed``, ``head_projections``...)
-        and config the forward was bound with; ``args["params"]`` holds its params.
+      module, config: the model (a module exporting ``SPEC``, or a :class:`~jaxattn.models.ModelSpec`) and
+        config the forward was bound with; ``args["params"]`` holds its params.
       resume: ``(args, layer, resid_pre, attentions, *, head_mask, patch) -> output``, the forward from block
         ``layer`` on (the protocol's ``resume``), from ``resid_pre [(B,) T, D]`` with the maps
         ``attentions [(B,) L, N, T, T]`` of the blocks before it; ``None`` when the module has no ``resume``
@@ -57,6 +57,11 @@ class Bound:
     module: Any = None
     config: Any = None
     resume: Callable[..., Any] | None = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The bound model's declared protocol (:func:`jaxattn.models.spec`)."""
+        return spec(self.module)
 
     def __call__(self, *, head_mask: Any = None, patch: Mapping[str, tuple[Any, Any]] | None = None,
                  capture: Sequence[str] = ()) -> Any:
@@ -124,9 +129,9 @@ def _batch_axes(patch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _resume_fn(resume: Callable[..., Any], config: Any, batched: bool, packs: bool) -> Callable[..., Any]:
-    """The ``resume`` of :func:`bind` (one per model, config and batching, like ``apply``); ``packs``: the
-    module's ``resume`` takes a ``[T, T]`` mask with ``positions`` (packed sequences)."""
+def _resume_fn(resume: Callable[..., Any], config: Any, batched: bool) -> Callable[..., Any]:
+    """The ``resume`` of :func:`bind` (one per model, config and batching, like ``apply``); the protocol's
+    ``resume`` takes a ``[T, T]`` mask with ``positions`` (packed sequences)."""
 
     def one(args, resid, layer, attentions, mask, head_mask, patch, **packed):
         return resume(args["params"], config, resid, layer, attention_mask=mask, head_mask=head_mask, patch=patch,
@@ -141,24 +146,10 @@ def _resume_fn(resume: Callable[..., Any], config: Any, batched: bool, packs: bo
         each = jax.vmap(lambda r, a, m, p: one(args, r, layer, a, m, head_mask, p), in_axes=(0, 0, 0, axes))
         return each(resid_pre, attentions, args["mask"], patch)
 
-    run.packs = packs
     return run
 
 
-def _resumable(module: Any, kwargs: Mapping[str, Any]) -> tuple[Callable[..., Any], bool] | None:
-    """``(resume, packs)`` if the module has a ``resume`` that takes every further forward argument bound
-    (``packs``: and ``positions``, for packed sequences), else ``None``."""
-    resume = getattr(module, "resume", None)
-    if not callable(resume):
-        return None
-    try:
-        params = inspect.signature(resume).parameters
-    except (TypeError, ValueError):
-        return None
-    anything = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if not anything and not all(k in params for k in kwargs):
-        return None
-    return resume, anything or "positions" in params
+RESUME_KWARGS = frozenset({"scale"})  # the further forward arguments the protocol's resume takes
 
 
 def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
@@ -166,9 +157,8 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     """``module.forward(params, config, input_ids, ...)`` as a :class:`Bound`, for any bundled model.
 
     Args:
-      module: a model module with the model protocol (:mod:`jaxattn.models`; ``jaxattn.gpt2``,
-        ``jaxattn.bert``, ``jaxattn.llama``): ``forward(params, config, ids, *, attention_mask, head_mask,
-        patch, capture, **kwargs)`` and ``sizes(config)``.
+      module: a model: a module exporting the declared protocol as ``SPEC`` (``jaxattn.gpt2``,
+        ``jaxattn.bert``, ``jaxattn.llama``) or a :class:`~jaxattn.models.ModelSpec` of one's own.
       params, config: as returned by ``module.load``.
       input_ids: ``[T]`` (one sequence) or ``[B, T]`` (B sequences of one padded length, run with
         ``jax.vmap`` under one head mask). May be traced: ``bind`` and every table are functions of the
@@ -180,11 +170,10 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
 
     Returns:
       a :class:`Bound`; ``bound()`` is the plain forward, ``bound(head_mask=m)`` ablates. Its ``resume`` is
-      the module's ``resume`` (the forward from a layer on, which the effect tables use) when the module
-      has one that takes every argument in ``forward_kwargs``, else ``None``.
+      the model's ``resume`` (the forward from a layer on, which the effect tables use) when it declares
+      one and ``forward_kwargs`` holds only arguments it takes (``scale``), else ``None``.
     """
-    if not callable(getattr(module, "forward", None)):
-        raise TypeError(f"module must be a model module with a forward function (e.g. jaxattn.gpt2), received {module!r}")
+    declared = spec(module)
     ids = _int_ids(input_ids, "input_ids")
     if attention_mask is None:
         mask = np.ones(ids.shape, bool)
@@ -198,12 +187,10 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
                             f"{np.dtype(mask.dtype).name}")
         mask = mask != 0
     batch = ids.shape[0] if ids.ndim == 2 else None
-    apply = _apply_fn(module.forward, config, batch is not None)
-    if not callable(getattr(module, "sizes", None)):
-        raise TypeError(f"module must implement the model protocol (jaxattn.models): {module!r} has no sizes(config)")
-    sizes = module.sizes(config)
+    apply = _apply_fn(declared.forward, config, batch is not None)
+    sizes = declared.sizes(config)
     args = {"params": params, "ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "kwargs": dict(forward_kwargs)}
-    resume = _resumable(module, forward_kwargs)
-    if resume is not None:
-        resume = _resume_fn(resume[0], config, batch is not None, resume[1])
+    resume = None
+    if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:
+        resume = _resume_fn(declared.resume, config, batch is not None)
     return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume)

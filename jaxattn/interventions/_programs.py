@@ -10,8 +10,8 @@ time, in one ``lax.scan`` over the groups: one compiled program per table, whose
 scalar. A module without ``resume`` (an encoder), or ``resume=False``, runs each intervention as a whole
 forward (``lax.map`` over them); ``loop=True`` as a Python loop of one jitted forward each.
 
-A metric may say which rows of a causal model's logits it reads, as an attribute ``logit_rows`` (a
-sorted tuple of positions, the same for every sequence of a batch; :func:`choice_metric` sets it): the
+A metric may declare which rows of a causal model's logits it reads, as a :class:`LogitMetric` (a
+sorted tuple of positions, the same for every sequence of a batch; :func:`choice_metric` makes one): the
 resumed runs then unembed those rows only (the unembedding of every position can cost a fifth of a
 forward) and hand the metric logits that are NaN elsewhere. The clean run checks once that
 the metric gives the same value with those rows alone (``ValueError`` otherwise).
@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.interventions import _mesh
+from jaxattn.interventions._metrics import LogitMetric
 from jaxattn.interventions._model import Bound
 from jaxattn.interventions._packing import (
     Packing,
@@ -123,8 +124,9 @@ def run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | No
 
 
 def logit_rows(metric: Metric, T: int) -> tuple[int, ...] | None:
-    """``metric.logit_rows`` checked: sorted distinct positions in ``[0, T)``, or ``None`` (all rows)."""
-    rows = getattr(metric, "logit_rows", None)
+    """A :class:`LogitMetric`'s rows checked: sorted distinct positions in ``[0, T)``; ``None`` (all rows) for
+    any other metric."""
+    rows = metric.rows if isinstance(metric, LogitMetric) else None
     if rows is None:
         return None
     try:
@@ -133,7 +135,7 @@ def logit_rows(metric: Metric, T: int) -> tuple[int, ...] | None:
     except TypeError:
         out, ok = (), False
     if not ok or not out or list(out) != sorted(set(out)) or out[0] < 0 or out[-1] >= T:
-        raise ValueError(f"metric.logit_rows must be a non-empty sorted tuple of distinct positions in [0, T) = "
+        raise ValueError(f"metric.rows must be a non-empty sorted tuple of distinct positions in [0, T) = "
                          f"[0, {T}) (the logits rows the metric reads), received {rows!r}")
     return out
 
@@ -195,8 +197,7 @@ def _prefix_program(apply: Callable[..., Any], unembed: Any, config: Any, metric
 def _packing(bound: Bound, kind: str, name: str | None, extra: Any) -> Packing | None:
     """The packing of a batched bound whose sequences share a prefix (a causal model whose ``resume`` packs,
     and a patch value that agrees over the prefix), else ``None``."""
-    causal = getattr(bound.module, "CAUSAL", False) is True
-    if bound.batch is None or not getattr(bound.resume, "packs", False) or not causal:
+    if bound.batch is None or bound.resume is None or not bound.spec.causal:
         return None
     pk = plan(bound.args["ids"], bound.args["mask"])
     if pk is None or kind == "gate":
@@ -210,10 +211,10 @@ def _unembed(bound: Bound, rows: Any) -> Any:
     """The protocol's ``unembed`` when a metric reads some logits rows only (else ``None``: not needed)."""
     if rows is None:
         return None
-    unembed = getattr(bound.module, "unembed", None)
-    if not callable(unembed):
-        raise ValueError("metric.logit_rows asks for logits rows, but the bound's model has no unembed (the model "
-                         "protocol's language-model head): drop logit_rows, or bind a causal language model")
+    unembed = bound.spec.unembed
+    if unembed is None:
+        raise ValueError("metric.rows asks for logits rows, but the bound's model has no unembed (the model "
+                         "protocol's language-model head): use a plain metric, or bind a causal language model")
     return unembed
 
 
@@ -308,7 +309,7 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
     prefix = _prefix_program(bound.apply, _unembed(bound, rows), bound.config, metric, rows)
     resid_pre, maps, clean, alone = prefix(bound.args) if mesh is None else _mesh.run(prefix, mesh, bound.args)
     if rows is not None and not bool(jnp.abs(clean - alone) <= 1e-5 * jnp.maximum(1.0, jnp.abs(clean))):
-        raise ValueError(f"metric.logit_rows = {rows} leaves out logits rows the metric reads: on the clean run "
+        raise ValueError(f"metric.rows = {rows} leaves out logits rows the metric reads: on the clean run "
                          f"it gives {float(clean)!r} from every row and {float(alone)!r} from those rows alone")
     layers, slots, per = _layout(L, G, chunk)
     labels = np.arange(G, dtype=np.int32) if labels is None else np.asarray(labels, np.int32)

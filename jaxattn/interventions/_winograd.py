@@ -36,6 +36,7 @@ import numpy as np
 from jaxattn.interventions._metrics import span_log_prob
 from jaxattn.interventions._stats import wilson_interval
 from jaxattn.interventions._text import char_span_to_tokens, encode_with_offsets, find_span
+from jaxattn.models import spec
 
 DATA_FILE = "wsc273.json"  # written by tools/convert_wsc273.py from the collection's WSCollection.xml
 
@@ -482,7 +483,8 @@ def _bucket(n: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _compiled(module: Any, config: Any) -> Callable[..., Any]:
     """One jitted forward per model: ``(params, ids, mask) -> output`` (the scorer and the maps share it)."""
-    return jax.jit(lambda params, ids, mask: module.forward(params, config, ids, attention_mask=mask))
+    forward = spec(module).forward
+    return jax.jit(lambda params, ids, mask: forward(params, config, ids, attention_mask=mask))
 
 
 def _padded(ids: np.ndarray, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxattn import viz
 from jaxattn.probes import head_entropy
-from jaxattn.models import pad_to_bucket
+from jaxattn.models import pad_to_bucket, spec
 
 SENTENCES = {
     "big": "The trophy didn't fit in the suitcase because it was too big.",
@@ -580,11 +580,11 @@ def html_page(c: Comparison) -> str:
 def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: str) -> LabModel:
     """A model of jaxattn's model API (``jaxattn.gpt2``, ``jaxattn.bert``) as a :class:`LabModel`.
 
-    ``module.forward(params, config, ids, scale=...)`` gives the maps. A module with ``log_prob``
+    The protocol's ``forward(params, config, ids, scale=...)`` gives the maps. A model with ``log_prob``
     (a causal language model) is causal and scores continuations; one without it (an encoder) is
     bidirectional and has no scorer: it assigns no probability to a continuation, and the lab reports
     none rather than a number from a head the model was never trained with. A causal model (the
-    protocol's ``CAUSAL``) runs every sentence right-padded to a bucket length under its attention mask
+    protocol's ``causal``) runs every sentence right-padded to a bucket length under its attention mask
     (:func:`jaxattn.models.pad_to_bucket`: the same numbers at the real positions, a handful of compiled
     programs for many sentence lengths).
 
@@ -593,8 +593,9 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
       params, config, tokenizer: from ``module.load()`` (or ``module.random_model()``).
       name: shown in reports.
     """
-    log_prob = getattr(module, "log_prob", None)
-    pad = pad_to_bucket if getattr(module, "CAUSAL", False) else None
+    declared = spec(module)  # the model protocol (jaxattn.models.ModelSpec)
+    log_prob, forward = declared.log_prob, declared.forward
+    pad = pad_to_bucket if declared.causal else None
 
     def tokenize(text: str) -> tuple[np.ndarray, list[str]]:
         ids = tokenizer.encode(text)
@@ -603,9 +604,9 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
     def attentions(ids: np.ndarray, scale: Any) -> np.ndarray:
         T = len(ids)
         if pad is None:
-            return np.asarray(module.forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
+            return np.asarray(forward(params, config, ids, scale=scale).attentions)  # [L, N, T, T]
         padded, mask = pad(ids)
-        maps = module.forward(params, config, padded, attention_mask=mask, scale=scale).attentions
+        maps = forward(params, config, padded, attention_mask=mask, scale=scale).attentions
         return np.asarray(maps)[:, :, :T, :T]  # [L, N, T, T]
 
     def score(prefix: str, continuation: str) -> float:

@@ -11,6 +11,13 @@ jaxattn's generate (a 5-token prompt, 15 new tokens) against jaxattn's forward o
 forward's first call <= Flax's, generate's first call <= 2x the forward's.
 
     python experiments/bench_llama.py --phases         # where each first call goes (and nothing else)
+    python experiments/bench_llama.py --gradient --baseline DIR   # the gradient's first call and steady time
+
+--gradient times ``jax.jit(jax.grad(log_prob))`` over all params at T=128 (--grad-T): its first call against
+the forward's first call at the same T (target <= 2x), each in fresh processes, alternating; and its
+steady time (the median of --repeats calls after the first) against the same gradient of the jaxattn in
+--baseline DIR (another checkout, e.g. `git worktree add DIR <commit>`), also in fresh processes,
+alternating (target: no slower by more than 10%). It writes nothing.
 
 --phases splits one first call of each forward at T, in a fresh process each, into trace, lower, XLA
 compile and the first run (then a second run), and prints them; it writes nothing.
@@ -42,13 +49,15 @@ try:
 except ImportError:  # Windows
     resource = None
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
+# this checkout's jaxattn, whatever is installed (or a baseline checkout's, for --gradient's baseline children)
+sys.path.insert(0, os.environ.get("JAXATTN_BENCH_ROOT") or str(Path(__file__).resolve().parent.parent))
 
 import jax
 import numpy as np
 
 from jaxattn import llama
-from jaxattn.checkpoint import flatten, unflatten, unstack_layers
+from jaxattn import checkpoint
+from jaxattn.checkpoint import flatten, unflatten
 from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
 
 
@@ -106,19 +115,28 @@ def _phases(fn, *args) -> dict[str, float]:
     return times
 
 
-def _first_call(what: str, T: int, seed: int) -> None:
+def _first_call(what: str, T: int, seed: int, repeats: int = 5) -> None:
     """In a fresh process: load (untimed), then time one first call of ``what``; print it as JSON."""
     params, config, _ = llama.load()
     config = config._replace(rope_theta=10000.0)
     jax.block_until_ready(params)
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, T).astype(np.int32)
+    if what in ("grad", "steady-grad"):
+        grad = jax.jit(jax.grad(lambda p, i: llama.log_prob(p, config, i)))
+        first = _timed_split(lambda: grad(params, ids))
+        record = {"what": what, "T": T, "wall_s": first["wall"], "cpu_s": first["cpu"]}
+        if what == "steady-grad":
+            steady = [_timed_split(lambda: grad(params, ids)) for _ in range(repeats)]
+            record.update(steady_wall_s=[r["wall"] for r in steady], steady_cpu_s=[r["cpu"] for r in steady])
+        print(json.dumps(record))
+        return
     if what == "phases-forward":
         times = _phases(lambda p, i: (lambda o: (o.logits, o.attentions))(llama.forward(p, config, i)), params, ids)
         print(json.dumps({"what": what, "T": T, **times}))
         return
     if what in ("flax", "phases-flax"):
         hf = _flax_model(config, T)
-        flat = unstack_layers(flatten(params), "model/layers")  # Flax Llama's per-layer layout
+        flat = checkpoint.unstack_layers(flatten(params), "model/layers")  # Flax Llama's per-layer layout
         hf_params = unflatten({**flat, "lm_head/kernel": flat["model/embed_tokens/embedding"].T})
         if what == "phases-flax":
             with jax.numpy_rank_promotion("allow"):
@@ -158,6 +176,45 @@ def _first_calls(T: int, repeats: int, seed: int) -> dict[str, dict[str, list[fl
     return times
 
 
+def _child(what: str, T: int, seed: int, *, root: str | None = None, repeats: int = 5) -> dict:
+    """One fresh process running ``--child what`` (with ``root``'s jaxattn first on the path when given)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    if root is not None:  # this script's child code, on the baseline checkout's jaxattn
+        env["JAXATTN_BENCH_ROOT"] = str(Path(root).resolve())
+    proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(T), "--seed", str(seed),
+                           "--repeats", str(repeats)], capture_output=True, text=True, env=env, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None) -> None:
+    """The gradient's first call against the forward's, and its steady time against ``baseline``'s."""
+    first = {"grad": [], "forward": []}
+    steady = {"ours": [], "baseline": []}
+    for _ in range(rounds):  # alternating, each a fresh process
+        for what in ("grad", "forward"):
+            first[what].append(_child(what, T, seed))
+        steady["ours"].append(_child("steady-grad", T, seed, repeats=repeats))
+        if baseline is not None:
+            steady["baseline"].append(_child("steady-grad", T, seed, root=baseline, repeats=repeats))
+    fg, ff = ([r["wall_s"] for r in first[w]] for w in ("grad", "forward"))
+    cg, cf = ([r["cpu_s"] for r in first[w]] for w in ("grad", "forward"))
+    print(f"first calls at T={T}, {rounds} fresh processes each: jax.jit(jax.grad(log_prob)) wall {_spread(fg)}, "
+          f"CPU {_spread(cg)}; forward wall {_spread(ff)}, CPU {_spread(cf)}")
+    r = statistics.median(fg) / statistics.median(ff)
+    print(f"gradient's first call / forward's: {r:.2f} (CPU {statistics.median(cg) / statistics.median(cf):.2f}; "
+          f"target <= 2.0: {'met' if r <= 2.0 else 'NOT met'})")
+    per = {k: [statistics.median(x["steady_wall_s"]) for x in v] for k, v in steady.items() if v}
+    cpu = {k: [statistics.median(x["steady_cpu_s"]) for x in v] for k, v in steady.items() if v}
+    for k in per:
+        print(f"steady gradient ({k}): median of each process's {repeats} calls, over {rounds} processes: wall "
+              f"{_spread(per[k])}; CPU {_spread(cpu[k])}")
+    if "baseline" in per:
+        r = statistics.median(per["ours"]) / statistics.median(per["baseline"])
+        print(f"steady gradient / baseline's ({baseline}): {r:.3f} (CPU "
+              f"{statistics.median(cpu['ours']) / statistics.median(cpu['baseline']):.3f}; target <= 1.10: "
+              f"{'met' if r <= 1.10 else 'NOT met'})")
+
+
 def _spread(xs: list[float]) -> str:
     return f"median {statistics.median(xs):.2f} s (min {min(xs):.2f}, max {max(xs):.2f})"
 
@@ -165,9 +222,13 @@ def _spread(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--first-repeats", type=int, default=3, help="fresh processes per first-call timing (0: skip)")
-    parser.add_argument("--child", choices=("forward", "flax", "generate", "phases-forward", "phases-flax"),
+    parser.add_argument("--child", choices=("forward", "flax", "generate", "phases-forward", "phases-flax", "grad",
+                                            "steady-grad"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--phases", action="store_true", help="only split each forward's first call into its phases")
+    parser.add_argument("--gradient", action="store_true", help="only the gradient's first call and steady time")
+    parser.add_argument("--grad-T", type=int, default=128, help="tokens of the gradient's input")
+    parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn's steady gradient is the baseline")
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--load-repeats", type=int, default=3)
@@ -175,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="lab-output/bench_llama")
     args = parser.parse_args(argv)
     if args.child:
-        _first_call(args.child, args.T, args.seed)
+        _first_call(args.child, args.T, args.seed, args.repeats)
+        return 0
+    if args.gradient:
+        _gradient(args.grad_T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline)
         return 0
     if args.phases:
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -210,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({platform.processor() or platform.machine()})")
     ids = np.random.default_rng(args.seed).integers(0, config.vocab_size, args.T).astype(np.int32)
     hf = _flax_model(config, args.T)
-    flat = unstack_layers(flatten(params), "model/layers")  # Flax Llama's per-layer layout
+    flat = checkpoint.unstack_layers(flatten(params), "model/layers")  # Flax Llama's per-layer layout
     hf_params = unflatten({**flat, "lm_head/kernel": flat["model/embed_tokens/embedding"].T})
     hf_run = jax.jit(lambda p, x: hf(x, params=p, output_attentions=True))
 

@@ -10,8 +10,10 @@ window and cap), padding, the key/value cache and sampling. :func:`forward`, :fu
 :func:`generate` and :func:`resume` take the family first; a model module defines its own ``forward``
 etc. as plain functions that call them (:func:`document` gives them the shared docstrings).
 
-Building blocks a family's functions use, config-free: :func:`rms_norm`, :func:`rope_frequencies`,
-:func:`rope_table` and :func:`rope` (rotate-halves RoPE), :func:`gated_mlp`; and for params and loading:
+Building blocks a family's functions use, config-free: :func:`rms_norm`, :func:`layer_norm`,
+:func:`rope_frequencies`, :func:`rope_table` and :func:`rope` (rotate-halves RoPE), :func:`gated_mlp`,
+:func:`embed_ids` (NaN rows for ids outside the table), :func:`soft_cap` (``c · tanh(x / c)`` with a
+derivative that stays exact where ``tanh`` rounds to 1); and for params and loading:
 :func:`check_stacked`, :func:`check_tree`, :func:`place_stacked`.
 
 Every block's params are stacked ``[L, ...]`` (the in-memory layout; loaders convert Hugging Face's
@@ -42,7 +44,7 @@ from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._nn import attention_mask as attention_mask_
 from jaxattn._logits import soft_cap
-from jaxattn._nn import check_span, positions, sampling, span_log_prob, token_ids
+from jaxattn._nn import check_span, embed_ids, layer_norm, positions, sampling, span_log_prob, token_ids
 from jaxattn._nn import head_mask as head_mask_
 from jaxattn._sites import LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn.checkpoint import Fitting, check_shapes, flatten
@@ -52,9 +54,9 @@ Array = jax.Array
 
 __all__ = [
     "FORWARD_DOC", "Family", "GENERATE_DOC", "LOG_PROB_DOC", "PROMPT_ROWS", "RESUME_DOC", "check_config",
-    "check_stacked", "check_tree", "document", "forward", "gated_mlp", "generate", "layer_data", "log_prob",
-    "no_layer_data", "place_stacked", "resume", "rms_norm", "rope", "rope_frequencies", "rope_table",
-    "warn_if_params_closed_over",
+    "check_stacked", "check_tree", "document", "embed_ids", "forward", "gated_mlp", "generate", "layer_data",
+    "layer_norm", "log_prob", "no_layer_data", "place_stacked", "resume", "rms_norm", "rope", "rope_frequencies",
+    "rope_table", "soft_cap", "warn_if_params_closed_over",
 ]
 
 

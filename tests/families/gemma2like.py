@@ -100,9 +100,7 @@ def _rms(x, w, config):
 
 
 def _embed(params, config, ids, pos):
-    table = params["model"]["embed_tokens"]["embedding"]  # [V, D]; NaN rows for ids outside [0, V)
-    inside = (ids >= 0) & (ids < table.shape[0])  # [T]
-    x = jnp.where(inside[:, None], table[jnp.clip(ids, 0, table.shape[0] - 1)], jnp.nan)
+    x = decoder.embed_ids(params["model"]["embed_tokens"]["embedding"], ids)  # NaN rows for ids outside [0, V)
     return x * jnp.asarray(config.hidden_size ** 0.5, x.dtype)
 
 
@@ -138,8 +136,8 @@ def final_norm_linear(params, config, x, v):
 
 
 def unembed(params, config, x):
-    c = config.final_logit_softcapping
-    return c * jnp.tanh((x @ params["model"]["embed_tokens"]["embedding"].T) / c)  # tied head, soft-capped
+    logits = x @ params["model"]["embed_tokens"]["embedding"].T  # tied head, soft-capped
+    return decoder.soft_cap(logits, config.final_logit_softcapping)
 
 
 FAMILY = decoder.Family(

@@ -84,15 +84,11 @@ def check_params(params, config: GPTJConfig) -> None:
 
 
 def _ln(x, p, eps):
-    lead = (1,) * (x.ndim - 1)
-    mean, var = jnp.mean(x, axis=-1, keepdims=True), jnp.var(x, axis=-1, keepdims=True)  # [..., 1]
-    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"].reshape(lead + (-1,)) + p["bias"].reshape(lead + (-1,))
+    return decoder.layer_norm(x, p["scale"], p["bias"], eps)
 
 
 def _embed(params, config, ids, pos):
-    table = params["transformer"]["wte"]["embedding"]  # [V, D]; NaN rows for ids outside [0, V)
-    inside = (ids >= 0) & (ids < table.shape[0])  # [T]
-    return jnp.where(inside[:, None], table[jnp.clip(ids, 0, table.shape[0] - 1)], jnp.nan)
+    return decoder.embed_ids(params["transformer"]["wte"]["embedding"], ids)  # NaN rows for ids outside [0, V)
 
 
 def _rotation(config, pos, size):

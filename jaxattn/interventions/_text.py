@@ -10,12 +10,19 @@ Axis alphabet: C choices, T tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
 
+from jaxattn._spm import SpmTokenizer
+
 
 def _backend(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` (or ``tokenizer`` itself when it is one), else None;
+    a SentencePiece BPE tokenizer (:class:`jaxattn._spm.SpmTokenizer`, Gemma's) has none."""
+    if isinstance(tokenizer, SpmTokenizer):
+        return None
     backend = getattr(tokenizer, "backend", tokenizer)
     return backend if hasattr(backend, "encode") and hasattr(backend, "token_to_id") else None
 
@@ -38,7 +45,10 @@ def encode_with_offsets(tokenizer: Any, text: str) -> tuple[np.ndarray, np.ndarr
     if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
         raise TypeError(f"tokenizer must have encode and decode (or a tokenizers backend), received {type(tokenizer).__name__}")
     ids = np.asarray(tokenizer.encode(text), np.int32)
-    ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]  # decoded prefix lengths
+    decode = tokenizer.decode
+    if isinstance(tokenizer, SpmTokenizer):  # its <bos> spells no character of the text
+        decode = functools.partial(decode, special=False)
+    ends = [len(decode(ids[: i + 1])) for i in range(len(ids))]  # decoded prefix lengths
     starts = [0] + ends[:-1]
     return ids, np.stack([starts, ends], axis=1).astype(np.int64) if len(ids) else np.zeros((0, 2), np.int64)
 

@@ -586,7 +586,8 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
     none rather than a number from a head the model was never trained with. A causal model (the
     protocol's ``causal``) runs every sentence right-padded to a bucket length under its attention mask
     (:func:`jaxattn.models.pad_to_bucket`: the same numbers at the real positions, a handful of compiled
-    programs for many sentence lengths).
+    programs for many sentence lengths). A continuation is scored after its prefix without the ids the
+    tokenizer puts before any text (Gemma's ``<bos>``, which the prefix already starts with).
 
     Args:
       module: the model's module.
@@ -596,6 +597,7 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
     declared = spec(module)  # the model protocol (jaxattn.models.ModelSpec)
     log_prob, forward = declared.log_prob, declared.forward
     pad = pad_to_bucket if declared.causal else None
+    start = np.asarray(tokenizer.encode(""), np.int32) if declared.causal else None  # ids put before any text
 
     def tokenize(text: str) -> tuple[np.ndarray, list[str]]:
         ids = tokenizer.encode(text)
@@ -611,6 +613,8 @@ def lab_model(module: Any, params: Any, config: Any, tokenizer: Any, *, name: st
 
     def score(prefix: str, continuation: str) -> float:
         p, c = tokenizer.encode(prefix), tokenizer.encode(continuation)
+        if len(start) and np.array_equal(c[: len(start)], start):  # the continuation's own <bos> (Gemma) goes
+            c = c[len(start):]  # the prefix has one already; a second, mid-sequence, would be scored too
         ids = np.concatenate([p, c])
         if pad is None:
             return float(log_prob(params, config, ids, start=len(p)))

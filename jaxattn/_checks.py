@@ -171,37 +171,6 @@ def as_float_dtype(dtype: Any, name: str = "dtype") -> Any:
     return check_float_dtype(dtype, name)
 
 
-def check_layer(layer: Any, layers: int, name: str = "layer") -> int:
-    """``layer`` as a Python int in ``[0, layers)``: ``TypeError`` for anything but an int (bools and traced
-    values included: it picks a block's params), ``ValueError`` naming ``name`` and the range otherwise."""
-    if isinstance(layer, jax.core.Tracer):
-        raise TypeError(f"{name} must be a Python int (it picks a block's params), received a traced value")
-    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
-        raise TypeError(f"{name} must be an int in [0, L) = [0, {layers}), received {layer!r}")
-    if not 0 <= int(layer) < layers:
-        raise ValueError(f"{name} must lie in [0, L) = [0, {layers}) (the model has {layers} layers), "
-                         f"received {int(layer)}")
-    return int(layer)
-
-
-def check_last_axis(x: Any, size: int, name: str = "x", axes: str = "[..., D]") -> Any:
-    """``x`` (an array of a floating dtype, or something NumPy makes one of) whose last axis has ``size``
-    entries, the ``D`` of ``axes``: ``TypeError`` for another dtype, ``ValueError`` naming ``name`` and the
-    expected and received shapes otherwise. Reads the shape and dtype only, so traced ``x`` passes."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        x = _as_numpy(x, name)
-        dtype = x.dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a float array {axes}, received dtype {np.dtype(dtype).name}")
-    shape = tuple(jnp.shape(x))
-    if not shape or shape[-1] != size:
-        want = axes.replace("D]", f"{size}]")
-        raise ValueError(f"{name} must have shape {axes} = {want} (D = {size}, the model width), "
-                         f"received shape {shape}")
-    return x if isinstance(x, jax.Array) else jnp.asarray(x)
-
-
 def check_depth(params: Any, path: tuple[str, ...], layers: int, *, field: str, layout: str) -> None:
     """``params`` holds exactly ``layers`` blocks under ``path`` (a dict of blocks ``{"0": ..., "1": ...}``),
     the config's ``field``; ``ValueError`` naming both counts otherwise. Run before any table of the

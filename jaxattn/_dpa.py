@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxattn._attention import _diagonal, _keep, _multi_head
 from jaxattn._backends import IMPLEMENTATIONS

@@ -42,12 +42,12 @@ import numpy as np
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
-from jaxattn._checks import (as_float_dtype, check_depth, check_last_axis, check_layer, check_positive_float32,
-                             check_scale)
+from jaxattn._checks import as_float_dtype, check_depth, check_positive_float32, check_scale
 from jaxattn._extras import require
-from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._nn import embed_ids, init_from_shapes, layer_norm, token_ids
-from jaxattn._nn import head_mask as head_mask_
+from jaxattn._inputs import attention_mask as attention_mask_
+from jaxattn._inputs import check_last_axis, check_layer, token_ids
+from jaxattn._inputs import head_mask as head_mask_
+from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._sites import Sites, check_capture, check_patch, site_shapes
 from jaxattn._typing import ArrayLike, Bool, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,

@@ -42,10 +42,18 @@ import numpy as np
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
-from jaxattn._nn import attention_mask as attention_mask_
-from jaxattn._logits import soft_cap
-from jaxattn._nn import check_span, embed_ids, layer_norm, positions, sampling, span_log_prob, token_ids
-from jaxattn._nn import head_mask as head_mask_
+from jaxattn._inputs import check_span, sampling
+from jaxattn._inputs import family_ids as _ids
+from jaxattn._inputs import head_mask as head_mask_
+from jaxattn._inputs import keep_mask as _keep
+from jaxattn._inputs import layer_index as _layer_index
+from jaxattn._inputs import packed_keep as _packed_keep
+from jaxattn._inputs import stream as _stream
+from jaxattn._inputs import stream_dtype as _stream_dtype
+from jaxattn._logits import soft_cap as _soft_cap
+from jaxattn._nn import positions, span_log_prob
+from jaxattn._nn import embed_ids as _embed_ids
+from jaxattn._nn import layer_norm as _layer_norm
 from jaxattn._sites import LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn.checkpoint import Fitting, check_shapes, flatten
 from jaxattn.models import ModelOutput, Sizes
@@ -164,6 +172,24 @@ def rope(x: Array, rot: tuple[Array, Array]) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)  # [T, heads, H]
 
 
+def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
+    """LayerNorm over the last axis of ``x [..., D]`` (``scale``, ``bias`` ``[D]``), GPT-2's and GPT-J's."""
+    return _layer_norm(x, scale, bias, eps)
+
+
+def embed_ids(table: Array, ids: Array) -> Array:
+    """``table[ids]`` (``[V, D]``, ``[T]`` -> ``[T, D]``) with a row of NaN for an id outside ``[0, V)``: what
+    :attr:`Family.embed` returns for a traced id no check could refuse (a plain gather would clamp or wrap
+    it to another token's row)."""
+    return _embed_ids(table, ids)
+
+
+def soft_cap(logits: Array, cap: Any) -> Array:
+    """``cap · tanh(logits / cap)`` (``cap=None``: unchanged), NaN kept; its derivative ``sech²(logits / cap)`` is
+    computed without cancellation, so it stays right where ``tanh`` rounds to ±1 in float32."""
+    return _soft_cap(logits, cap)
+
+
 def gated_mlp(x: Array, gate: Array, up: Array, down: Array, activation: Callable[[Array], Array]) -> Array:
     """``down(act(x @ gate) · (x @ up))``, ``x [T, D]``, kernels ``(in, out)``: ``gate, up [D, I]``, ``down [I, D]``
     (SwiGLU with ``jax.nn.silu``, GeGLU with ``gelu``)."""
@@ -240,19 +266,6 @@ def check_config(family: Family, config: Any) -> Sizes:
     return family.sizes(config)
 
 
-def _ids(family: Family, config: Any, x: Any, name: str = "input_ids") -> Array:
-    s = family.sizes(config)
-    return token_ids(x, name, low=0, high=s.vocab, max_length=s.max_length, max_name=family.max_name)
-
-
-def _keep(mask: Any, T: int, *, name: str = "attention_mask") -> Array:
-    """The keep-mask ``[T]``; a concrete mask must mark at least one real token."""
-    keep = attention_mask_(mask, T)
-    if mask is not None and not isinstance(keep, jax.core.Tracer) and not bool(jnp.any(keep)):
-        raise ValueError(f"{name} marks no real token (all {T} entries are 0): there is nothing to run the model on")
-    return keep
-
-
 def _windowed(mask: Array, pos_q: Array, pos_k: Array, window: Array | None) -> Array:
     """The keep-mask ``mask`` (``[S]`` or ``[T, S]``) with a sliding window: query ``t`` keeps key ``s`` only if
     ``pos_q[t] - pos_k[s] < window`` (``[T, S]``); ``window=None`` returns ``mask`` as it is.
@@ -310,7 +323,7 @@ def _attn_logits(q: Array, k: Array, scale: Array, group: int, cap: Array | None
     def logits(q, k, scale, cap):
         k_rep = jnp.repeat(k, group, axis=1)  # [T, N, H]
         out = jax.vmap(lambda qn, kn: attention_logits(qn, kn, scale=scale), in_axes=1)(q, k_rep)
-        return soft_cap(out, cap)
+        return _soft_cap(out, cap)
 
     return _sharding.auto(logits, _sharding.head_specs(q)[1])(q, k, scale, cap)
 
@@ -503,78 +516,6 @@ def resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any,
                    family=family, config=config, rows=rows)
 
 
-def _packed_keep(mask: Any, pos: Any, T: int, max_length: int, max_name: str) -> tuple[Array, Array]:
-    """``(keep [T] or [T, T], positions [T])`` of :func:`resume`: a ``[T]`` mask gives the positions of
-    :func:`forward`; a ``[T, T]`` one (packed sequences) needs them given."""
-    if mask is not None and jnp.ndim(mask) == 2:
-        if tuple(jnp.shape(mask)) != (T, T):
-            raise ValueError(f"attention_mask must have shape [T] = ({T},) or [T, T] = ({T}, {T}) (each query's keys), "
-                             f"received shape {tuple(jnp.shape(mask))}")
-        dtype = getattr(mask, "dtype", None) or np.asarray(mask).dtype
-        if dtype != np.bool_:
-            raise TypeError(f"attention_mask [T, T] must be boolean (True = the query sees the key), received dtype "
-                            f"{np.dtype(dtype).name}")
-        if pos is None:
-            raise ValueError("positions must be given with a [T, T] attention_mask (packed sequences: each token's "
-                             "position in its own sequence)")
-        pos_dtype = getattr(pos, "dtype", None) or np.asarray(pos).dtype
-        if tuple(jnp.shape(pos)) != (T,) or not jnp.issubdtype(pos_dtype, jnp.integer):
-            raise ValueError(f"positions must be integer [T] = ({T},), received dtype {np.dtype(pos_dtype).name} "
-                             f"shape {tuple(jnp.shape(pos))}")
-        if not isinstance(pos, jax.core.Tracer):
-            a = np.asarray(pos)
-            outside = np.flatnonzero((a < 0) | (a >= max_length))
-            if outside.size:
-                row = int(outside[0])
-                raise ValueError(f"positions must lie in [0, {max_name}) = [0, {max_length}), received {int(a[row])} "
-                                 f"at row {row}")
-        return jnp.asarray(mask), jnp.asarray(pos).astype(jnp.int32)
-    if T > max_length:
-        raise ValueError(f"resid_pre must hold 1 to {max_name}={max_length} tokens, received T={T}")
-    if pos is not None:
-        raise ValueError("positions are given only with a [T, T] attention_mask (packed sequences); a [T] mask "
-                         "makes them from the real tokens")
-    keep = _keep(mask, T)
-    return keep, positions(keep)
-
-
-def _stream(x: Any, D: int) -> Array:
-    dtype = getattr(x, "dtype", None) or np.asarray(x).dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"resid_pre must be a float array [T, D] (the stream entering a block), received dtype "
-                        f"{np.dtype(dtype).name}")
-    shape = tuple(jnp.shape(x))
-    if len(shape) != 2 or shape[1] != D or shape[0] < 1:
-        raise ValueError(f"resid_pre must have shape [T, D] with D = {D} and T >= 1 (batch with jax.vmap), "
-                         f"received shape {shape}")
-    return jnp.asarray(x)
-
-
-def _stream_dtype(family: Family, config: Any, params: Any, x: Array) -> None:
-    """``resid_pre``'s dtype must be the residual stream's in :func:`forward`, the embedding's (the params'):
-    the loop over the layers carries the stream in one dtype. Shapes and dtypes only (traced params pass)."""
-    one = jnp.zeros((1,), jnp.int32)
-    want = jax.eval_shape(lambda p: family.embed(p, config, one, one), params).dtype
-    if x.dtype != want:
-        raise TypeError(f"resid_pre must have the dtype of the residual stream the forward carries, {want.name} "
-                        f"(the params' dtype), received dtype {x.dtype.name}; cast it with "
-                        f"resid_pre.astype(jnp.{want.name}) or the params to {x.dtype.name}")
-
-
-def _layer_index(layer: Any, L: int) -> Array:
-    """``layer`` as an int32 scalar; a concrete one must lie in ``[0, L)`` (a traced one is clamped by the loop)."""
-    if isinstance(layer, jax.core.Tracer):
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(layer.dtype, jnp.integer):
-            raise TypeError(f"layer must be an int scalar, received a traced {layer.dtype} of shape {layer.shape}")
-        return layer.astype(jnp.int32)
-    a = np.asarray(layer)
-    if isinstance(layer, bool) or a.ndim != 0 or not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"layer must be an int (the block the stream enters), received {layer!r}")
-    if not 0 <= int(a) < L:
-        raise ValueError(f"layer must lie in [0, L) = [0, {L}), received {int(a)}")
-    return jnp.asarray(int(a), jnp.int32)
-
-
 _WARNED_CLOSED_OVER = []  # a warning once per process
 
 
@@ -646,7 +587,7 @@ def _log_prob(params, ids, keep, scale, start, end, *, family: Family, config) -
     s = family.sizes(config)
     heads = jnp.ones((s.layers, s.heads), jnp.float32)  # no head masked
     out = _forward(params, ids, keep, heads, scale, {}, family=family, config=config, capture=(), maps=False)
-    return _sharding.auto(span_log_prob)(out.logits, ids, keep, start, end)
+    return _sharding.auto(span_log_prob)(out.logits.astype(jnp.float32), ids, start, end, keep)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -778,7 +719,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     (``R = 1``), which costs a second compiled block and saves reading the prompt a few rows a step.
     Every step unembeds its rows and picks from one, the last real prompt token's or the new token's."""
     s = family.sizes(config)
-    L, T, new = s.layers, prompt.shape[0], max_new_tokens
+    T, new = prompt.shape[0], max_new_tokens
     short = T <= PROMPT_ROWS
     R = T if short else 1  # rows a step reads
     slots = T + new + R - 2  # the prompt, new tokens but the last, the last step's other rows

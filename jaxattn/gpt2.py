@@ -38,8 +38,8 @@ import numpy as np
 
 from jaxattn import _sharding, decoder
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_layer,
-                             check_positive_float32)
+from jaxattn._checks import as_float_dtype, check_int, check_positive_float32
+from jaxattn._inputs import check_last_axis, check_layer
 from jaxattn.decoder import Family
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
@@ -49,7 +49,7 @@ from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, ch
     unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn import models
-from jaxattn.models import QKWeights, Sizes
+from jaxattn.models import ModelOutput, QKWeights, Sizes
 
 __all__ = [
     "CAUSAL", "SPEC", "GPT2Config", "GPT2_SCHEMA", "SIZES", "attention_input", "check_params", "final_norm",

@@ -48,8 +48,8 @@ import numpy as np
 
 from jaxattn import _sharding, decoder
 from jaxattn._attention import merge_heads, split_heads
-from jaxattn._checks import (as_float_dtype, check_int, check_last_axis, check_layer,
-                             check_positive_float32)
+from jaxattn._checks import as_float_dtype, check_int, check_positive_float32
+from jaxattn._inputs import check_last_axis, check_layer
 from jaxattn.decoder import Family
 from jaxattn._extras import require
 from jaxattn._logits import soft_cap
@@ -63,9 +63,10 @@ from jaxattn import models
 from jaxattn.models import QKWeights, Sizes
 
 __all__ = [
-    "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "SPEC", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
+    "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "GEMMA3_INSTALL_HINT", "GEMMA3_NAME", "GEMMA3_PACKAGE", "SPEC", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
     "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
-    "final_norm_linear", "forward", "generate", "head_projections", "init_params", "load", "load_gguf", "load_tokenizer", "log_prob",
+    "final_norm_linear", "forward", "gemma3_path", "generate", "head_projections", "init_params", "load", "load_gguf",
+    "load_tokenizer", "log_prob",
     "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights",
     "read_llama_config", "read_weights", "resume", "save", "shard", "sizes", "unembed",
 ]

@@ -22,8 +22,8 @@ LAYERS = {
     "probes": {"jaxattn", "jaxattn.probes"},
     "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx",
                "jaxattn.llama", "jaxattn._gguf", "jaxattn._spm", "jaxattn._sites", "jaxattn.models", "jaxattn.decoder",
-               "jaxattn._sharding"},
-    "lab": {"jaxattn.lab", "jaxattn.viz", "jaxattn.interventions"},
+               "jaxattn._sharding", "jaxattn._inputs"},
+    "lab": {"jaxattn.lab", "jaxattn.viz", "jaxattn.interventions", "jaxattn.winograd"},
 }
 ORDER = list(LAYERS)
 
@@ -288,7 +288,8 @@ EXTRAS = {
     "nnx": ["flax"],
 }
 PARTS = [("jaxattn.gpt2", "models"), ("jaxattn.bert", "models"), ("jaxattn.lab", "lab"), ("jaxattn.train", "train"),
-         ("jaxattn.nnx", "nnx"), ("jaxattn.llama", "models"), ("jaxattn.interventions", "models")]
+         ("jaxattn.nnx", "nnx"), ("jaxattn.llama", "models"), ("jaxattn.interventions", "models"),
+         ("jaxattn.winograd", "models")]
 
 
 def test_core_and_probes_need_only_jax_and_numpy_and_each_part_names_its_extra():

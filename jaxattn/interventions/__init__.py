@@ -23,11 +23,10 @@ effect of every head is one compiled program over a batch of masks or patches: n
 - tokens of a text (``_text``): :func:`encode_with_offsets`, :func:`char_span_to_tokens`,
   :func:`find_span`, :func:`encode_choices`;
 - statistics (``_stats``): :func:`spearman`, :func:`wilson_interval`;
-- Winograd schemas (``_winograd``): :func:`load_wsc273` (WSC273 as published, :class:`Problem` records),
-  :func:`to_schemas`, :func:`evaluate_sentences`, :func:`load_pairs` (its pairs), :class:`Schema`,
-  :func:`substitution_scores`, :func:`pronoun_attention`, :func:`max_attention_predictions`,
-  :func:`best_head`, :func:`accuracy`, :func:`model_maps`, :func:`lm_scorer`, :func:`evaluate` (all of
-  them on a model), :func:`special_after_pronoun`;
+- Winograd schemas: in their own module, :mod:`jaxattn.winograd` (WSC273 as published and the three
+  scorers). Its names are also attributes of this package, the same objects (``interventions.load_wsc273``
+  is ``winograd.load_wsc273``), so code written against them here keeps working; they are documented
+  there and not listed in this package's ``__all__``;
 - the entropy bound on real heads (``_heads``): :func:`qk_weights` (a :class:`jaxattn.models.QKWeights`),
   :func:`attention_inputs`, :func:`entropy_bounds`;
 - reports (``_report``): :func:`head_tables` (every method's table), :func:`correlations`,
@@ -80,30 +79,6 @@ from jaxattn.interventions._report import (  # noqa: E402
 from jaxattn.interventions._scores import HEAD_KINDS, head_scores  # noqa: E402
 from jaxattn.interventions._stats import spearman, wilson_interval  # noqa: E402
 from jaxattn.interventions._text import char_span_to_tokens, encode_choices, encode_with_offsets, find_span  # noqa: E402
-from jaxattn.interventions._winograd import (  # noqa: E402
-    Problem,
-    Schema,
-    accuracy,
-    best_head,
-    evaluate,
-    evaluate_sentences,
-    flatten_pairs,
-    head_predictions,
-    lm_scorer,
-    load_metadata,
-    load_pairs,
-    load_wsc273,
-    max_attention_predictions,
-    model_maps,
-    parse_pairs,
-    parse_wsc273,
-    pronoun_attention,
-    special_after_pronoun,
-    split_pairs,
-    substitution_scores,
-    to_schemas,
-    wsc273_pairs,
-)
 
 __all__ = [
     "HEAD_KINDS",
@@ -112,17 +87,13 @@ __all__ = [
     "POSITION_SITES",
     "WAYS",
     "Bound",
-    "Problem",
-    "Schema",
     "ablation_effects",
-    "accuracy",
     "attention_gradient",
     "attention_inputs",
     "attention_row_reduce",
     "attribution_patching",
     "benchmark_ablations",
     "benchmark_tables",
-    "best_head",
     "bind",
     "bound_summary",
     "char_span_to_tokens",
@@ -133,32 +104,19 @@ __all__ = [
     "encode_choices",
     "encode_with_offsets",
     "entropy_bounds",
-    "evaluate",
-    "evaluate_sentences",
     "find_span",
-    "flatten_pairs",
     "gate_gradients",
     "head_masks",
-    "head_predictions",
     "head_scores",
     "head_tables",
     "head_where",
     "joint_patching_effect",
     "heatmaps_png",
     "layer_gradients",
-    "lm_scorer",
-    "load_metadata",
-    "load_pairs",
-    "load_wsc273",
     "logit_attribution",
     "logit_lens",
-    "max_attention_predictions",
     "metric_value",
-    "model_maps",
-    "parse_pairs",
-    "parse_wsc273",
     "patching_effects",
-    "pronoun_attention",
     "qk_weights",
     "reference_mean",
     "render_bound",
@@ -167,11 +125,47 @@ __all__ = [
     "similarity_metric",
     "span_log_prob",
     "spearman",
+    "top_heads",
+    "wilson_interval",
+]
+
+# The Winograd names, defined in jaxattn.winograd: attributes of this package too (the same objects), looked
+# up on first use, so that jaxattn.winograd, which reads this package's tokens and statistics, imports first
+# or second alike.
+_WINOGRAD_NAMES = frozenset({
+    "Problem",
+    "Schema",
+    "accuracy",
+    "best_head",
+    "evaluate",
+    "evaluate_sentences",
+    "flatten_pairs",
+    "head_predictions",
+    "lm_scorer",
+    "load_metadata",
+    "load_pairs",
+    "load_wsc273",
+    "max_attention_predictions",
+    "model_maps",
+    "parse_pairs",
+    "parse_wsc273",
+    "pronoun_attention",
     "special_after_pronoun",
     "split_pairs",
     "substitution_scores",
-    "top_heads",
     "to_schemas",
-    "wilson_interval",
     "wsc273_pairs",
-]
+})
+
+
+def __getattr__(name: str):
+    """``jaxattn.winograd``'s names as attributes of this package (``interventions.load_wsc273``)."""
+    if name in _WINOGRAD_NAMES:
+        from jaxattn import winograd
+
+        return getattr(winograd, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _WINOGRAD_NAMES)

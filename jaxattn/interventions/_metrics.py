@@ -1,6 +1,7 @@
 """Metrics: functions of a model's output to the scalar every effect table is measured on.
 
-- :func:`span_log_prob`: ``Σ log p(ids[t] | ids[:t])`` over a span of a causal model's logits;
+- :func:`span_log_prob`: ``Σ log p(ids[t] | ids[:t])`` over a span of a causal model's logits (padding
+  under an attention mask left out, as the models' ``log_prob`` leaves it out);
 - :func:`choice_metric`: the log-probability difference between two continuations (a causal LM);
 - :func:`similarity_metric`: for an encoder with no language-model head, how much closer the last
   hidden state of one token is to one span's than to another's.
@@ -15,6 +16,9 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxattn import _nn
+from jaxattn._inputs import attention_mask as check_attention_mask
 
 Array = jax.Array
 
@@ -41,23 +45,39 @@ class LogitMetric:
         return f"LogitMetric({getattr(self.fn, '__name__', self.fn)!r}, rows={self.rows!r})"
 
 
-def span_log_prob(logits: Any, ids: Any, start: Any, end: Any) -> Array:
-    """``Σ_{start <= t < end} log softmax(logits[t - 1])[ids[t]]``: a span's log-probability (nats).
+def span_log_prob(logits: Any, ids: Any, start: Any, end: Any, *, attention_mask: Any = None) -> Array:
+    """``Σ_{start <= t < end} log p(ids[t] | the real tokens before t)``: a span's log-probability (nats).
+
+    Token ``t`` is scored from the logits of the last real token before it. Without ``attention_mask``
+    every token is real and that is row ``t - 1``: ``Σ log softmax(logits[t - 1])[ids[t]]``. With one,
+    padding anywhere (left, right, inside) gives the score of the sequence alone: padded positions never
+    count, and a real token is scored from the row of the last real token before it. A token with no real
+    token before it (position 0, or the first real token) has no prediction and never counts. One
+    implementation serves this function and the causal models' ``log_prob``: ``jaxattn.gpt2.log_prob(params,
+    config, ids, attention_mask=m, start=s, end=e)`` is this function of ``forward``'s logits (in float32)
+    with the same mask and span.
 
     Args:
       logits: ``[T, V]`` a causal model's next-token logits (row ``t`` predicts token ``t + 1``).
       ids: ``[T]`` the tokens.
-      start, end: the span, ``1 <= start <= end <= T`` (may be traced).
+      start, end: the span of positions ``[start, end)`` of the (padded) array, ``0 <= start <= end <= T``
+        (may be traced; position 0 never counts).
+      attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding, as the models take it;
+        ``None``: every token is real.
+
+    Returns:
+      a scalar in the logits' dtype, at least float32 (float64 logits give float64).
+
+    Raises:
+      ValueError, TypeError: ``logits`` not ``[T, V]`` with the ``T`` of ``ids``, or an ``attention_mask``
+        that is not an integer or boolean ``[T]`` of 0 and 1 (values checked when concrete).
     """
     logits = jnp.asarray(logits)
     ids = jnp.asarray(ids)
     if logits.ndim != 2 or ids.shape != logits.shape[:1]:
         raise ValueError(f"logits must be [T, V] and ids [T] with one T, received {logits.shape} and {ids.shape}")
-    dtype = jnp.promote_types(logits.dtype, jnp.float32)  # at least float32 (float64 stays float64)
-    logp = jax.nn.log_softmax(logits[:-1].astype(dtype), axis=-1)  # [T - 1, V]: predicts ids[1:]
-    picked = jnp.take_along_axis(logp, ids[1:, None], axis=-1)[:, 0]  # [T - 1]
-    t = jnp.arange(1, ids.shape[0])  # [T - 1], the position each entry scores
-    return jnp.sum(jnp.where((t >= start) & (t < end), picked, 0.0))
+    keep = None if attention_mask is None else check_attention_mask(attention_mask, ids.shape[0])
+    return _nn.span_log_prob(logits, ids, start, end, keep)
 
 
 def choice_metric(choices: Mapping[str, Any]) -> LogitMetric:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxattn._inputs import batch_ids, batch_mask
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.models import ModelSpec, spec
 
@@ -73,21 +73,6 @@ def _names(capture: Any) -> tuple[str, ...]:
     if isinstance(capture, str):
         return (capture,)
     return tuple(capture)
-
-
-def _as_array(x: Any) -> Any:
-    """``x`` as it is when it is a JAX array (concrete or traced: ``bind`` under ``jax.vmap``/``jax.jit``
-    over prompts), else as a NumPy array; only its dtype and shape are read here."""
-    return x if isinstance(x, (jax.Array, jax.core.Tracer)) else np.asarray(x)
-
-
-def _int_ids(x: Any, name: str) -> Any:
-    a = _as_array(x)
-    if not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"{name} must be integer token ids [T] or [B, T], received dtype {np.dtype(a.dtype).name}")
-    if a.ndim not in (1, 2) or a.shape[-1] == 0:
-        raise ValueError(f"{name} must have shape [T] or [B, T] with T >= 1, received shape {tuple(a.shape)}")
-    return a.astype(np.int32) if isinstance(a, np.ndarray) else a.astype(jnp.int32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -174,18 +159,8 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
       one and ``forward_kwargs`` holds only arguments it takes (``scale``), else ``None``.
     """
     declared = spec(module)
-    ids = _int_ids(input_ids, "input_ids")
-    if attention_mask is None:
-        mask = np.ones(ids.shape, bool)
-    else:
-        mask = _as_array(attention_mask)
-        if tuple(mask.shape) != tuple(ids.shape):
-            raise ValueError(f"attention_mask must have the shape of input_ids {tuple(ids.shape)}, received "
-                             f"{tuple(mask.shape)}")
-        if not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.integer)):
-            raise TypeError(f"attention_mask must be integer or boolean (1 = token), received dtype "
-                            f"{np.dtype(mask.dtype).name}")
-        mask = mask != 0
+    ids = batch_ids(input_ids, "input_ids")
+    mask = batch_mask(attention_mask, ids.shape)
     batch = ids.shape[0] if ids.ndim == 2 else None
     apply = _apply_fn(declared.forward, config, batch is not None)
     sizes = declared.sizes(config)

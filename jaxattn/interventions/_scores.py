@@ -15,8 +15,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxattn._inputs import batch_mask
 
 Array = jax.Array
 
@@ -130,15 +131,7 @@ def head_scores(maps: Any, ids: Any, kind: str, *, attention_mask: Any = None) -
         lead = "[B, T]" if batched else "[T]"
         raise ValueError(f"maps must be square in its last two axes (S = T) and ids must be {lead} = {want} for "
                          f"maps of shape {tuple(maps.shape)}, received ids of shape {tuple(ids.shape)}")
-    if attention_mask is None:
-        keep = jnp.ones(want, bool)
-    else:
-        mask = jnp.asarray(attention_mask)
-        if tuple(mask.shape) != want:
-            raise ValueError(f"attention_mask must have the shape of ids {want}, received {tuple(mask.shape)}")
-        if not (mask.dtype == np.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
-            raise TypeError(f"attention_mask must be integer or boolean (1 = token), received dtype {mask.dtype.name}")
-        keep = mask != 0
+    keep = jnp.asarray(batch_mask(None if attention_mask is None else jnp.asarray(attention_mask), want, like="ids"))
     sharding = getattr(maps, "sharding", None)
     if isinstance(sharding, NamedSharding) and not isinstance(maps, jax.core.Tracer):
         # maps on a mesh (a sharded forward's): the ids and mask follow the maps' batch split

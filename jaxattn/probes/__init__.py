@@ -24,13 +24,20 @@ derivative ``sech²(x / c) = 1 - tanh²(x / c)``.
   :func:`fit_power_law`, :func:`fit_stretched_exp`;
 - a lower bound on a head's row entropy from the spectral norm of its query-key matrix, after Zhai et
   al. 2023 (``_bound``): :func:`entropy_lower_bound`, :func:`logit_spread_bound`, :func:`entropy_floor`,
-  :func:`two_level_entropy`, :func:`qk_spectral_norm`.
+  :func:`two_level_entropy`, :func:`qk_spectral_norm`; and what a logit cap guarantees every row,
+  :func:`logit_cap_bounds`, :func:`max_weight_ceiling`;
+- remedies the sweep applies instead of or with ``1/sqrt(d_k)`` (``_remedies``): :class:`Remedy` (none,
+  √d_k, q/k RMS norm, a logit cap, a temperature, σReparam), :data:`DEFAULT_REMEDIES`, the sweep's
+  ``remedies=`` argument, and the laws of the remedies whose logits still grow with ``d_k``,
+  :func:`fit_remedy_laws`.
 """
 
 from jaxattn.probes._bound import (
     entropy_floor,
     entropy_lower_bound,
+    logit_cap_bounds,
     logit_spread_bound,
+    max_weight_ceiling,
     qk_spectral_norm,
     two_level_entropy,
 )
@@ -38,6 +45,7 @@ from jaxattn.probes._grads import attention_grads, grad_norms
 from jaxattn.probes._jacobian import softmax_jacobian, softmax_jacobian_norms
 from jaxattn.probes._laws import (
     fit_power_law,
+    fit_remedy_laws,
     fit_stretched_exp,
     gap_density_at_zero,
     gap_median,
@@ -45,6 +53,7 @@ from jaxattn.probes._laws import (
     predicted_laws,
     underflow_gap,
 )
+from jaxattn.probes._remedies import DEFAULT_REMEDIES, Remedy
 from jaxattn.probes._rows import effective_support, entropy, head_entropy, max_weight, normalized_entropy, row_stats
 from jaxattn.probes._sweep import (
     DEFAULT_HEAD_DIMS,
@@ -56,6 +65,8 @@ from jaxattn.probes._sweep import (
 
 __all__ = [
     "DEFAULT_HEAD_DIMS",
+    "DEFAULT_REMEDIES",
+    "Remedy",
     "attention_grads",
     "dot_product_variance",
     "effective_support",
@@ -63,14 +74,17 @@ __all__ = [
     "entropy_floor",
     "entropy_lower_bound",
     "fit_power_law",
+    "fit_remedy_laws",
     "fit_stretched_exp",
     "gap_density_at_zero",
     "gap_median",
     "gap_survival",
     "grad_norms",
     "head_entropy",
+    "logit_cap_bounds",
     "logit_spread_bound",
     "max_weight",
+    "max_weight_ceiling",
     "normalized_entropy",
     "predicted_laws",
     "qk_spectral_norm",

@@ -26,6 +26,10 @@ for n ≥ 3 and small β a row with more logits at the top has less entropy (n =
 every β. The exact text of their theorem (the form of β) was not available where this was written; the
 derivation above is complete on its own and is what the tests check.
 
+The same two facts bound a soft-capped head with no spectral norm at all: ``c · tanh(x / c)`` keeps every
+logit in ``(-c, c)``, a spread below ``2c``, so :func:`logit_cap_bounds` gives the entropy floor and the
+largest weight (:func:`max_weight_ceiling`) of any row of it.
+
 Axis alphabet: T queries, S keys, D model width, H head dim.
 """
 
@@ -37,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_int, check_rank
+from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_int, check_logit_cap, check_rank
 from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
@@ -46,14 +50,16 @@ Array = jax.Array
 def two_level_entropy(spread: Real[ArrayLike, "..."], n_keys: Any, k: Any) -> Float[Array, "..."]:
     """``H_k(β)``: the entropy of a softmax over ``n_keys`` logits, ``k`` of them ``β`` above the rest.
 
-    ``log(k e^β + n - k) - k β e^β / (k e^β + n - k)``, computed as ``β + log(k + (n-k) e^{-β}) -
-    k β / (k + (n-k) e^{-β})`` (no overflow for large β). ``k = 1`` is the form Zhai et al. state.
+    ``log(k e^β + n - k) - k β e^β / (k e^β + n - k)``, computed as ``log k + log1p(r / k) + β r / z`` with
+    ``r = (n-k) e^{-β}``, ``z = k + r``: no overflow for large β and no cancellation (every term ≥ 0), so
+    the small entropies of large β keep their float32 digits. ``k = 1`` is the form Zhai et al. state.
     """
     beta = jnp.asarray(spread, jnp.float32)
     n = jnp.asarray(n_keys, jnp.float32)
     k = jnp.asarray(k, jnp.float32)
-    z = k + (n - k) * jnp.exp(-beta)
-    return beta + jnp.log(z) - k * beta / z
+    r = (n - k) * jnp.exp(-beta)  # the weight of the low logits relative to one high one
+    z = k + r
+    return jnp.log(k) + jnp.log1p(r / k) + jnp.where(r > 0, beta * r / z, 0.0)
 
 
 def entropy_floor(spread: Real[ArrayLike, "..."], n_keys: Any, *, max_keys: int) -> Float[Array, "..."]:
@@ -80,6 +86,43 @@ def _floor(beta: Array, n: Array, max_keys: int) -> Array:
     h = two_level_entropy(beta[None], n[None], ks)  # [K, ...]
     h = jnp.where(ks < n[None], h, jnp.inf)  # only 1 <= k < n
     return jnp.where(n > 1, jnp.min(h, axis=0), 0.0)
+
+
+def max_weight_ceiling(spread: Real[ArrayLike, "..."], n_keys: Any) -> Float[Array, "..."]:
+    """The largest weight a softmax over ``n_keys`` logits whose largest minus smallest is ≤ ``spread`` can
+    give: one logit β above the other n - 1, ``e^β / (e^β + n - 1)``, computed as ``1 / (1 + (n - 1) e^{-β})``
+    (float32; 1 for a row with one key). The weight of the top logit rises with the gap to each other logit,
+    so it is largest when every other logit is β below it."""
+    beta = jnp.asarray(spread, jnp.float32)
+    n = jnp.asarray(n_keys, jnp.float32)
+    return 1.0 / (1.0 + (n - 1.0) * jnp.exp(-beta))
+
+
+def logit_cap_bounds(logit_cap: Any, num_keys: int) -> dict[str, float]:
+    """What a logit soft cap ``c · tanh(x / c)`` guarantees every row over ``num_keys`` keys, whatever the
+    logits ``x``.
+
+    The capped logits lie in ``(-c, c)``, so they spread less than ``2c``, hence
+    (:func:`max_weight_ceiling` and :func:`entropy_floor` at spread ``2c``):
+
+    - ``max_weight``: max weight ≤ ``e^{2c} / (e^{2c} + S - 1)``, one key at ``+c`` and the other S - 1 at ``-c``;
+    - ``entropy``: entropy ≥ ``min_{1 ≤ m < S} H_m(2c)``, the least entropy of ``m`` logits at ``+c`` and
+      ``S - m`` at ``-c`` (:func:`two_level_entropy`). For a large enough cap (S = 8: c ≳ 1.12; S = 16:
+      c ≳ 1.68) the minimum is at ``m = 1``, the row with one weight at the max-weight bound and the rest
+      shared equally; below, more keys at ``+c`` give less entropy.
+
+    Args:
+      logit_cap: the cap ``c > 0``, a concrete number.
+      num_keys: S ≥ 1, the keys of the row (kept keys, under a mask).
+
+    Returns:
+      dict of floats (computed in float32): ``max_weight``, ``entropy`` (nats).
+    """
+    c = check_logit_cap(logit_cap)
+    if c is None or not isinstance(c, float):
+        raise TypeError(f"logit_cap must be a concrete number > 0, received {logit_cap!r}")
+    S = check_int(num_keys, "num_keys")
+    return {"max_weight": float(max_weight_ceiling(2.0 * c, S)), "entropy": float(entropy_floor(2.0 * c, S, max_keys=S))}
 
 
 def qk_spectral_norm(w_q: Float[ArrayLike, "D H"], w_k: Float[ArrayLike, "D H"],

@@ -154,11 +154,15 @@ def _jacobian_norms(p: Array, slope: Array | None = None) -> dict[str, Array]:
         )
         frob = jnp.where(a[..., 0] > 0, a[..., 0] * jnp.sqrt(frob_sq_scaled), 0.0)
         return {"frobenius": frob, "nuclear": jnp.sum(p * c, axis=-1)}
-    # Column s of J diag(σ) is σ_s times column s of J: each column's squared norm times σ_s².
-    s2 = slope * slope  # [..., S]
-    s2_max = jnp.sum(jnp.where(is_max, s2, 0.0), axis=-1)  # [...], σ² at the largest weight
+    # Column s of J diag(σ) is σ_s times column s of J: each column's squared norm times σ_s². The slopes
+    # are taken relative to the row's largest, σ_top, so that σ² does not underflow where σ itself does
+    # not (σ ≈ 4e^{-2|x/c|} is below 1e-19, and σ² below float32's range, from |x/c| ≈ 22).
+    top = jnp.max(slope, axis=-1, keepdims=True)  # [..., 1]
+    rel = slope / jnp.where(top > 0, top, 1.0)  # [..., S], in [0, 1]
+    s2 = rel * rel  # [..., S]
+    s2_max = jnp.sum(jnp.where(is_max, s2, 0.0), axis=-1)  # [...], (σ / σ_top)² at the largest weight
     frob_sq_scaled = s2_max * (p_max**2) * ((c_max / a_safe[..., 0]) ** 2 + sum_u2) + jnp.sum(
         s2 * u * u * (c * c + others_sq), axis=-1
     )
-    frob = jnp.where(a[..., 0] > 0, a[..., 0] * jnp.sqrt(frob_sq_scaled), 0.0)
+    frob = jnp.where(a[..., 0] > 0, a[..., 0] * top[..., 0] * jnp.sqrt(frob_sq_scaled), 0.0)
     return {"frobenius": frob, "trace": jnp.sum(p * c * slope, axis=-1)}

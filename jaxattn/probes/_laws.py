@@ -202,3 +202,86 @@ def fit_stretched_exp(x: Any, y: Any) -> tuple[float, float]:
     x, y = _fit_data(x, y, x_min=">= 0")
     slope, intercept = np.polyfit(np.sqrt(x), np.log(y), 1)
     return float(-slope), float(np.exp(intercept))
+
+
+def fit_remedy_laws(summary: dict[str, Any], *, min_logit_std: float = 8.0, min_points: int = 3) -> dict[str, Any]:
+    """The unscaled laws fitted to each remedy of a :func:`summarize_sweep` of a sweep with ``remedies``.
+
+    The laws above hold for any logits that, given the query, are S i.i.d. N(0, σ²) with σ growing like
+    ``sqrt(d_k)``: only σ changes. A remedy without ``sqrt_dk`` and without a cap has logit standard
+    deviation ``σ_p = logit_scale[m, p] · sqrt(var_qk[m, p])`` at ``d_k = head_dims[p]`` (``var_qk`` is
+    the variance of its ``q'·k'``), that is ``σ = sqrt(d_k) / τ_eff`` with ``τ_eff`` the remedy's
+    effective temperature (1 for none and q/k RMS norm, τ for a temperature, ``≈ σ(W_q) σ(W_k) /
+    sqrt(D)``-scaled for σReparam: measured, not assumed). On the ``d_k`` with ``σ ≥ min_logit_std``
+    (the asymptotic regime) the medians are fitted to ``c · exp(-b sqrt(d_k))`` with predicted
+    ``b = m_S / τ_eff`` (:func:`gap_median`); the means to ``d_k^a`` (free exponent, predicted ``a = -1/2``)
+    and, with the exponent held at ``-1/2``, to ``C / sqrt(d_k)`` with predicted ``C = f_D(0) τ_eff`` for the
+    Jacobian norm and ``(π²/6) f_D(0) τ_eff`` for the entropy (the ``C`` of :func:`predicted_laws` times
+    τ_eff; ``C`` is the geometric mean of ``sqrt(d_k) · mean``, the least-squares fit in log space).
+
+    A capped remedy's logits stay in ``(-c, c)`` and a ``sqrt_dk`` remedy's spread does not grow with
+    ``d_k``: the laws do not apply to them (their entry says why; the cap's bounds are
+    :func:`logit_cap_bounds`).
+
+    Args:
+      summary: :func:`summarize_sweep` of a sweep with ``remedies`` (it needs the medians: quantiles with 0.5).
+      min_logit_std: the least σ a ``d_k`` needs to enter the fits (8 by default: the median row's top
+        two logits then differ by ``m_S σ ≈ 2.9`` at S = 16, and the one-hot form of the laws holds).
+      min_points: the fewest such ``d_k`` for a fit.
+
+    Returns:
+      dict keyed by remedy name: ``applies`` (bool), ``reason`` (str, when it does not), and where it
+      does ``head_dims`` (those fitted), ``logit_std [P]`` (σ at every swept ``d_k``), ``temperature``
+      (τ_eff, the mean of ``sqrt(d_k) / σ`` over the fitted ``d_k``), ``median_jacobian`` and
+      ``median_logit_grad`` (``b``, ``c``, ``b_predicted``), ``mean_jacobian`` and ``mean_entropy``
+      (``a``, the free exponent; ``C``, at exponent -1/2; ``C_predicted``); a fit that cannot be made (a
+      statistic underflowed to 0) is a string saying why.
+    """
+    if "remedies" not in summary:
+        raise ValueError("summary must come from a sweep with remedies (summarize_sweep(saturation_sweep(..., "
+                         "remedies=...))); this one has the two scale modes, whose laws predicted_laws gives")
+    if "median" not in summary["jacobian_norm"]:
+        raise ValueError("summary must hold medians: summarize_sweep(..., quantiles=...) with 0.5 among the quantiles")
+    if isinstance(min_logit_std, bool) or not isinstance(min_logit_std, (int, float)) or not math.isfinite(min_logit_std) or min_logit_std <= 0:
+        raise ValueError(f"min_logit_std must be a finite number > 0, received {min_logit_std!r}")
+    n_min = check_int(min_points, "min_points", 2)
+    dims = np.asarray(summary["head_dims"], np.float64)
+    S = int(summary["num_keys"])
+    m_S, f0 = gap_median(S), gap_density_at_zero(S)
+    laws: dict[str, Any] = {}
+    for i, remedy in enumerate(summary["remedies"]):
+        if remedy.logit_cap is not None:
+            laws[remedy.name] = {"applies": False, "reason": f"capped at c = {remedy.logit_cap:g}: the logits stay in "
+                                 "(-c, c) whatever d_k; the cap's bounds apply (logit_cap_bounds)"}
+            continue
+        if remedy.sqrt_dk:
+            laws[remedy.name] = {"applies": False, "reason": "scaled by 1/sqrt(d_k): the logits' spread does not grow "
+                                 "with d_k, so the statistics stay in a band"}
+            continue
+        std = np.asarray(summary["logit_scale"], np.float64)[i] * np.sqrt(np.asarray(summary["var_qk"], np.float64)[i])
+        fit = std >= min_logit_std
+        if fit.sum() < n_min:
+            laws[remedy.name] = {"applies": False, "logit_std": std,
+                                 "reason": f"only {int(fit.sum())} d_k with logit std >= {min_logit_std:g} "
+                                           f"(largest {std.max():.3g}); a fit needs {n_min}"}
+            continue
+        d = dims[fit]
+        tau = float(np.mean(np.sqrt(d) / std[fit]))
+        entry: dict[str, Any] = {"applies": True, "head_dims": d, "logit_std": std, "temperature": tau}
+        for key, field, stat in (("median_jacobian", "jacobian_norm", "median"),
+                                 ("median_logit_grad", "logit_grad_norm", "median"),
+                                 ("mean_jacobian", "jacobian_norm", "mean"),
+                                 ("mean_entropy", "entropy", "mean")):
+            y = np.asarray(summary[field][stat], np.float64)[i][fit]
+            try:
+                if stat == "median":
+                    b, c = fit_stretched_exp(d, y)
+                    entry[key] = {"b": b, "c": c, "b_predicted": m_S / tau}
+                else:
+                    a, _ = fit_power_law(d, y)
+                    C = float(np.exp(np.mean(np.log(y * np.sqrt(d)))))  # y ≈ C / sqrt(d_k), least squares in log space
+                    entry[key] = {"a": a, "C": C, "C_predicted": f0 * tau * (math.pi**2 / 6.0 if field == "entropy" else 1.0)}
+            except ValueError as e:
+                entry[key] = f"not fitted: {e}"
+        laws[remedy.name] = entry
+    return laws

@@ -3,14 +3,15 @@
 Sweep results carry ``P`` (one entry per head dimension swept) and ``R`` (random trials) axes; their
 first axis, of size 2, is the scale mode: ``0`` = scaled by ``1/sqrt(d_k)``, ``1`` = unscaled. With a
 logit soft cap ``c`` both modes run the core's capped attention (``c · tanh(x / c)`` of the logits ``x``
-of that mode). Axis alphabet as in the core (T queries, S keys, H = d_k, V = d_v).
+of that mode). With ``remedies`` the first axis is instead one entry per remedy (``_remedies``), every
+remedy on the same draws. Axis alphabet as in the core (T queries, S keys, H = d_k, V = d_v, M remedies).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,10 @@ import numpy as np
 from jaxattn._attention import _masked_softmax, attention_logits
 from jaxattn._checks import as_key, check_float_dtype, check_int, check_logit_cap, softmax_dtype
 from jaxattn._logits import soft_cap
+from jaxattn.probes._bound import logit_cap_bounds
 from jaxattn.probes._grads import _attention_grads
 from jaxattn.probes._jacobian import _cap_slope, _jacobian_norms
+from jaxattn.probes._remedies import Remedy, parse_remedies, remedy_scale, rms_normalize, sigma_reparam_qk
 from jaxattn.probes._rows import row_stats
 
 Array = jax.Array
@@ -187,6 +190,104 @@ def _sweep_program(keys, cap=None, *, head_dims, T, S, V, dtype, batch):
     return _row_probes(**stacked, cap=cap)
 
 
+class _Group(NamedTuple):
+    """Remedies that run the same computation on data (static): capped or not; ``members``: their indices in
+    the sweep; ``sources``: for each member, where its q, k come from (an index into the plan's sources).
+    Within a group only data differ (each member's q, k, scale and cap), so the group is one vmap."""
+
+    capped: bool
+    members: tuple[int, ...]
+    sources: tuple[int, ...]
+
+
+class _Plan(NamedTuple):
+    """The sweep's static structure: ``sources``, the (σReparam, q/k RMS norm) pairs some remedy draws its
+    q, k from, and the groups (uncapped first)."""
+
+    sources: tuple[tuple[bool, bool], ...]
+    groups: tuple[_Group, ...]
+
+
+def _plan(remedies: Sequence[Remedy]) -> _Plan:
+    """The remedies grouped by whether they are capped; each member's source of q, k."""
+    sources = tuple(dict.fromkeys((r.sigma_reparam, r.qk_norm) for r in remedies))
+    groups = []
+    for capped in (False, True):
+        members = tuple(i for i, r in enumerate(remedies) if (r.logit_cap is not None) == capped)
+        if members:
+            groups.append(_Group(capped, members, tuple(sources.index((remedies[i].sigma_reparam, remedies[i].qk_norm))
+                                                        for i in members)))
+    return _Plan(sources, tuple(groups))
+
+
+def _remedy_trial(key, scales, caps, *, plan, head_dim, T, S, V, dtype):
+    """One random trial at one static ``d_k`` under every remedy, up to the ``d_k``-independent row probes.
+
+    ``scales [M]``, ``caps [M]``: each remedy's core ``scale`` at this ``d_k`` and its cap (unused where the
+    remedy has none). Returns one dict per group of ``plan``, its fields ``[G, ...]`` (G = the group's size).
+    """
+    q, k, v, r = _draw(key, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype)
+    acc = softmax_dtype(dtype)
+    nan = jnp.full((), jnp.nan, acc)
+    sources = []
+    if any(sigma for sigma, _ in plan.sources):
+        sigma_qk = sigma_reparam_qk(key, head_dim=head_dim, T=T, S=S, dtype=dtype)
+    for sigma, norm in plan.sources:
+        q_s, k_s, sigma_q, sigma_k = sigma_qk if sigma else (q, k, nan, nan)
+        if norm:
+            q_s, k_s = rms_normalize(q_s), rms_normalize(k_s)
+        sources.append((q_s, k_s, sigma_q.astype(acc), sigma_k.astype(acc)))
+    out = []
+    for group in plan.groups:
+        members = np.asarray(group.members)
+        if len(set(group.sources)) == 1:  # one source: q, k shared by the members (not batched)
+            q_g, k_g, sigma_q, sigma_k = sources[group.sources[0]]
+            axes = None
+        else:  # each member's q, k: [G, T, H], [G, S, H]
+            pick = np.asarray(group.sources)
+            q_g, k_g, sigma_q, sigma_k = (jnp.stack([s[i] for s in sources])[pick] for i in range(4))
+            axes = 0
+        width = lambda q_m, k_m, s, c: _width_probes(q_m, k_m, v, r, s, c)
+        if group.capped:
+            fields = jax.vmap(width, in_axes=(axes, axes, 0, 0))(q_g, k_g, scales[members], caps[members])
+        else:
+            fields = jax.vmap(lambda q_m, k_m, s: width(q_m, k_m, s, None), in_axes=(axes, axes, 0))(q_g, k_g, scales[members])
+        G = len(members)
+        fields["spectral_norm_q"] = jnp.broadcast_to(sigma_q, (G,))
+        fields["spectral_norm_k"] = jnp.broadcast_to(sigma_k, (G,))
+        out.append(fields)
+    return tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "head_dims", "T", "S", "V", "dtype", "batch"))
+def _remedy_program(keys, scales, caps, *, plan, head_dims, T, S, V, dtype, batch):
+    """``[P, R]`` keys, ``scales [P, M]``, ``caps [M]`` -> every probe ``[M, P, R, ...]`` in one program.
+
+    As :func:`_sweep_program`, with the scale modes replaced by the remedies: each trial is drawn once,
+    its sources of q, k (plain, RMS-normalised, σReparam) computed once, and every remedy runs on it, the
+    uncapped remedies as one vmap over their q, k, scales, the capped ones as another over their caps too
+    (data: other values run the same program). The row probes run once per group on its ``[G, P, R, ...]`` stack
+    (vmapped over the caps of a capped group); the groups are put back in the remedies' order.
+    """
+    per_dim = []
+    for p, head_dim in enumerate(head_dims):
+        trial = functools.partial(_remedy_trial, scales=scales[p], caps=caps, plan=plan, head_dim=head_dim,
+                                  T=T, S=S, V=V, dtype=dtype)
+        if batch is None:
+            per_dim.append(jax.vmap(trial)(keys[p]))  # per group [R, G, ...]
+        else:
+            per_dim.append(jax.lax.map(trial, keys[p], batch_size=batch))
+    rows = []
+    for g, group in enumerate(plan.groups):
+        stacked = jax.tree.map(lambda *xs: jnp.moveaxis(jnp.stack(xs), 2, 0), *(d[g] for d in per_dim))  # [G, P, R, ...]
+        if group.capped:
+            rows.append(jax.vmap(lambda fields, c: _row_probes(**fields, cap=c))(stacked, caps[np.asarray(group.members)]))
+        else:
+            rows.append(_row_probes(**stacked))
+    order = np.argsort(np.concatenate([g.members for g in plan.groups]))  # remedy i is row order[i] of the concatenation
+    return {name: jnp.concatenate([r[name] for r in rows])[order] for name in rows[0]}
+
+
 @functools.lru_cache(maxsize=None)
 def _trial_fn(head_dim, T, S, V, dtype):
     return jax.jit(functools.partial(_trial, head_dim=head_dim, T=T, S=S, V=V, dtype=dtype))
@@ -240,8 +341,9 @@ def saturation_sweep(
     dtype: Any = jnp.float32,
     trials_per_batch: int | None = None,
     logit_cap: float | None = None,
+    remedies: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """Saturation sweep: ``d_k`` × {scaled, unscaled} × random trials, as ONE ``jit(vmap(...))`` program.
+    """Saturation sweep: ``d_k`` × {scaled, unscaled} (or × remedies) × random trials, as ONE ``jit(vmap(...))`` program.
 
     Each trial draws ``q [T, d_k]``, ``k [S, d_k]``, ``v [S, V]`` with N(0, 1) entries and a read-out
     ``r [T, V]`` with N(0, 1/V) entries, runs the core :func:`jaxattn.attention` with
@@ -274,6 +376,16 @@ def saturation_sweep(
         are the same up to rounding (each chunk size compiles its own kernels).
       logit_cap: ``None`` (default, no cap) or the soft cap ``c > 0``, a concrete number (the results
         are NumPy arrays, so the sweep itself does not run under ``jit``).
+      remedies: ``None`` (default: the two scale modes above) or a sequence of M remedy specs, each a
+        :class:`Remedy` or its short form (:meth:`Remedy.parse`): ``"none"`` (``x = q·k``), ``"sqrt_dk"``
+        (``q·k / sqrt(d_k)``), ``"qk_norm"`` (q, k rows divided by their RMS over ``d_k``, then ``q·k``),
+        ``"qk_norm_sqrt_dk"`` (the same ``/ sqrt(d_k)``), ``("cap", c)`` (``c · tanh(q·k / c)``),
+        ``("temperature", τ)`` (``q·k / τ``), ``"sigma_reparam"`` and ``"sigma_reparam_sqrt_dk"``
+        (σReparam, Zhai et al. 2023: q, k projected from drawn tokens by ``W / σ(W)``; each defined
+        exactly in :class:`Remedy`). The first axis of every probe is then the remedy; every remedy runs
+        on the same draws (σReparam's tokens and projections come from a stream of the same trial key),
+        all in one compiled program, the caps and scales as data. ``logit_cap`` must then be None (give a
+        cap as a remedy). ``("sqrt_dk", "none")`` gives the default sweep's numbers.
 
     Returns:
       dict: ``head_dims [P]``, ``scaled [2]`` (True, False), config entries (``logit_cap`` among them
@@ -281,6 +393,16 @@ def saturation_sweep(
       ``[2, P, R, T]`` (``entropy``, ``normalized_entropy``, ``max_weight``, ``jacobian_norm``,
       ``logit_grad_norm``, ``q_grad_norm``, ``logit_grad_zero``, ``q_grad_zero``, ``jacobian_zero``),
       ``k_grad_norm [2, P, R, S]`` and ``dot_sq``, ``dot_mean [2, P, R]``.
+
+      With ``remedies``: the same fields with a first axis of M (one entry per remedy, in the order given)
+      instead of 2, and no ``scaled``; ``dot_sq``/``dot_mean`` are the moments of the remedy's ``q'·k'``
+      (its logits before the scale, the temperature and the cap); ``∂L/∂q`` and ``∂L/∂k`` are taken with
+      respect to the q', k' the core attends with; also ``spectral_norm_q``, ``spectral_norm_k [M, P, R]``
+      (``σ(W_q)``, ``σ(W_k)`` of each trial under σReparam, NaN for the other remedies), ``remedies``
+      (the M :class:`Remedy`), ``remedy_names [M]``, ``logit_scale [M, P]`` (the core's scale: ``1/τ``,
+      times ``1/sqrt(d_k)`` under ``sqrt_dk``), ``remedy_caps [M]`` (NaN: no cap), and the bounds a cap
+      puts on every row over S keys (:func:`logit_cap_bounds`): ``max_weight_bound [M]``
+      (``e^{2c} / (e^{2c} + S - 1)``; 1 without a cap) and ``entropy_floor [M]`` (0 without a cap).
     """
     dims = _check_head_dims(head_dims)
     R = check_int(num_trials, "num_trials")
@@ -294,6 +416,12 @@ def saturation_sweep(
     if cap is not None and not isinstance(cap, float):
         raise TypeError("logit_cap of saturation_sweep must be a concrete number or None (the sweep returns NumPy "
                         "arrays); received a traced value: vmap sweep_trial_fn(..., logit_cap=...) instead")
+    if remedies is not None:
+        specs = parse_remedies(remedies)
+        if cap is not None:
+            raise ValueError(f"logit_cap must be None when remedies are given, received logit_cap={cap!r}: give the cap "
+                             "as a remedy, ('cap', c), or as Remedy(..., logit_cap=c)")
+        return _remedy_sweep(as_key(key), specs, dims, R=R, T=T, S=S, V=V, dtype=dtype, batch=batch)
     keys = jax.random.split(as_key(key), (len(dims), R))  # [P, R]
     out = _sweep_program(keys, cap, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
@@ -311,12 +439,40 @@ def saturation_sweep(
     return result
 
 
+def _remedy_sweep(key, specs, dims, *, R, T, S, V, dtype, batch) -> dict[str, Any]:
+    """:func:`saturation_sweep` with remedies, its inputs checked."""
+    acc = softmax_dtype(dtype)
+    scales = np.array([[remedy_scale(r, d) for r in specs] for d in dims])  # [P, M], float64
+    caps = np.array([np.nan if r.logit_cap is None else r.logit_cap for r in specs])  # [M]
+    keys = jax.random.split(key, (len(dims), R))  # [P, R]
+    out = _remedy_program(keys, jnp.asarray(scales, acc), jnp.asarray(np.nan_to_num(caps, nan=1.0), acc),
+                          plan=_plan(specs), head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
+    result = {name: np.asarray(x) for name, x in out.items()}
+    bounds = [logit_cap_bounds(r.logit_cap, S) if r.logit_cap is not None else {"max_weight": 1.0, "entropy": 0.0}
+              for r in specs]
+    result.update(
+        head_dims=np.asarray(dims),
+        remedies=specs,
+        remedy_names=np.array([r.name for r in specs]),
+        logit_scale=scales.T.copy(),
+        remedy_caps=caps,
+        max_weight_bound=np.array([b["max_weight"] for b in bounds]),
+        entropy_floor=np.array([b["entropy"] for b in bounds]),
+        num_trials=R,
+        num_queries=T,
+        num_keys=S,
+        value_dim=V,
+        dtype=dtype.name,
+    )
+    return result
+
+
 _SUMMARY_FIELDS = ("entropy", "normalized_entropy", "max_weight", "jacobian_norm", "logit_grad_norm", "q_grad_norm", "k_grad_norm")
 
 
 def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0.5, 0.9)) -> dict[str, Any]:
-    """Distributions of a :func:`saturation_sweep`, per scale mode and ``d_k`` (float64 NumPy); a capped
-    sweep's ``logit_cap`` is copied with the config entries.
+    """Distributions of a :func:`saturation_sweep`, per scale mode (or remedy) and ``d_k`` (float64 NumPy);
+    a capped sweep's ``logit_cap`` is copied with the config entries.
 
     Returns:
       dict: ``head_dims [P]``, ``quantiles [Q]``, ``var_qk [P]`` (Monte Carlo Var(q·k) over every pair),
@@ -325,24 +481,38 @@ def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0
       ``mean [2, P]``, ``std [2, P]``, ``quantiles [2, P, Q]`` (``median`` = the 0.5 one if requested);
       ``zero_fraction`` → dict with ``logit_grad``, ``q_grad``, ``jacobian``: ``[2, P]`` fractions of rows
       that are exactly zero. Axis 0 is (scaled, unscaled).
+
+      For a sweep with remedies, axis 0 is the remedy (M instead of 2), ``var_qk`` and ``var_ratio`` are
+      ``[M, P]`` (of each remedy's ``q'·k'``), the remedy entries (``remedies``, ``remedy_names``,
+      ``logit_scale``, ``remedy_caps``, ``max_weight_bound``, ``entropy_floor``) are copied, and
+      ``spectral_norm_q``, ``spectral_norm_k`` are their means over trials ``[M, P]`` (NaN but σReparam).
     """
     qs = np.asarray(quantiles, np.float64)
     summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
     summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype", "logit_cap") if k in result})
-    dot_sq = np.asarray(result["dot_sq"], np.float64)[1]  # [P, R], unscaled mode: logits are q·k
-    dot_mean = np.asarray(result["dot_mean"], np.float64)[1]
-    var = dot_sq.mean(axis=1) - dot_mean.mean(axis=1) ** 2
+    with_remedies = "remedies" in result
+    dot_sq = np.asarray(result["dot_sq"], np.float64)  # [2 or M, P, R]
+    dot_mean = np.asarray(result["dot_mean"], np.float64)
+    if not with_remedies:
+        dot_sq, dot_mean = dot_sq[1], dot_mean[1]  # [P, R], unscaled mode: logits are q·k
+    var = dot_sq.mean(axis=-1) - dot_mean.mean(axis=-1) ** 2
     summary["var_qk"] = var
     summary["var_ratio"] = var / summary["head_dims"]
     for name in _SUMMARY_FIELDS:
         x = np.asarray(result[name], np.float64)
-        x = x.reshape(x.shape[0], x.shape[1], -1)  # [2, P, rows]
+        x = x.reshape(x.shape[0], x.shape[1], -1)  # [2 or M, P, rows]
         stats = {"mean": x.mean(axis=-1), "std": x.std(axis=-1), "quantiles": np.quantile(x, qs, axis=-1).transpose(1, 2, 0)}
         if 0.5 in qs:
             stats["median"] = stats["quantiles"][..., list(qs).index(0.5)]
         summary[name] = stats
+    modes = np.asarray(result["entropy"]).shape[0]
     summary["zero_fraction"] = {
-        field: np.asarray(result[f"{field}_zero"], np.float64).reshape(2, len(summary["head_dims"]), -1).mean(axis=-1)
+        field: np.asarray(result[f"{field}_zero"], np.float64).reshape(modes, len(summary["head_dims"]), -1).mean(axis=-1)
         for field in ("logit_grad", "q_grad", "jacobian")
     }
+    if with_remedies:
+        summary.update({k: result[k] for k in ("remedies", "remedy_names", "logit_scale", "remedy_caps",
+                                               "max_weight_bound", "entropy_floor")})
+        for name in ("spectral_norm_q", "spectral_norm_k"):
+            summary[name] = np.asarray(result[name], np.float64).mean(axis=-1)  # [M, P]
     return summary

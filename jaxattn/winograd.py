@@ -1,4 +1,5 @@
-"""Winograd schemas, scored three ways: language-model substitution, pronoun attention, one selected head.
+"""Winograd schemas: the WSC273 data, and three scorers: language-model substitution, pronoun attention,
+one selected head.
 
 The bundled data (``jaxattn/data/wsc273.json``) is WSC273 as published: the first 273 problems of the
 collection of Levesque, Davis & Morgenstern (2012; CC BY 4.0), in the collection's order, converted from
@@ -15,7 +16,13 @@ scorable :class:`Schema`; :func:`load_pairs` pairs the sentences of each schema 
   of the pairs, evaluated on the other half.
 
 Functions return data; models enter as functions (a scorer of continuations, a function from a text to
-its attention maps), so the same code serves GPT-2, Llama and BERT.
+its attention maps), so the same code serves GPT-2, Llama and BERT: :func:`lm_scorer` and
+:func:`model_maps` make them from a bundled model; :func:`evaluate` and :func:`evaluate_sentences` run
+every scorer a model allows. :func:`accuracy` reports a score with Wilson's interval
+(:func:`jaxattn.interventions.wilson_interval`).
+
+Every name of ``__all__`` is also an attribute of :mod:`jaxattn.interventions`, the same object
+(``interventions.load_wsc273`` is ``winograd.load_wsc273``). Needs the ``[models]`` extra.
 
 Axis alphabet: S sentences, L layers, N heads, T tokens; C = 2 candidates.
 """
@@ -29,14 +36,43 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from jaxattn._extras import require
 
-from jaxattn.interventions._metrics import span_log_prob
-from jaxattn.interventions._stats import wilson_interval
-from jaxattn.interventions._text import char_span_to_tokens, encode_with_offsets, find_span
-from jaxattn.models import spec
+require("models", "jaxattn.winograd", "safetensors", "tokenizers", "huggingface_hub")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxattn.interventions._metrics import span_log_prob  # noqa: E402
+from jaxattn.interventions._stats import wilson_interval  # noqa: E402
+from jaxattn.interventions._text import char_span_to_tokens, encode_with_offsets, find_span  # noqa: E402
+from jaxattn.models import spec  # noqa: E402
+
+__all__ = [
+    "Problem",
+    "Schema",
+    "accuracy",
+    "best_head",
+    "evaluate",
+    "evaluate_sentences",
+    "flatten_pairs",
+    "head_predictions",
+    "lm_scorer",
+    "load_metadata",
+    "load_pairs",
+    "load_wsc273",
+    "max_attention_predictions",
+    "model_maps",
+    "parse_pairs",
+    "parse_wsc273",
+    "pronoun_attention",
+    "special_after_pronoun",
+    "split_pairs",
+    "substitution_scores",
+    "to_schemas",
+    "wsc273_pairs",
+]
 
 DATA_FILE = "wsc273.json"  # written by tools/convert_wsc273.py from the collection's WSCollection.xml
 

@@ -265,7 +265,7 @@ def test_forward_matches_numpy_logits_maps_and_hidden_states(fam):
         assert np.all(beyond[0::2] == 0) and np.all(np.max(beyond[1::2], axis=-1) > 1e-3)
 
 
-@pytest.mark.parametrize("prompt_len", [5, 10])  # read by the generation step itself (<= 8), or by the forward
+@pytest.mark.parametrize("prompt_len", [5, pytest.param(10, marks=pytest.mark.slow)])  # read by the step (<= 8), or by the forward (make test-slow)
 def test_greedy_generation_is_the_numpy_argmax_continuation(fam, prompt_len):
     """Greedy ``generate`` from a 5- and a 10-token prompt to T = 12 (across the window's edge) picks, at every
     step, the argmax of the NumPy forward on the sequence so far (each step's top two logits apart by more than
@@ -297,6 +297,7 @@ def test_log_prob_is_the_numpy_log_softmax_sum(fam, start, end):
 # ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # make test-slow: the decoder's own gradient checks run in make test (tests/test_decoder.py)
 def test_gradient_of_log_prob_is_finite_nonzero_per_layer_and_right(fam):
     """``jax.grad`` of ``log_prob`` with respect to the params is finite, nonzero at every layer of every block
     weight and at every other weight; its inner product with a random tangent equals ``jax.jvp`` (forward

@@ -32,7 +32,9 @@ def tok():
     return train_tokenizer(300)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# make test runs Gemma 3's case; make test-slow Gemma 2's as well (the same decoder paths, with caps)
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.slow) if n.startswith("gemma2") else n
+                                        for n in sorted(CASES)])
 def case(request, tok, tmp_path_factory):
     model_type, fields = CASES[request.param]
     cfg = ref.config_dict(model_type, **TINY, **fields)

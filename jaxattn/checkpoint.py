@@ -35,6 +35,7 @@ __all__ = [
     "cast_params",
     "check_finite",
     "check_layer_count",
+    "check_config_fields",
     "check_layer_names",
     "check_shapes",
     "flatten",
@@ -133,7 +134,13 @@ def read_config(path: str | os.PathLike, schema: ConfigSchema) -> dict[str, Any]
         raise CheckpointError(f"{path}: not a config: its JSON nests too deeply to read") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+    return check_config_fields(raw, schema, path)
 
+
+def check_config_fields(raw: Mapping[str, Any], schema: ConfigSchema, source: Any) -> dict[str, Any]:
+    """:func:`read_config`'s checks of the fields ``raw`` (a config's dict, e.g. a ``text_config`` inside
+    another), the messages naming ``source``."""
+    path = source
     out: dict[str, Any] = {}
     for key, types in schema.required.items():
         if key not in raw:
@@ -340,6 +347,8 @@ def check_layer_count(
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return  # the config reader reports it
     claimed = raw.get(field) if isinstance(raw, dict) else None
+    if claimed is None and isinstance(raw, dict) and isinstance(raw.get("text_config"), dict):
+        claimed = raw["text_config"].get(field)  # a multimodal config's text model (Gemma 3)
     if isinstance(claimed, bool) or not isinstance(claimed, int):
         return  # missing or mistyped: the config reader reports it
     try:

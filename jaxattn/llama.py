@@ -55,7 +55,7 @@ from jaxattn._extras import require
 from jaxattn._logits import soft_cap
 from jaxattn._nn import embed_ids, init_from_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite,
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_config_fields, check_finite,
     check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
     stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
@@ -366,6 +366,58 @@ class LlamaConfig(NamedTuple):
                    opt(rope_scaling_factor))
 
 
+# Gemma3TextConfig's defaults (transformers' configuration_gemma3.py): a multimodal Gemma 3 config.json (model_type
+# "gemma3") may list only the text_config fields that differ from them.
+_GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "attention_bias": False,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True, "model_type": "gemma3_text",
+}
+# The text part's weights in a Gemma3ForConditionalGeneration checkpoint (transformers' two spellings, its
+# _checkpoint_conversion_mapping), and the vision parts a text model leaves out.
+_GEMMA3_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_GEMMA3_HEADS = ("language_model.lm_head.weight", "lm_head.weight")
+_GEMMA3_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _model_type(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return "llama"  # read_config reports the unreadable file
+
+
+def _gemma3_text_config(path: Path) -> LlamaConfig:
+    """The text part of a multimodal Gemma 3 ``config.json`` (``text_config``, Gemma3TextConfig's defaults filled
+    in), read as a ``gemma3_text`` config."""
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path}: a 'gemma3' config must hold its text model as a 'text_config' object")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        raise CheckpointError(f"{path}: text_config's model_type must be 'gemma3_text', found {text['model_type']!r}")
+    fields = {**_GEMMA3_TEXT_DEFAULTS, **text}
+    return _llama_config(check_config_fields(fields, SCHEMAS["gemma3_text"], f"{path} (text_config)"), "gemma3_text",
+                         f"{path} (text_config)")
+
+
+def _text_part(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 checkpoint's text-model weights under a Gemma3ForCausalLM's names; the vision
+    tower and projector left out (any other name is kept, for the shape check to name)."""
+    out = {}
+    for key, value in arrays.items():
+        prefix = next((p for p in _GEMMA3_TEXT_PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            out["model." + key[len(prefix):]] = value
+        elif key in _GEMMA3_HEADS:
+            out["lm_head.weight"] = value
+        elif not key.startswith(_GEMMA3_VISION):
+            out[key] = value
+    return out
+
+
 def read_llama_config(path: str | Path) -> LlamaConfig:
     """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral, qwen2, qwen3, gemma, gemma2 or
     gemma3_text (``Gemma3ForCausalLM``; its ``layer_types``, or the older ``sliding_window_pattern``).
@@ -376,15 +428,18 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
         ``use_sliding_window``...), each naming the file and the key.
     """
     path = Path(path)
-    try:
-        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        model_type = "llama"  # read_config below reports the unreadable file
+    model_type = _model_type(path)
+    if model_type == "gemma3":  # multimodal: its text part
+        return _gemma3_text_config(path)
     if model_type not in SCHEMAS:
         raise CheckpointError(
             f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(repr(m) for m in MODEL_TYPES)})"
         )
-    raw = read_config(path, SCHEMAS[model_type])
+    return _llama_config(read_config(path, SCHEMAS[model_type]), model_type, path)
+
+
+def _llama_config(raw: dict[str, Any], model_type: str, path: Any) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a config's checked fields (``read_config``'s), messages naming ``path``."""
     L = raw["num_hidden_layers"]
     if model_type in ("qwen2", "qwen3") and raw["layer_types"] not in (None, ["full_attention"] * L):
         raise CheckpointError(f"{path}: field 'layer_types' must be 'full_attention' for each of the {L} layers")
@@ -813,10 +868,13 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
     ).files
     source = next(files[f] for f in WEIGHT_FILES if f in files)
     # before the config is read: a claimed depth the weights do not have must not size any table
-    check_layer_count(files["config.json"], source, pattern=r"model[./]layers[./](\d+)[./]")
+    check_layer_count(files["config.json"], source, pattern=r"(?:language_model[./])?model[./](?:language_model[./])?"
+                                                          r"layers[./](\d+)[./]")
     config = read_llama_config(files["config.json"])
     place = placer(config, source)
     arrays = read_weights(files, name_or_path, lazy=True)
+    if _model_type(files["config.json"]) == "gemma3":  # a multimodal checkpoint: its text part
+        arrays = _text_part(arrays)
     if source.name.startswith("flax_model"):
         params = _from_flax(arrays, config, source, place)
     else:

@@ -227,3 +227,38 @@ def test_windowed_layers_keep_a_ring_of_their_last_keys(case):
     K, H = config.num_key_value_heads, config.head_dim
     assert (1, slots, K, H) in made and (2, W, K, H) in made
     assert (3, slots, K, H) not in made
+
+
+def test_a_multimodal_gemma3_checkpoint_loads_its_text_part(tok, tmp_path):
+    """config.json of model_type "gemma3" (Gemma3ForConditionalGeneration: a text_config, a vision_config) with
+    the text weights under language_model.model.* and vision weights beside them: the text model, as the
+    gemma3_text folder of the same weights loads it; a text_config listing only what differs from
+    Gemma3TextConfig's defaults reads the same."""
+    import transformers
+    from safetensors.numpy import save_file
+
+    cfg = ref.config_dict("gemma3_text", **TINY, layer_types=MIXED)
+    weights = ref.random_weights(cfg, seed=5)
+    want, want_config, _ = llama.load(ref.save_hf(tmp_path / "text", cfg, weights, tok.to_str()))
+    text = {k: v for k, v in cfg.items() if k not in ("transformers_version", "architectures")}
+    whole = json.loads(transformers.Gemma3Config(text_config=text).to_json_string())
+    for prefix in ("language_model.model.", "model.language_model."):  # transformers' two spellings
+        d = tmp_path / prefix.replace(".", "_")
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(whole))
+        tensors = {prefix + k[len("model."):]: v for k, v in weights.items()}
+        tensors["vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+        tensors["multi_modal_projector.mm_input_projection_weight"] = np.ones((4, 32), np.float32)
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "tokenizer.json").write_text(tok.to_str())
+        params, config, _ = llama.load(d)
+        assert config == want_config
+        for key, value in flatten(want).items():
+            np.testing.assert_array_equal(flatten(params)[key], value)
+    defaults = ref.config_dict("gemma3_text")  # Gemma3TextConfig() as transformers writes it
+    short = {k: v for k, v in text.items() if defaults.get(k) != v or k == "model_type"}
+    (d / "config.json").write_text(json.dumps({**whole, "text_config": short}))
+    assert llama.read_llama_config(d / "config.json") == want_config
+    (d / "config.json").write_text(json.dumps({**whole, "text_config": {**short, "num_hidden_layers": 10**9}}))
+    with pytest.raises(CheckpointError, match=r"field 'num_hidden_layers' = 1000000000, but .* holds the tensors of 3"):
+        llama.load(d)

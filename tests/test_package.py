@@ -21,7 +21,7 @@ LAYERS = {
              "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io", "jaxattn.progress"},
     "probes": {"jaxattn", "jaxattn.probes"},
     "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx",
-               "jaxattn.llama", "jaxattn._gguf", "jaxattn._spm", "jaxattn._sites", "jaxattn.models", "jaxattn.decoder",
+               "jaxattn.llama", "jaxattn._gguf", "jaxattn._spm", "jaxattn._llamalike", "jaxattn._sites", "jaxattn.models", "jaxattn.decoder",
                "jaxattn._sharding", "jaxattn._inputs"},
     "lab": {"jaxattn.lab", "jaxattn.viz", "jaxattn.interventions", "jaxattn.winograd"},
 }

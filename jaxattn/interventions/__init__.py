@@ -129,43 +129,22 @@ __all__ = [
     "wilson_interval",
 ]
 
-# The Winograd names, defined in jaxattn.winograd: attributes of this package too (the same objects), looked
-# up on first use, so that jaxattn.winograd, which reads this package's tokens and statistics, imports first
-# or second alike.
-_WINOGRAD_NAMES = frozenset({
-    "Problem",
-    "Schema",
-    "accuracy",
-    "best_head",
-    "evaluate",
-    "evaluate_sentences",
-    "flatten_pairs",
-    "head_predictions",
-    "lm_scorer",
-    "load_metadata",
-    "load_pairs",
-    "load_wsc273",
-    "max_attention_predictions",
-    "model_maps",
-    "parse_pairs",
-    "parse_wsc273",
-    "pronoun_attention",
-    "special_after_pronoun",
-    "split_pairs",
-    "substitution_scores",
-    "to_schemas",
-    "wsc273_pairs",
-})
+# The Winograd names, defined in jaxattn.winograd (its __all__): attributes of this package too (the same
+# objects), looked up on first use, so that jaxattn.winograd, which reads this package's tokens and
+# statistics, imports first or second alike.
 
 
 def __getattr__(name: str):
     """``jaxattn.winograd``'s names as attributes of this package (``interventions.load_wsc273``)."""
-    if name in _WINOGRAD_NAMES:
+    if not name.startswith("__"):
         from jaxattn import winograd
 
-        return getattr(winograd, name)
+        if name in winograd.__all__:
+            return getattr(winograd, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _WINOGRAD_NAMES)
+    from jaxattn import winograd
+
+    return sorted(set(globals()) | set(winograd.__all__))

@@ -76,7 +76,7 @@ def test_a_kept_nan_or_plus_inf_logit_from_a_bias_makes_only_its_row_nan(value):
 
 
 def test_a_nan_query_row_is_nan_under_xla_default_compiler_flags():
-    """The issue's snippet in a fresh process with XLA's default CPU configuration (no test flags)."""
+    """The reported snippet in a fresh process with XLA's default CPU configuration (no test flags)."""
     env = dict(os.environ)
     env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_cpu_use_fusion_emitters" not in f]

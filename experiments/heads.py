@@ -321,31 +321,125 @@ def effects_part(module, params, config, tok, name, args, out):
 NUMPY_REFERENCE_S = 157.0
 
 
+# The ways the benchmark runs a table: resumed at each intervention's layer (the library's default), whole
+# forwards in one lax.map program (the library's resume=False), and a Python loop of one jitted whole
+# forward per intervention (written here: the baseline the one-program tables replace).
+WAYS = ("fast", "map", "loop")
+
+
+def loop_of_forwards(bound, metric, *, name=None, value=None):
+    """A table as a Python loop of one jitted whole forward per intervention: ``run() -> [L, N]`` (``[L, T]`` for
+    a position site). ``name=None`` ablates each head; otherwise each head's (or each (layer, position)'s)
+    ``name`` is patched with ``value``. The forward is jitted once, here: a steady run compiles nothing."""
+    L, N = bound.n_layers, bound.n_heads
+    if name is None:
+        one = jax.jit(lambda args, mask: metric(bound.apply(args, head_mask=mask)))
+        items = [jnp.ones((L, N), jnp.float32), *interventions.head_masks(L, N)]
+    else:
+        one = jax.jit(lambda args, where: metric(bound.apply(args, patch={name: (value, where)})))
+        captured = bound(capture=(name,)).captured[name]
+        shape = captured.shape[1:] if bound.batch is not None else captured.shape  # [L, ...]
+        if name in interventions.POSITION_SITES:
+            layer, pos = np.arange(L)[:, None, None], np.arange(shape[1])[None, :, None]
+            items = [(layer == l) & (pos == t) for l in range(L) for t in range(shape[1])]
+        else:
+            items = list(interventions.head_where(name, shape))
+        items = [np.zeros_like(items[0]), *items]  # the clean run first: nothing patched
+    return lambda: (jnp.stack([one(bound.args, x) for x in items[1:]]) - one(bound.args, items[0])).reshape(L, -1)
+
+
 def bench_tables(module, params, config, tok, args):
-    """The five tables of the benchmark, ``{name: run(**kw)}`` (``kw``: a way of interventions.WAYS)."""
+    """The five tables of the benchmark, ``{name: run(way)}`` for each way of :data:`WAYS`."""
     bound, source, metric, *_ = setup(module, params, config, tok)
     if source is None:
         raise SystemExit("error: the benchmark patches from 'too small', which does not line up with 'too big' "
                          "for this tokenizer")
     captured = source(capture=("z", "attn_weights", "resid_pre")).captured
     ref = reference(module, params, config, tok, args.reference or 16)
-    I, chunk = interventions, args.chunk
-    return {
-        "ablation": lambda **kw: I.ablation_effects(bound, metric, chunk=chunk, **kw),
-        "mean_ablation": lambda **kw: I.patching_effects(bound, metric, ref, chunk=chunk, **kw),
-        "patch_z": lambda **kw: I.patching_effects(bound, metric, captured["z"], chunk=chunk, **kw),
-        "patch_attn": lambda **kw: I.patching_effects(bound, metric, captured["attn_weights"], name="attn_weights",
-                                                      chunk=chunk, **kw),
-        "patch_resid_pre": lambda **kw: I.patching_effects(bound, metric, captured["resid_pre"], name="resid_pre",
-                                                           chunk=chunk, **kw),
-    }
+    patches = {"ablation": (None, None), "mean_ablation": ("z", ref), "patch_z": ("z", captured["z"]),
+               "patch_attn": ("attn_weights", captured["attn_weights"]), "patch_resid_pre": ("resid_pre", captured["resid_pre"])}
+
+    def table(name, value):
+        loop = loop_of_forwards(bound, metric, name=name, value=value)
+
+        def run(way):
+            if way == "loop":
+                return loop()
+            kw = {"chunk": args.chunk, "resume": way == "fast"}
+            if name is None:
+                return interventions.ablation_effects(bound, metric, **kw)
+            return interventions.patching_effects(bound, metric, value, name=name, **kw)
+        return run
+
+    return {label: table(name, value) for label, (name, value) in patches.items()}
+
+
+def _timed(fn):
+    """``(result, wall seconds, CPU seconds of this process)`` of ``fn()``, its arrays ready."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _spread(xs):
+    a = np.asarray(xs, np.float64)
+    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max())}
+
+
+def _largest(a):
+    """``max |a|``, NaN when ``a`` holds a NaN (0 for no entries)."""
+    return float(np.max(np.abs(np.asarray(a, np.float64)), initial=0.0))
+
+
+def _nan_max(xs):
+    """The largest of ``xs``, NaN when one is NaN (Python's ``max`` keeps or drops a NaN by its place)."""
+    return float(np.max(np.asarray(xs, np.float64)))
+
+
+def benchmark_tables(tables, *, ways=("fast", "loop"), repeats=3):
+    """Time every table each way: one first call (it compiles), then ``repeats`` steady runs of them all.
+
+    ``tables``: ``{name: run(way)}``. Returns ``{way: {"first": {"wall", "cpu"}, "steady": {"wall", "cpu"}
+    (median, min, max over the repeats of the total over the tables), "compile_wall": first minus the steady
+    median, "per_table": {name: {"first_wall", "wall", "cpu"}}}}``, ``"max_difference"`` ``{way: max |table -
+    the first way's|}``, ``"max_relative_difference"`` (over each table's largest entry) and
+    ``"interventions"``. A NaN in any way's table makes its differences NaN: it never reads as 0.
+    """
+    if not isinstance(tables, dict) or not tables:
+        raise ValueError(f"tables must be a non-empty mapping {{name: run}}, received "
+                         f"{tables if isinstance(tables, dict) else type(tables).__name__}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, received {repeats!r}")
+    if not ways or not set(ways) <= set(WAYS):
+        raise ValueError(f"ways must name some of {WAYS}, received {tuple(ways)}")
+    out, results = {"repeats": repeats, "tables": list(tables)}, {}
+    for way in ways:
+        first = {name: _timed(lambda run=run: run(way)) for name, run in tables.items()}
+        results[way] = {name: np.asarray(r[0]) for name, r in first.items()}
+        runs = [{name: _timed(lambda run=run: run(way))[1:] for name, run in tables.items()} for _ in range(repeats)]
+        wall, cpu = [sum(r[n][0] for n in tables) for r in runs], [sum(r[n][1] for n in tables) for r in runs]
+        first_wall = sum(r[1] for r in first.values())
+        out[way] = {
+            "first": {"wall": first_wall, "cpu": sum(r[2] for r in first.values())},
+            "steady": {"wall": _spread(wall), "cpu": _spread(cpu)},
+            "compile_wall": first_wall - float(np.median(wall)),
+            "per_table": {n: {"first_wall": first[n][1], "wall": float(np.median([r[n][0] for r in runs])),
+                              "cpu": float(np.median([r[n][1] for r in runs]))} for n in tables},
+        }
+    base = results[ways[0]]
+    out["max_difference"] = {w: _nan_max([_largest(results[w][n] - base[n]) for n in tables]) for w in ways}
+    out["max_relative_difference"] = {  # each table's largest difference over its largest entry
+        w: _nan_max([_largest(results[w][n] - base[n]) / _nan_max([_largest(base[n]), 1e-30]) for n in tables])
+        for w in ways}
+    out["interventions"] = int(sum(np.asarray(t).size for t in base.values()))
+    return out
 
 
 def bench_part(module, params, config, tok, args, out, name):
     ways = tuple(args.ways.split(","))
     tables = bench_tables(module, params, config, tok, args)
     load_before = os.getloadavg()
-    r = interventions.benchmark_tables(tables, ways=ways, repeats=args.repeats)
+    r = benchmark_tables(tables, ways=ways, repeats=args.repeats)
     load_after = os.getloadavg()
     smollm2 = args.model == SMOLLM2 and not args.random_gpt2
     r.update(model=name, chunk=args.chunk, numpy_reference_s=NUMPY_REFERENCE_S if smollm2 else None,
@@ -522,8 +616,8 @@ def main(argv=None) -> int:
     if "window" in parts and args.distance is not None and args.distance >= args.length:
         parser.error(f"--distance {args.distance} must be less than --length {args.length}")
     ways = args.ways.split(",")
-    if "bench" in parts and (not set(ways) <= set(interventions.WAYS) or len(set(ways)) != len(ways)):
-        parser.error(f"--ways takes a comma-separated list of distinct ways of {', '.join(interventions.WAYS)}, "
+    if "bench" in parts and (not set(ways) <= set(WAYS) or len(set(ways)) != len(ways)):
+        parser.error(f"--ways takes a comma-separated list of distinct ways of {', '.join(WAYS)}, "
                      f"received {args.ways!r}")
     out = Path(args.out or f"lab-output/heads/{args.random_gpt2 and 'random-gpt2-' + args.random_gpt2 or Path(args.model).name}")
     try:  # before the model loads: nothing wasted, nothing half-written

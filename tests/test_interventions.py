@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxattn import gpt2, interventions, llama, probes
+from tests.whole_forwards import loop_table
 
 PREFIX = "The trophy didn't fit in the suitcase because it was too big."
 PROMPT = ' In that sentence, "it" refers to the'
@@ -55,7 +56,7 @@ def test_ablation_equals_removing_the_head_by_hand(tiny):
 @pytest.mark.slow
 def test_a_loop_of_jitted_ablations_gives_the_same_table(tiny):
     effects = interventions.ablation_effects(tiny["bound"], tiny["metric"], chunk=4)
-    looped = interventions.ablation_effects(tiny["bound"], tiny["metric"], loop=True)
+    looped = loop_table(tiny["bound"], tiny["metric"])
     np.testing.assert_allclose(looped, effects, atol=2e-6)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from jaxattn import bert, gpt2, interventions, llama
 from jaxattn.models import left_pad
+from tests.whole_forwards import loop_table
 
 GPT2 = gpt2.GPT2Config.make(vocab_size=23, n_positions=16, n_embd=16, n_layer=2, n_head=2)
 LLAMA = llama.LlamaConfig.make(vocab_size=23, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
@@ -462,11 +463,11 @@ def test_fast_tables_equal_a_loop_of_whole_forwards_on_a_padded_batch_with_a_sha
     source = interventions.bind(m.module, m.params, m.config, SHARED_SOURCE, attention_mask=SHARED_MASK)
     captured = source(capture=("resid_mid",)).captured
     # a metric that reads two logits rows (the fast tables unembed those alone), and one that reads a map
-    runs = [lambda **r: interventions.ablation_effects(bound, rows_metric, chunk=3, **r),
-            lambda **r: interventions.patching_effects(bound, batch_metric, captured["resid_mid"], name="resid_mid",
-                                                       chunk=5, **r)]
-    for run in runs:  # against the loop of whole forwards (the lax.map of them, and every table kind: slow)
-        _close(np.asarray(run()), np.asarray(run(loop=True)))
+    runs = [(interventions.ablation_effects(bound, rows_metric, chunk=3), loop_table(bound, rows_metric)),
+            (interventions.patching_effects(bound, batch_metric, captured["resid_mid"], name="resid_mid", chunk=5),
+             loop_table(bound, batch_metric, name="resid_mid", value=captured["resid_mid"]))]
+    for table, looped in runs:  # against the loop of whole forwards (the lax.map of them, and every table kind: slow)
+        _close(np.asarray(table), looped)
 
 
 @pytest.mark.slow
@@ -501,8 +502,8 @@ def test_every_fast_table_equals_the_whole_forward_table_and_the_loop(model, bat
         fast, full = np.asarray(run()), np.asarray(run(resume=False))
         assert fast.shape == full.shape, name
         _close(fast, full)
-        if name in ("ablation", "resid_pre"):
-            _close(np.asarray(run(loop=True)), full)
+    _close(loop_table(bound, metric_), np.asarray(tables["ablation"]()))
+    _close(loop_table(bound, metric_, name="resid_pre", value=captured["resid_pre"]), np.asarray(tables["resid_pre"]()))
 
 
 def test_fast_tables_refuse_a_metric_that_reads_rows_it_does_not_declare():

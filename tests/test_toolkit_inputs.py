@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxattn import interventions, models
+from jaxattn import gpt2, interventions, models
 from jaxattn import io as jio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,23 +94,24 @@ def test_head_scores_ignores_a_nan_at_a_padded_key_of_a_real_row():
 
 
 # ----------------------------------------------------------------------------------------------------
-# benchmark_tables: NaN differences reported, no tables refused
+# experiments/heads.py's benchmark: NaN differences reported, no tables refused; the loop of forwards
 # ----------------------------------------------------------------------------------------------------
 
 
 def test_benchmark_tables_reports_a_nan_table_as_a_nan_difference():
-    nan_table = lambda **kw: jnp.array([1.0, jnp.nan])  # noqa: E731
-    ones = lambda **kw: jnp.ones(2)  # noqa: E731
+    bench = _script("heads.py").benchmark_tables
+    nan_table = lambda way: jnp.array([1.0, jnp.nan])  # noqa: E731
+    ones = lambda way: jnp.ones(2)  # noqa: E731
     for tables in ({"ones": ones, "nan": nan_table}, {"nan": nan_table, "ones": ones}):  # either order
-        r = interventions.benchmark_tables(tables, repeats=1)
+        r = bench(tables, repeats=1)
         assert all(np.isnan(v) for v in r["max_difference"].values()), r["max_difference"]
         assert all(np.isnan(v) for v in r["max_relative_difference"].values()), r["max_relative_difference"]
     # NaN in one way only: that way's difference is NaN
-    only_loop = {"ones": ones, "t": lambda **kw: jnp.array([1.0, jnp.nan]) if kw else jnp.ones(2)}
-    r = interventions.benchmark_tables(only_loop, repeats=1)
+    only_loop = {"ones": ones, "t": lambda way: jnp.array([1.0, jnp.nan]) if way == "loop" else jnp.ones(2)}
+    r = bench(only_loop, repeats=1)
     assert np.isnan(r["max_difference"]["loop"]) and np.isnan(r["max_relative_difference"]["loop"])
     # finite tables keep their numbers
-    r = interventions.benchmark_tables({"a": ones, "b": lambda **kw: jnp.full(2, 2.0) + bool(kw)}, repeats=1)
+    r = bench({"a": ones, "b": lambda way: jnp.full(2, 2.0) + (way == "loop")}, repeats=1)
     assert r["max_difference"] == {"fast": 0.0, "loop": 1.0}
     assert r["max_relative_difference"]["loop"] == pytest.approx(0.5)
 
@@ -118,7 +119,29 @@ def test_benchmark_tables_reports_a_nan_table_as_a_nan_difference():
 @pytest.mark.parametrize("tables", [{}, [], None])
 def test_benchmark_tables_refuses_no_tables_by_name(tables):
     with pytest.raises(ValueError, match=r"^tables must be a non-empty mapping \{name: run\}, received "):
-        interventions.benchmark_tables(tables, repeats=1)
+        _script("heads.py").benchmark_tables(tables, repeats=1)
+
+
+def test_the_benchmarks_loop_of_forwards_gives_the_library_tables():
+    """The baseline ``heads.py --parts bench`` times (a Python loop of jitted whole forwards, written with the
+    public API) computes the tables the library computes in one program: a head ablation, a head patch and
+    a position patch, on a tiny GPT-2."""
+    loop_of_forwards = _script("heads.py").loop_of_forwards
+    config = gpt2.GPT2Config.make(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    params = jax.tree.map(lambda w: w * 50 if w.ndim >= 2 else w, gpt2.init_params(0, config))  # effects to see
+    ids, other = np.arange(3, 9)[None] % 40, np.arange(10, 16)[None] % 40
+    bound = interventions.bind(gpt2, params, config, ids[0])
+    source = interventions.bind(gpt2, params, config, other[0])
+    metric = lambda out: out.logits[-1, 5] - out.logits[-1, 7]  # noqa: E731
+    captured = source(capture=("z", "resid_pre")).captured
+    cases = [(None, None, interventions.ablation_effects(bound, metric)),
+             ("z", captured["z"], interventions.patching_effects(bound, metric, captured["z"])),
+             ("resid_pre", captured["resid_pre"],
+              interventions.patching_effects(bound, metric, captured["resid_pre"], name="resid_pre"))]
+    for name, value, table in cases:
+        looped = np.asarray(loop_of_forwards(bound, metric, name=name, value=value)())
+        assert looped.shape == table.shape and np.abs(looped).max() > 1e-4, name
+        np.testing.assert_allclose(looped, np.asarray(table), rtol=0, atol=1e-5 * np.abs(looped).max())
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Attention maps show where heads look, not what the output depends on. The bundle
 take interventions as arguments (``head_mask [L, N]`` and ``patch``, see ``docs/models.md``), so the
 effect of every head is one compiled program over a batch of masks or patches: no hooks, no state.
 
-- a model on fixed inputs (``_model``): :class:`Bound`, :func:`bind`;
+- a model on fixed inputs (``_model``): :class:`Bound`, :func:`bind`, and :func:`per_sequence` (one
+  table per sequence of a batched bound, as one program);
 - effect tables ``[L, N]`` for a metric of the output (``_effects``): :func:`ablation_effects`,
   :func:`patching_effects` (activation patching; mean-ablation with :func:`reference_mean`),
   :func:`gate_gradients`, :func:`attribution_patching`, :func:`attention_gradient`,
@@ -30,10 +31,10 @@ effect of every head is one compiled program over a batch of masks or patches: n
 - the entropy bound on real heads (``_heads``): :func:`qk_weights` (a :class:`jaxattn.models.QKWeights`),
   :func:`attention_inputs`, :func:`entropy_bounds`;
 - reports (``_report``): :func:`head_tables` (every method's table), :func:`correlations`,
-  :func:`top_heads`, :func:`heatmaps_png`, :func:`benchmark_ablations` (one program vs a loop),
-  :func:`bound_summary`, and their ``render_*`` functions;
-- timing (``_bench``): :func:`benchmark_tables` (tables resumed, as one program of whole forwards, or as
-  a loop; wall and CPU time, compilation apart), :data:`WAYS`.
+  :func:`top_heads`, :func:`heatmaps_png`, :func:`bound_summary`, and their ``render_*`` functions.
+
+Timing the tables (resumed, as whole forwards, against a Python loop of forwards) is an experiment's job:
+``experiments/heads.py --parts bench``.
 
 Needs the ``[models]`` extra (the tokenizers; the bundled models).
 """
@@ -42,7 +43,6 @@ from jaxattn._extras import require
 
 require("models", "jaxattn.interventions", "safetensors", "tokenizers", "huggingface_hub")
 
-from jaxattn.interventions._bench import WAYS, benchmark_tables  # noqa: E402
 from jaxattn.interventions._effects import (  # noqa: E402
     HEAD_SITES,
     POSITION_SITES,
@@ -61,11 +61,10 @@ from jaxattn.interventions._effects import (  # noqa: E402
 from jaxattn.interventions._heads import attention_inputs, entropy_bounds, qk_weights  # noqa: E402
 from jaxattn.interventions._lens import logit_attribution, logit_lens  # noqa: E402
 from jaxattn.interventions._metrics import LogitMetric, choice_metric, similarity_metric, span_log_prob  # noqa: E402
-from jaxattn.interventions._model import Bound, bind  # noqa: E402
+from jaxattn.interventions._model import Bound, bind, per_sequence  # noqa: E402
 from jaxattn.interventions._report import (  # noqa: E402
     METHODS,
     attention_row_reduce,
-    benchmark_ablations,
     bound_summary,
     choice_pair,
     correlations,
@@ -85,15 +84,12 @@ __all__ = [
     "HEAD_SITES",
     "METHODS",
     "POSITION_SITES",
-    "WAYS",
     "Bound",
     "ablation_effects",
     "attention_gradient",
     "attention_inputs",
     "attention_row_reduce",
     "attribution_patching",
-    "benchmark_ablations",
-    "benchmark_tables",
     "bind",
     "bound_summary",
     "char_span_to_tokens",
@@ -117,6 +113,7 @@ __all__ = [
     "logit_lens",
     "metric_value",
     "patching_effects",
+    "per_sequence",
     "qk_weights",
     "reference_mean",
     "render_bound",

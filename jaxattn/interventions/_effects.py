@@ -26,8 +26,7 @@ layer, ``jax.vmap`` over ``chunk`` of them at a time beside the clean run they a
 ``jax.jit`` program that takes the weights as arguments (``_programs``; a batch whose sequences share a
 prefix runs the prefix once, ``_packing``). A model module without the protocol's ``resume`` (an
 encoder), or ``resume=False``, runs whole forwards: ``jax.lax.map`` over the stacked masks or patches
-with ``batch_size=chunk``; ``loop=True``, a Python loop of one jitted forward each. All three give the
-same table (to float rounding).
+with ``batch_size=chunk``. Both give the same table (to float rounding).
 
 Axis alphabet: B inputs of a batch, L layers, N heads, T queries, S keys, H head dim.
 """
@@ -154,7 +153,7 @@ def _position_patch_fn(apply: Callable[..., Any], metric: Metric, name: str, L: 
 
 
 def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, value: float = 0.0,
-                     loop: bool = False, resume: bool = True, mesh: Any = None, data_axis: str = "data") -> Array:
+                     resume: bool = True, mesh: Any = None, data_axis: str = "data") -> Array:
     """``[L, N]``: ``metric(head (l, n) multiplied by value) - metric(clean)``; ``value=0`` ablates.
 
     Every ablation multiplies one head's output ``z`` by ``value`` through ``head_mask`` (Hugging Face's
@@ -168,7 +167,6 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
         the activations are alive. Resumed, a batch holds one layer's heads and the clean run they are
         measured from (at least 2 runs); ``None`` runs a layer's heads at once (all L·N, whole forwards).
       value: the gate of the ablated head, a finite real number (0: removed; 1: no change).
-      loop: run a Python loop of one jitted whole forward per head instead (the same numbers; a baseline).
       resume: resume each ablation at its layer from the clean stream entering it (when the model has the
         protocol's ``resume``; see the module docstring); ``False``: whole forwards in one ``lax.map``.
       mesh: a ``jax.sharding.Mesh``: the L·N ablations are split over its ``data_axis`` (``chunk`` at a
@@ -184,14 +182,14 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
     _check_bound(bound), _check_metric(metric)
     value = _check_gate(value)
     if mesh is not None:
-        _mesh.check(mesh, data_axis, loop=loop)
+        _mesh.check(mesh, data_axis)
     L, N = bound.n_layers, bound.n_heads
     _check_chunk(chunk, L * N)
-    if resume and not loop and resumable(bound):
+    if resume and resumable(bound):
         return resumed_effects(bound, metric, kind="gate", G=N, extra=jnp.asarray(value, _float()), chunk=chunk,
                                shape=(L, N), mesh=mesh, data_axis=data_axis)
     masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
-    return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, loop, mesh, data_axis).reshape(L, N)
+    return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, mesh, data_axis).reshape(L, N)
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -261,7 +259,7 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
 
 
 def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
-                     chunk: int | None = 16, loop: bool = False, resume: bool = True, mesh: Any = None,
+                     chunk: int | None = 16, resume: bool = True, mesh: Any = None,
                      data_axis: str = "data") -> Array:
     """``[L, N]``: ``metric(head (l, n)'s name replaced by value) - metric(clean)`` (activation patching);
     ``[L, T]`` by layer and position for a residual-stream or block-output site.
@@ -285,7 +283,7 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         together, in every head's intervention); for a position site, the positions patched one at a
         time: the table is then ``[L, P]``, one column per selected position in increasing order (``P``
         is the number selected; all ``T`` when ``None``).
-      chunk, loop, resume, mesh, data_axis: as in :func:`ablation_effects` (with ``mesh``, the patches are
+      chunk, resume, mesh, data_axis: as in :func:`ablation_effects` (with ``mesh``, the patches are
         split over ``data_axis``).
 
     Raises:
@@ -294,10 +292,10 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
     """
     _check_bound(bound), _check_metric(metric)
     if mesh is not None:
-        _mesh.check(mesh, data_axis, loop=loop)
+        _mesh.check(mesh, data_axis)
     value = _check_value(name, value, HEAD_SITES + POSITION_SITES)
     shape = _where_shape(bound, name, value)
-    fast = resume and not loop and resumable(bound)
+    fast = resume and resumable(bound)
     if name in POSITION_SITES:  # [L, T, D]: one (layer, position) pair per intervention, row 0 the clean run
         L, T = shape[0], shape[1]
         pairs, P = _position_pairs(L, T, positions)
@@ -306,7 +304,7 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
             return resumed_effects(bound, metric, kind="position", G=P, extra=value, chunk=chunk, name=name,
                                    shape=shape, labels=pairs[1:P + 1, 1], mesh=mesh, data_axis=data_axis)
         fn = _position_patch_fn(bound.apply, metric, name, L, T)
-        return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, loop, mesh, data_axis).reshape(L, P)
+        return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, mesh, data_axis).reshape(L, P)
     if fast:
         axes = CAPTURE_NAMES[name][0].split()
         heads = shape[1 + (axes.index("N") if "N" in axes else axes.index("K"))]
@@ -316,7 +314,7 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
                                shape=shape, mesh=mesh, data_axis=data_axis)
     where = head_where(name, shape, positions=positions)  # [L·N, L, ...]
     where = jnp.concatenate([jnp.zeros_like(where[:1]), where])  # row 0: nothing patched (the clean run)
-    effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, loop, mesh, data_axis)
+    effects = _run_map((bound.args, value), _patch_fn(bound.apply, metric, name), where, chunk, mesh, data_axis)
     return effects.reshape(bound.n_layers, -1)
 
 

@@ -24,16 +24,14 @@ from jax.sharding import PartitionSpec as P
 Array = jax.Array
 
 
-def check(mesh: Any, data_axis: Any, *, loop: bool = False) -> None:
+def check(mesh: Any, data_axis: Any) -> None:
     """``mesh`` a ``jax.sharding.Mesh`` holding ``data_axis`` (``None``: not used), ``TypeError``/``ValueError``
-    naming them; ``loop=True`` is refused with a mesh."""
+    naming them."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (jax.make_mesh) or None, received {type(mesh).__name__}")
     if data_axis is not None and (not isinstance(data_axis, str) or data_axis not in mesh.axis_names):
         raise ValueError(f"data_axis must name an axis of the mesh (its axes: {', '.join(map(repr, mesh.axis_names))}), "
                          f"received {data_axis!r}")
-    if loop:
-        raise ValueError("loop=True runs one jitted forward per intervention on one device; with mesh= use loop=False")
 
 
 def _on(mesh: Any, leaf: Any) -> bool:

@@ -1,4 +1,4 @@
-"""How the effect tables run: resumed from each intervention's layer, or as whole forwards (a baseline).
+"""How the effect tables run: resumed from each intervention's layer, or as whole forwards.
 
 An intervention at layer ``l`` (a head's gate, a patch of a head's tensor or of the stream at one
 position) leaves layers ``0..l-1`` as they are in the clean run. So each table runs the clean forward
@@ -8,7 +8,7 @@ interventions are grouped by layer, each group with the clean run resumed beside
 measured from, from the same batch of the same program), and ``jax.vmap`` runs a group, ``chunk`` at a
 time, in one ``lax.scan`` over the groups: one compiled program per table, whose layer is a traced
 scalar. A module without ``resume`` (an encoder), or ``resume=False``, runs each intervention as a whole
-forward (``lax.map`` over them); ``loop=True`` as a Python loop of one jitted forward each.
+forward (``lax.map`` over them).
 
 A metric may declare which rows of a causal model's logits it reads, as a :class:`LogitMetric` (a
 sorted tuple of positions, the same for every sequence of a batch; :func:`choice_metric` makes one): the
@@ -84,7 +84,7 @@ def check_chunk(chunk: Any, total: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Whole forwards: a lax.map over the interventions, or a Python loop (the baselines)
+# Whole forwards: a lax.map over the interventions
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -97,24 +97,19 @@ def program(fn: Callable[[Any, Any], Array], size: int | None) -> Callable[[Any,
     return _mesh.map_program(fn, size)
 
 
-def run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None, loop: bool,
+def run_map(args: Any, fn: Callable[[Any, Any], Array], xs: Any, chunk: int | None,
             mesh: Any = None, data_axis: str = "data") -> Array:
-    """``[fn(args, x) for x in xs]``: one ``jit(lax.map(..., batch_size=chunk))``, or a Python loop of one
-    jitted call per item, or with ``mesh`` the items split over its ``data_axis`` (:mod:`._mesh`). ``xs[0]``
-    is the clean intervention (no change); the result is ``fn(xs[1:]) - fn(xs[0])``, both from the same
-    compiled program."""
+    """``[fn(args, x) for x in xs]``: one ``jit(lax.map(..., batch_size=chunk))``, or with ``mesh`` the items
+    split over its ``data_axis`` (:mod:`._mesh`). ``xs[0]`` is the clean intervention (no change); the result
+    is ``fn(xs[1:]) - fn(xs[0])``, both from the same compiled program."""
     total = jax.tree.leaves(xs)[0].shape[0]
     if mesh is not None:
         values = _mesh.mesh_map(fn, args, xs, chunk, mesh, data_axis)
         return _mesh.run(lambda v: v[1:] - v[0], mesh, values, replicate=True)
-    if loop:
-        one = program(fn, None)
-        values = jnp.stack([one(args, jax.tree.map(lambda a: a[i], xs)) for i in range(total)])
-    else:
-        size = check_chunk(chunk, total)
-        pad = -total % size  # whole chunks only (one compiled body): repeat the clean row
-        padded = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)]), xs)
-        values = program(fn, size)(args, padded)[:total]
+    size = check_chunk(chunk, total)
+    pad = -total % size  # whole chunks only (one compiled body): repeat the clean row
+    padded = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)]), xs)
+    values = program(fn, size)(args, padded)[:total]
     return values[1:] - values[0]
 
 

@@ -1,4 +1,4 @@
-"""Every head's effect by every method, side by side: tables, rank correlations, figures and the benchmark.
+"""Every head's effect by every method, side by side: tables, rank correlations and figures.
 
 What ``experiments/heads.py`` prints and writes, as functions that return data (numbers, strings, PNG
 bytes); nothing here prints or writes files.
@@ -9,10 +9,8 @@ Axis alphabet: B inputs of a batch, L layers, N heads, T queries, S keys.
 from __future__ import annotations
 
 import io
-import time
 from typing import Any, Mapping, Sequence
 
-import jax
 import numpy as np
 
 from jaxattn.interventions._effects import (
@@ -20,7 +18,6 @@ from jaxattn.interventions._effects import (
     attention_gradient,
     attribution_patching,
     gate_gradients,
-    metric_value,
     patching_effects,
 )
 from jaxattn.interventions._model import Bound
@@ -174,37 +171,6 @@ def heatmaps_png(tables: Mapping[str, Any], *, title: str = "", dpi: int = 100) 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
-
-
-def benchmark_ablations(bound: Bound, metric: Any, *, chunk: int | None = 16, repeats: int = 1) -> dict[str, Any]:
-    """All L·N single-head ablations as one compiled program against a Python loop of one jitted forward.
-
-    Each way runs once to compile (timed: compile and first run), then ``repeats`` more times (timed:
-    the best run). Returns the times (seconds), ``ratio`` (loop / program, best runs), ``ratio_first``
-    (the same with compilation) and ``max_difference`` between the two tables.
-    """
-    out: dict[str, Any] = {"chunk": chunk, "heads": bound.n_layers * bound.n_heads, "repeats": repeats}
-    tables = {}
-    for name, loop in (("program", False), ("loop", True)):
-        metric = _fresh(metric)  # a new function: nothing compiled before counts
-        t0 = time.perf_counter()
-        tables[name] = jax.block_until_ready(ablation_effects(bound, metric, chunk=chunk, loop=loop))
-        out[f"{name}_first_s"] = time.perf_counter() - t0
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(ablation_effects(bound, metric, chunk=chunk, loop=loop))
-            best = min(best, time.perf_counter() - t0)
-        out[f"{name}_s"] = best
-    out["ratio"] = out["loop_s"] / out["program_s"]
-    out["ratio_first"] = out["loop_first_s"] / out["program_first_s"]
-    out["max_difference"] = float(np.max(np.abs(np.asarray(tables["program"]) - np.asarray(tables["loop"]))))
-    out["clean_metric"] = float(metric_value(bound, metric))
-    return out
-
-
-def _fresh(metric: Any) -> Any:
-    return lambda out: metric(out)
 
 
 def bound_summary(result: Mapping[str, Any]) -> dict[str, Any]:

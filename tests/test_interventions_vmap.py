@@ -66,3 +66,33 @@ def test_bind_checks_traced_ids_by_dtype_and_shape(params):
         jax.vmap(lambda x: I.bind(llama, params, CONFIG, x).args["ids"])(IDS.astype(np.float32))
     with pytest.raises(ValueError, match=r"attention_mask must have the shape of input_ids \(8,\), received \(7,\)"):
         jax.vmap(lambda x, m: I.bind(llama, params, CONFIG, x, attention_mask=m).args["ids"])(IDS, MASK[:, :7])
+
+
+def test_per_sequence_gives_each_sequence_of_a_batched_bound_its_own_table_equal_to_the_loop(params):
+    """A batched bound's own table is one table of a batch metric; ``per_sequence`` gives one per sequence."""
+    bound = I.bind(llama, params, CONFIG, IDS, attention_mask=MASK)
+    z = jnp.roll(bound(capture=("z",)).captured["z"], 1, axis=0)  # [B, L, T, N, H]: each from another run
+    tables = I.per_sequence(bound, lambda b, value: {"ablation": I.ablation_effects(b, metric),
+                                                     "patch": I.patching_effects(b, metric, value)}, z)
+    for name, table in tables.items():
+        assert table.shape == (3, 2, 4), name
+    for b, (ids, m) in enumerate(zip(IDS, MASK)):
+        one = I.bind(llama, params, CONFIG, ids, attention_mask=m)
+        for name, expected in (("ablation", I.ablation_effects(one, metric)),
+                               ("patch", I.patching_effects(one, metric, z[b]))):
+            assert np.abs(np.asarray(expected)).max() > 1e-4, name  # the heads move the metric
+            np.testing.assert_allclose(np.asarray(tables[name][b]), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(tables["ablation"][0]), np.asarray(tables["ablation"][1]))  # its own
+
+
+def test_per_sequence_refuses_what_it_cannot_split_by_name(params):
+    bound = I.bind(llama, params, CONFIG, IDS, attention_mask=MASK)
+    with pytest.raises(ValueError, match=r"^bound must be batched"):
+        I.per_sequence(I.bind(llama, params, CONFIG, IDS[0]), lambda b: I.metric_value(b, metric))
+    with pytest.raises(TypeError, match=r"^bound must be a Bound made by interventions.bind, received dict"):
+        I.per_sequence({}, lambda b: I.metric_value(b, metric))
+    with pytest.raises(TypeError, match=r"^table must be a function"):
+        I.per_sequence(bound, "ablation_effects")
+    with pytest.raises(ValueError, match=r"^per_sequence_args\[0\] must have a leading axis of the bound's B = 3 "
+                                         r"sequences, received shape \(2, 8\)"):
+        I.per_sequence(bound, lambda b, x: I.metric_value(b, metric), np.zeros((2, 8)))

@@ -169,3 +169,45 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:
         resume = _resume_fn(declared.resume, config, batch is not None)
     return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume)
+
+
+def per_sequence(bound: Bound, table: Callable[..., Any], *per_sequence_args: Any) -> Any:
+    """One table per sequence of a batched bound: ``table(bound of sequence b, *args_b)`` for every ``b``, stacked
+    ``[B, ...]``, as one program (``jax.vmap`` over the sequences; :func:`bind` and every table are functions
+    of the prompt). A batched bound's own tables are tables of ONE metric of the whole batch's output; this
+    gives each sequence its own, equal to a Python loop that binds each sequence alone.
+
+    Args:
+      bound: a batched :class:`Bound` (``input_ids [B, T]``), bound by :func:`bind`.
+      table: ``(one_sequence_bound, *args) -> table``, e.g. ``lambda b: ablation_effects(b, metric)``, with
+        ``metric`` written for one sequence's output (``out.logits [T, V]``).
+      *per_sequence_args: arrays with a leading B axis, split with the sequences (e.g. each sequence's own
+        patch value ``[B, L, ...]``, read by ``lambda b, z: patching_effects(b, metric, z)``). Anything shared
+        by every sequence is closed over by ``table`` instead.
+
+    Returns:
+      ``table``'s result with a leading B axis (every leaf of a pytree result).
+
+    Raises:
+      TypeError, ValueError: naming ``bound`` (not a batched Bound from :func:`bind`), ``table`` (not
+        callable) or ``per_sequence_args`` (an argument without a leading axis of length B).
+    """
+    if not isinstance(bound, Bound) or bound.module is None:
+        raise TypeError(f"bound must be a Bound made by interventions.bind, received {type(bound).__name__}")
+    if bound.batch is None:
+        raise ValueError("bound must be batched (bind input_ids [B, T]); a bound of one sequence gives its table "
+                         "directly, received a bound of one sequence")
+    if not callable(table):
+        raise TypeError(f"table must be a function (one_sequence_bound, *args) -> table, received "
+                        f"{type(table).__name__}")
+    for i, a in enumerate(per_sequence_args):
+        for leaf in jax.tree.leaves(a):
+            if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != bound.batch:
+                raise ValueError(f"per_sequence_args[{i}] must have a leading axis of the bound's B = {bound.batch} "
+                                 f"sequences, received shape {tuple(jnp.shape(leaf))}")
+    args = bound.args
+
+    def one(ids, mask, *xs):
+        return table(bind(bound.module, args["params"], bound.config, ids, attention_mask=mask, **args["kwargs"]), *xs)
+
+    return jax.vmap(one)(args["ids"], args["mask"], *per_sequence_args)

@@ -29,7 +29,10 @@ derivative ``sech²(x / c) = 1 - tanh²(x / c)``.
 - remedies the sweep applies instead of or with ``1/sqrt(d_k)`` (``_remedies``): :class:`Remedy` (none,
   √d_k, q/k RMS norm, a logit cap, a temperature, σReparam), :data:`DEFAULT_REMEDIES`, the sweep's
   ``remedies=`` argument, and the laws of the remedies whose logits still grow with ``d_k``,
-  :func:`fit_remedy_laws`.
+  :func:`fit_remedy_laws`;
+- a trained model's heads, per layer and head, from its captured ``attn_logits`` (``_heads``):
+  :func:`head_saturation` (logit spread, entropy, Jacobian norm, saturated fraction over the real rows)
+  and :func:`layer_keep_masks` (the mask each layer's softmax ran under: padding, causality, windows).
 """
 
 from jaxattn.probes._bound import (
@@ -42,6 +45,7 @@ from jaxattn.probes._bound import (
     two_level_entropy,
 )
 from jaxattn.probes._grads import attention_grads, grad_norms
+from jaxattn.probes._heads import head_saturation, layer_keep_masks
 from jaxattn.probes._jacobian import softmax_jacobian, softmax_jacobian_norms
 from jaxattn.probes._laws import (
     fit_power_law,
@@ -81,6 +85,8 @@ __all__ = [
     "gap_survival",
     "grad_norms",
     "head_entropy",
+    "head_saturation",
+    "layer_keep_masks",
     "logit_cap_bounds",
     "logit_spread_bound",
     "max_weight",

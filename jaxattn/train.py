@@ -9,6 +9,23 @@ unscaled runs are one compiled program), and ``qk_layernorm`` optionally normali
 before the dot product (Wortsman et al. 2023). The probes (:mod:`jaxattn.probes`) read the maps, the
 logits and the gradient at the logits that this one forward pass produces.
 
+Remedies: :func:`train` also takes ``remedies=`` instead of ``scales=``, the specs of
+:class:`jaxattn.probes.Remedy` with the same names and meanings (``none``, ``sqrt_dk``, ``qk_norm``,
+``qk_norm_sqrt_dk``, ``sigma_reparam``, ``sigma_reparam_sqrt_dk``, ``("cap", c)``, ``("temperature", τ)``).
+Here they act on the model's own q and k (:func:`remedy_settings` says how): the scale
+``(1/sqrt(d_k) if sqrt_dk else 1) / τ`` is the core's ``scale``; ``qk_norm`` RMS-normalises each q and k
+row of each head over d_k with gain 1 (no learnable gain, as in the probes; ``ModelConfig.qk_norm``);
+the cap is the core's ``logit_cap`` on the unscaled ``q·k``; ``sigma_reparam`` is σReparam (Zhai et al.
+2023, "Stabilizing Transformer Training by Preventing Attention Entropy Collapse", ICML) on ``W_Q`` and
+``W_K`` of every layer: ``Ŵ = (γ / σ(W)) W`` with γ a learned scalar per matrix, initialised to 1 as in the
+probes and the reference JAX code, and σ(W) the spectral norm of the whole ``[D, N·H]`` matrix from
+:func:`spectral_norm` (power iteration, gradient ``u vᵀ``; ``ModelConfig.sigma_reparam``).
+
+Tasks: :class:`RecallTask` (below), and :class:`TextTask`, character-level next-token prediction on the
+shipped Tiny Shakespeare slice (``jaxattn/data/tinyshakespeare.txt.gz``, made by
+``tools/convert_tinyshakespeare.py``), scored at every position, with a validation loss on a fixed
+slice logged after every chunk of steps.
+
 The task, :func:`recall_batch`, is multi-query associative recall: ``P`` key-value pairs, then ``Q`` of
 the keys again, each followed by its value. The value after a query key can only be found by looking back
 at the pair holding that key, so a model that cannot attend stays at chance (``log n_values`` nats).
@@ -27,7 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import math
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
@@ -39,7 +58,7 @@ from jaxattn._checks import as_key, check_int, check_scale
 from jaxattn._extras import require
 from jaxattn._masks import causal_mask
 from jaxattn._nn import layer_norm
-from jaxattn.probes import head_entropy, softmax_jacobian_norms
+from jaxattn.probes import Remedy, head_entropy, softmax_jacobian_norms
 
 require("train", "jaxattn.train", "optax")
 
@@ -47,21 +66,33 @@ import optax  # noqa: E402  (after the check, so a missing optax names the extra
 
 Array = jax.Array
 _LN_EPS = 1e-5  # LayerNorm epsilon (GPT-2's)
+_RMS_EPS = 1e-6  # qk_norm: added to the mean square (q rows have mean square ~1, so it changes ~1e-6 relative)
+SIGMA_SQUARINGS = 10  # spectral_norm: 2^10 power-iteration steps on the smaller Gram matrix, by squaring
+TEXT_FILE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt.gz"
+TEXT_TRAIN_FRACTION = 0.9  # the first 90% of the shipped text train, the last 10% validate
 
 __all__ = [
     "METRICS",
     "ModelConfig",
     "OptConfig",
     "RecallTask",
+    "TextTask",
     "forward",
     "init_params",
     "init_state",
     "loss_fn",
     "lr_schedule",
     "optimizer",
+    "load_text",
     "recall_batch",
+    "remedy_settings",
     "resolve_scale",
+    "rms_normalize",
+    "sigma_reparam_weight",
+    "spectral_norm",
     "summarize",
+    "text_batch",
+    "text_validation_batch",
     "train",
     "train_step",
 ]
@@ -119,6 +150,59 @@ class RecallTask:
         return math.log(self.n_values)
 
 
+@functools.lru_cache(maxsize=1)
+def load_text() -> dict[str, Any]:
+    """The shipped Tiny Shakespeare slice as character ids: ``{"vocab": str (the sorted distinct
+    characters; id i is vocab[i]), "train": int32 [n_train], "validation": int32 [n_validation]}``, the
+    first :data:`TEXT_TRAIN_FRACTION` of the characters and the rest. Read once, then cached."""
+    if not TEXT_FILE.is_file():
+        raise FileNotFoundError(f"the shipped text {TEXT_FILE} is missing: reinstall jaxattn, or make it with "
+                                "tools/convert_tinyshakespeare.py")
+    text = gzip.decompress(TEXT_FILE.read_bytes()).decode("utf-8")
+    vocab = "".join(sorted(set(text)))
+    lookup = np.zeros(max(map(ord, vocab)) + 1, np.int32)
+    lookup[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.int32)
+    ids = lookup[np.frombuffer(text.encode("utf-32-le"), np.uint32)]  # [n], one id per character
+    cut = int(len(ids) * TEXT_TRAIN_FRACTION)
+    return {"vocab": vocab, "train": ids[:cut], "validation": ids[cut:]}
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask:
+    """Character-level next-token prediction on the shipped Tiny Shakespeare slice (:func:`load_text`).
+
+    A sequence is ``context + 1`` consecutive characters of the training slice from a uniformly drawn start;
+    the model reads the first ``context`` and is scored at every position on the next character (the causal
+    mask keeps it from seeing it). The validation loss is the same loss on ``val_sequences`` fixed,
+    non-overlapping windows from the start of the validation slice (:func:`text_validation_batch`).
+    """
+
+    context: int = 64
+    val_sequences: int = 64
+
+    def __post_init__(self):
+        check_int(self.context, "context")
+        check_int(self.val_sequences, "val_sequences")
+        n_val = len(load_text()["validation"])
+        if self.val_sequences * (self.context + 1) > n_val:
+            raise ValueError(f"val_sequences × (context + 1) = {self.val_sequences * (self.context + 1)} must be "
+                             f"<= the validation slice's {n_val} characters")
+
+    @property
+    def n_vocab(self) -> int:
+        return len(load_text()["vocab"])
+
+    @property
+    def length(self) -> int:
+        """T, the number of input positions (``context``)."""
+        return self.context
+
+    @property
+    def chance_loss(self) -> float:
+        """``log n_vocab``: the loss of a uniform guess over the characters."""
+        return math.log(self.n_vocab)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes of the decoder. ``head_dim`` is the paper's d_k (H); it need not be ``d_model / num_heads``."""
@@ -131,15 +215,20 @@ class ModelConfig:
     num_layers: int = 2
     mlp_ratio: int = 4
     qk_layernorm: bool = False
+    qk_norm: bool = False
+    sigma_reparam: bool = False
 
     def __post_init__(self):
         for name in ("n_vocab", "n_ctx", "d_model", "num_heads", "head_dim", "num_layers", "mlp_ratio"):
             check_int(getattr(self, name), name)
-        if not isinstance(self.qk_layernorm, bool):
-            raise TypeError(f"qk_layernorm must be a bool, received {self.qk_layernorm!r}")
+        for name in ("qk_layernorm", "qk_norm", "sigma_reparam"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, received {getattr(self, name)!r}")
+        if self.qk_layernorm and self.qk_norm:
+            raise ValueError("qk_layernorm and qk_norm both normalise q and k per head: set one of them, received both True")
 
     @classmethod
-    def for_task(cls, task: RecallTask, **kwargs: Any) -> "ModelConfig":
+    def for_task(cls, task: "RecallTask | TextTask", **kwargs: Any) -> "ModelConfig":
         """A config whose vocabulary and context fit ``task``."""
         return cls(n_vocab=task.n_vocab, n_ctx=task.length, **kwargs)
 
@@ -219,6 +308,41 @@ def _recall_batch(key: Array, task: RecallTask, batch_size: int) -> dict[str, Ar
     return {"tokens": tokens, "targets": targets, "loss_mask": mask}
 
 
+def _windows(data: Array, starts: Array, context: int) -> dict[str, Array]:
+    seq = data[starts[:, None] + jnp.arange(context + 1)[None, :]]  # [B, T + 1]
+    return {"tokens": seq[:, :-1], "targets": seq[:, 1:], "loss_mask": jnp.ones(seq[:, 1:].shape, bool)}
+
+
+def _text_batch(key: Array, data: Array, context: int, batch_size: int) -> dict[str, Array]:
+    starts = jax.random.randint(key, (batch_size,), 0, data.shape[0] - context)  # [B]
+    return _windows(data, starts, context)
+
+
+def text_batch(key: Any, task: TextTask, batch_size: int) -> dict[str, Array]:
+    """A batch of :class:`TextTask` windows of the training slice, starts drawn uniformly from ``key``.
+
+    Returns:
+      dict: ``tokens [B, T]`` int32, ``targets [B, T]`` int32 (the next characters), ``loss_mask [B, T]``
+      bool (all True: every position is scored).
+    """
+    if not isinstance(task, TextTask):
+        raise TypeError(f"task must be a TextTask, received {type(task).__name__}")
+    batch_size = check_int(batch_size, "batch_size")
+    return _text_batch_jit(as_key(key), jnp.asarray(load_text()["train"]), task.context, batch_size)
+
+
+_text_batch_jit = jax.jit(_text_batch, static_argnums=(2, 3))
+
+
+def text_validation_batch(task: TextTask) -> dict[str, Array]:
+    """The fixed validation batch of :class:`TextTask`: ``val_sequences`` non-overlapping windows of
+    ``context + 1`` characters from the start of the validation slice (keys as in :func:`text_batch`)."""
+    if not isinstance(task, TextTask):
+        raise TypeError(f"task must be a TextTask, received {type(task).__name__}")
+    starts = jnp.arange(task.val_sequences) * (task.context + 1)
+    return _windows(jnp.asarray(load_text()["validation"]), starts, task.context)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The model.
 # ----------------------------------------------------------------------------------------------------
@@ -240,10 +364,12 @@ def init_params(key: Any, config: ModelConfig) -> dict:
     block's LayerNorm, q and k then have unit-variance components, so the unscaled logits have variance
     ``d_k`` at initialisation, the regime the chapter describes. MLP ``W_fc [D, mlp_ratio·D]``,
     ``W_proj [mlp_ratio·D, D]`` from ``N(0, 1/fan_in)``, zero biases; LayerNorm gains 1, biases 0; with
-    ``qk_layernorm``, per-block ``ln_q``, ``ln_k`` of width H.
+    ``qk_layernorm``, per-block ``ln_q``, ``ln_k`` of width H; with ``sigma_reparam``, per-block
+    ``{"gamma_Q": 1, "gamma_K": 1}`` (σReparam's γ, scalars).
 
     Returns:
-      ``{"wte", "wpe", "blocks": [L × {"ln_1", "attn", "ln_2", "mlp"(, "ln_q", "ln_k")}], "ln_f"}``.
+      ``{"wte", "wpe", "blocks": [L × {"ln_1", "attn", "ln_2", "mlp"(, "ln_q", "ln_k")(, "sigma_reparam")}],
+      "ln_f"}``.
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, received {type(config).__name__}")
@@ -266,6 +392,8 @@ def init_params(key: Any, config: ModelConfig) -> dict:
         if config.qk_layernorm:
             block["ln_q"] = _ln_params(config.head_dim)
             block["ln_k"] = _ln_params(config.head_dim)
+        if config.sigma_reparam:  # γ of Ŵ = (γ / σ(W)) W, scalars: no weight decay (it decays 2+ axes only)
+            block["sigma_reparam"] = {"gamma_Q": jnp.ones((), jnp.float32), "gamma_K": jnp.ones((), jnp.float32)}
         blocks.append(block)
     return {
         "wte": _normal(k_wte, (config.n_vocab, D), 0.02),
@@ -284,24 +412,77 @@ def _mlp(p: dict, x: Array) -> Array:
     return _linear(h, p["W_proj"], p["b_proj"])  # [T, D]
 
 
-def _block(p: dict, x: Array, bias: Array, *, config: ModelConfig, scale: Any) -> tuple[Array, Array, Array]:
+def rms_normalize(x: Array) -> Array:
+    """``qk_norm``: each row of ``x [..., H]`` divided by its root mean square over H, gain 1:
+    ``x / sqrt(mean_h x_h² + 1e-6)`` (the probes' remedy, plus an epsilon so that a zero row stays finite)."""
+    return x / jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + _RMS_EPS)
+
+
+def spectral_norm(w: Array, squarings: int = SIGMA_SQUARINGS) -> Array:
+    """σ(W), the largest singular value of ``w [D, M]``, by power iteration, differentiable.
+
+    The smaller Gram matrix ``G`` (``W Wᵀ`` if ``D <= M``, else ``Wᵀ W``) is squared ``squarings`` times
+    (normalised each time), which is ``2^squarings`` power-iteration steps on G at the cost of that many
+    small matrix products; applied to a fixed start vector and then 4 plain steps on G, it gives the top
+    singular vector, all under ``stop_gradient``. Then ``σ = |Wᵀ u|`` (or ``|W v|``), whose gradient with
+    respect to W is ``u vᵀ``, the exact gradient of σ at a simple top singular value. (σReparam's reference
+    code does one power step per training step from a persistent vector; this recomputes from scratch, so
+    a run stays a pure function of its params.) A truncated iteration can only under-estimate σ.
+    """
+    D, M = w.shape
+    wide = D <= M
+    gram = jax.lax.stop_gradient(w @ w.T if wide else w.T @ w)  # [m, m], m = min(D, M)
+    m = gram.shape[0]
+
+    def square(_, p):
+        p = p @ p
+        return p / jnp.linalg.norm(p)
+
+    power = jax.lax.fori_loop(0, squarings, square, gram / jnp.linalg.norm(gram))  # ∝ G^(2^squarings)
+    x = power @ jax.random.normal(jax.random.key(0), (m,), w.dtype)  # fixed start: a run depends on its params only
+    for _ in range(4):
+        x = gram @ (x / jnp.linalg.norm(x))
+    top = jax.lax.stop_gradient(x / jnp.linalg.norm(x))  # [m]
+    return jnp.linalg.norm(w.T @ top if wide else w @ top)
+
+
+def sigma_reparam_weight(w: Array, gamma: Array) -> Array:
+    """σReparam (Zhai et al. 2023): ``Ŵ = (γ / σ(W)) W``, σ from :func:`spectral_norm`."""
+    return (gamma / spectral_norm(w)) * w
+
+
+def _block(
+    p: dict, x: Array, bias: Array, *, config: ModelConfig, scale: Any, logit_cap: Any
+) -> tuple[Array, Array, Array]:
     a = p["attn"]
+    w_q, w_k = a["W_Q"], a["W_K"]
+    if config.sigma_reparam:
+        w_q = sigma_reparam_weight(w_q, p["sigma_reparam"]["gamma_Q"])  # [D, N·H]
+        w_k = sigma_reparam_weight(w_k, p["sigma_reparam"]["gamma_K"])  # [D, N·H]
     h = layer_norm(x, **p["ln_1"], eps=_LN_EPS)  # [T, D]
-    q = split_heads(_linear(h, a["W_Q"], a["b_Q"]), config.num_heads)  # [T, N, H]
-    k = split_heads(_linear(h, a["W_K"], a["b_K"]), config.num_heads)  # [T, N, H]
+    q = split_heads(_linear(h, w_q, a["b_Q"]), config.num_heads)  # [T, N, H]
+    k = split_heads(_linear(h, w_k, a["b_K"]), config.num_heads)  # [T, N, H]
     v = split_heads(_linear(h, a["W_V"], a["b_V"]), config.num_heads)  # [T, N, H]
     if config.qk_layernorm:
         q = layer_norm(q, **p["ln_q"], eps=_LN_EPS)  # [T, N, H]
         k = layer_norm(k, **p["ln_k"], eps=_LN_EPS)  # [T, N, H]
-    out, weights = multi_head_attention(q, k, v, bias=bias, scale=scale, is_causal=True)  # [T, N, H], [N, T, T]
-    logits = jax.vmap(lambda q1, k1: attention_logits(q1, k1, scale=scale), in_axes=1)(q, k)  # [N, T, T]
+    if config.qk_norm:
+        q = rms_normalize(q)  # [T, N, H]
+        k = rms_normalize(k)  # [T, N, H]
+    out, weights = multi_head_attention(
+        q, k, v, bias=bias, scale=scale, is_causal=True, logit_cap=logit_cap
+    )  # [T, N, H], [N, T, T]
+    logits = jax.vmap(
+        lambda q1, k1: attention_logits(q1, k1, scale=scale, logit_cap=logit_cap), in_axes=1
+    )(q, k)  # [N, T, T]
     x = x + _linear(merge_heads(out), a["W_O"], a["b_O"])  # [T, D]
     x = x + _mlp(p["mlp"], layer_norm(x, **p["ln_2"], eps=_LN_EPS))  # [T, D]
     return x, weights, logits
 
 
 def forward(
-    params: dict, tokens: Any, *, config: ModelConfig, scale: Any = None, logit_bias: Any = None
+    params: dict, tokens: Any, *, config: ModelConfig, scale: Any = None, logit_cap: Any = None,
+    logit_bias: Any = None,
 ) -> tuple[Array, dict[str, Array]]:
     """The decoder on one sequence: next-token logits and every attention map it used.
 
@@ -311,14 +492,16 @@ def forward(
       config: the :class:`ModelConfig` the params were made with.
       scale: query-key scale of every head: ``None`` = ``1/sqrt(d_k)``, ``1.0`` = unscaled, any positive
         float, or a traced scalar (a sweep under ``vmap``).
-      logit_bias: optional additive bias on the attention logits ``[L, N, T, T]``. Pass zeros and
+      logit_cap: ``None``, or the soft cap ``c`` of every head's logits, ``c · tanh(x / c)`` (the core's
+        ``logit_cap``; a traced scalar is accepted).
+      logit_bias: optional additive bias on the attention logits ``[L, N, T, T]`` (added before the cap). Pass zeros and
         differentiate with respect to it to get ``∂loss/∂logits`` exactly (the probes' trick, see
         :func:`jaxattn.probes.attention_grads`); it changes nothing else.
 
     Returns:
       ``(logits [T, n_vocab], captured)``; ``captured["weights"]`` ``[L, N, T, T]`` are the attention
-      maps and ``captured["attn_logits"]`` ``[L, N, T, T]`` the pre-softmax logits ``scale · q kᵀ`` before
-      the causal mask (both from the core's own functions).
+      maps and ``captured["attn_logits"]`` ``[L, N, T, T]`` the pre-softmax logits ``scale · q kᵀ`` (capped
+      when ``logit_cap`` is set: what the softmax sees) before the causal mask (both from the core's own functions).
     """
     tokens = jnp.asarray(tokens)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -335,7 +518,7 @@ def forward(
     x = params["wte"][tokens] + params["wpe"][:T]  # [T, D]
     maps, logits = [], []
     for layer, p in enumerate(params["blocks"]):
-        x, w, z = _block(p, x, logit_bias[layer], config=config, scale=scale)  # [T, D], [N, T, T], [N, T, T]
+        x, w, z = _block(p, x, logit_bias[layer], config=config, scale=scale, logit_cap=logit_cap)  # [T, D], [N, T, T] ×2
         maps.append(w)
         logits.append(z)
     x = layer_norm(x, **params["ln_f"], eps=_LN_EPS)  # [T, D]
@@ -349,13 +532,14 @@ def forward(
 
 
 def loss_fn(
-    params: dict, batch: dict[str, Array], *, config: ModelConfig, scale: Any = None, logit_bias: Any = None
+    params: dict, batch: dict[str, Array], *, config: ModelConfig, scale: Any = None, logit_cap: Any = None,
+    logit_bias: Any = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """Mean cross-entropy (nats) over the answer positions of a batch, and what the forward captured.
+    """Mean cross-entropy (nats) over the scored positions of a batch, and what the forward captured.
 
     Args:
-      params, config, scale: as in :func:`forward`.
-      batch: from :func:`recall_batch` (``tokens``, ``targets``, ``loss_mask``, each ``[B, T]``).
+      params, config, scale, logit_cap: as in :func:`forward`.
+      batch: from :func:`recall_batch` or :func:`text_batch` (``tokens``, ``targets``, ``loss_mask``, each ``[B, T]``).
       logit_bias: optional ``[B, L, N, T, T]`` (see :func:`forward`).
 
     Returns:
@@ -365,7 +549,7 @@ def loss_fn(
     B, T = batch["tokens"].shape
     if logit_bias is None:
         logit_bias = jnp.zeros((B, config.num_layers, config.num_heads, T, T), jnp.float32)
-    run = functools.partial(forward, params, config=config, scale=scale)
+    run = functools.partial(forward, params, config=config, scale=scale, logit_cap=logit_cap)
     out, captured = jax.vmap(lambda t, b: run(t, logit_bias=b))(batch["tokens"], logit_bias)  # [B, T, n_vocab]
     logp = jax.nn.log_softmax(out, axis=-1)  # [B, T, n_vocab]
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [B, T]
@@ -409,12 +593,15 @@ def init_state(seed: Any, config: ModelConfig, opt: OptConfig) -> dict:
 
 #: What :func:`train_step` logs at each step, with shapes (L layers, N heads); every value is float32.
 METRICS = {
-    "loss": "[] mean cross-entropy (nats) at the answer positions of the step's batch, before the update",
-    "accuracy": "[] fraction of answer positions where the argmax is the answer",
+    "loss": "[] mean cross-entropy (nats) at the scored positions of the step's batch (recall: the answers; "
+    "text: every position), before the update",
+    "accuracy": "[] fraction of scored positions where the argmax is the target",
     "entropy": "[L, N] per-head attention entropy (nats): jaxattn.probes.head_entropy, mean over batch",
-    "max_logit": "[L, N] largest attention logit scale·q·k over the batch and the causal positions",
+    "max_weight": "[L, N] largest attention weight of each query row, mean over rows and batch",
+    "max_logit": "[L, N] largest attention logit scale·q·k over the batch and the causal positions (with a "
+    "logit cap: the capped logit, what the softmax sees)",
     "logit_grad": "[L, N] the probes' measure at the logits: ‖∂loss/∂logits‖ per query row, mean over rows "
-    "and batch (via a zero logit bias)",
+    "and batch (via a zero logit bias; with a logit cap, at the logits before the cap)",
     "jacobian_frobenius": "[L, N] ‖diag(p) - p pᵀ‖_F of each row (jaxattn.probes.softmax_jacobian_norms), mean",
     "grad_norm_wq": "[L] ‖∂loss/∂W_Q‖ of each layer, before clipping",
     "grad_norm_wk": "[L] ‖∂loss/∂W_K‖ of each layer, before clipping",
@@ -433,6 +620,7 @@ def _metrics(loss, aux, grads, dz, lr, config: ModelConfig) -> dict[str, Array]:
         "loss": loss,
         "accuracy": aux["accuracy"],
         "entropy": jnp.mean(head_entropy(aux["weights"], causal), axis=0),  # [L, N]
+        "max_weight": jnp.mean(jnp.max(aux["weights"], axis=-1), axis=(0, 3)),  # [L, N]
         "max_logit": jnp.max(jnp.where(causal, logits, fill), axis=(0, 3, 4)),  # [L, N]
         "logit_grad": jnp.mean(jnp.linalg.norm(dz, axis=-1), axis=(0, 3)),  # [L, N]
         "jacobian_frobenius": jnp.mean(softmax_jacobian_norms(logits, causal)["frobenius"], axis=(0, 3)),  # [L, N]
@@ -444,7 +632,8 @@ def _metrics(loss, aux, grads, dz, lr, config: ModelConfig) -> dict[str, Array]:
 
 
 def train_step(
-    state: dict, batch: dict[str, Array], *, learning_rate: Any, scale: Any, config: ModelConfig, opt: OptConfig
+    state: dict, batch: dict[str, Array], *, learning_rate: Any, scale: Any, config: ModelConfig, opt: OptConfig,
+    logit_cap: Any = None,
 ) -> tuple[dict, dict[str, Array]]:
     """One AdamW step on ``batch``, and the :data:`METRICS` of that batch (computed from the same forward
     and backward pass as the update).
@@ -454,7 +643,7 @@ def train_step(
       batch: from :func:`recall_batch`.
       learning_rate: peak learning rate (a float or a traced scalar); the step's rate is
         ``learning_rate · lr_schedule(opt)(step)``.
-      scale: query-key scale (see :func:`forward`).
+      scale, logit_cap: query-key scale and soft cap (see :func:`forward`).
 
     Returns:
       ``(new_state, metrics)``.
@@ -463,7 +652,7 @@ def train_step(
     zeros = jnp.zeros((B, config.num_layers, config.num_heads, T, T), jnp.float32)
 
     def objective(diff):
-        return loss_fn(diff["params"], batch, config=config, scale=scale, logit_bias=diff["bias"])
+        return loss_fn(diff["params"], batch, config=config, scale=scale, logit_cap=logit_cap, logit_bias=diff["bias"])
 
     (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(
         {"params": state["params"], "bias": zeros}
@@ -483,18 +672,35 @@ def _batch_key(seed: Array, step: Array) -> Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), step)
 
 
-@functools.partial(jax.jit, static_argnames=("num_steps", "config", "task", "opt"))
-def _train_chunk(states, seeds, learning_rates, scales, *, num_steps, config, task, opt):
-    """``num_steps`` steps of every run at once: ``vmap`` over runs inside ``scan`` over steps."""
+def _task_batch(key: Array, task: Any, batch_size: int, data: Any) -> dict[str, Array]:
+    if isinstance(task, TextTask):
+        return _text_batch(key, data, task.context, batch_size)
+    return recall_batch(key, task, batch_size)
 
-    def one_run(state, seed, lr, scale):
-        batch = recall_batch(_batch_key(seed, state["step"]), task, opt.batch_size)
-        return train_step(state, batch, learning_rate=lr, scale=scale, config=config, opt=opt)
+
+@functools.partial(jax.jit, static_argnames=("num_steps", "config", "task", "opt"))
+def _train_chunk(states, seeds, learning_rates, scales, caps, data, *, num_steps, config, task, opt):
+    """``num_steps`` steps of every run at once: ``vmap`` over runs inside ``scan`` over steps. ``caps`` is
+    None (no cap) or one soft cap per run; ``data`` the training slice of a :class:`TextTask`, else None."""
+
+    def one_run(state, seed, lr, scale, cap):
+        batch = _task_batch(_batch_key(seed, state["step"]), task, opt.batch_size, data)
+        return train_step(state, batch, learning_rate=lr, scale=scale, logit_cap=cap, config=config, opt=opt)
 
     def step(states, _):
-        return jax.vmap(one_run)(states, seeds, learning_rates, scales)
+        return jax.vmap(one_run)(states, seeds, learning_rates, scales, caps)
 
     return jax.lax.scan(step, states, None, length=num_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _eval_loss(params, scales, caps, batch, *, config):
+    """The loss of every run (``vmap``) on one batch: ``[C]``."""
+
+    def one(p, scale, cap):
+        return loss_fn(p, batch, config=config, scale=scale, logit_cap=cap)[0]
+
+    return jax.vmap(one)(params, scales, caps)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "opt"))
@@ -508,67 +714,148 @@ def resolve_scale(scale: Any, head_dim: int) -> float:
     return float(check_scale(scale, check_int(head_dim, "head_dim")))
 
 
+def remedy_settings(remedy: Any, head_dim: int) -> dict[str, Any]:
+    """What a remedy spec (:meth:`jaxattn.probes.Remedy.parse`) sets in training at ``d_k = head_dim``.
+
+    Returns:
+      ``{"name", "scale", "logit_cap", "qk_norm", "sigma_reparam"}``: the core's ``scale``
+      ``(1/sqrt(d_k) if sqrt_dk else 1) / temperature``, its ``logit_cap`` (``None`` or c, on the logits
+      ``scale · q·k``: the unscaled ``q·k`` for ``("cap", c)``), and the :class:`ModelConfig` flags.
+    """
+    r = Remedy.parse(remedy)
+    base = 1.0 / math.sqrt(check_int(head_dim, "head_dim")) if r.sqrt_dk else 1.0
+    return {"name": r.name, "scale": base / r.temperature, "logit_cap": r.logit_cap, "qk_norm": r.qk_norm,
+            "sigma_reparam": r.sigma_reparam}
+
+
+def _run_settings(config: ModelConfig, scales: Any, remedies: Any, C: int) -> list[dict[str, Any]]:
+    """Per run: name, scale, logit_cap, qk_norm, sigma_reparam (checked before anything compiles)."""
+    if (scales is None) == (remedies is None):
+        raise ValueError("give exactly one of scales= and remedies= (sequences of length C), received "
+                         f"{'both' if scales is not None else 'neither'}")
+    if remedies is not None:
+        if isinstance(remedies, (str, Remedy)) or not isinstance(remedies, (list, tuple)):
+            raise TypeError(f"remedies must be a list or tuple of remedy specs, one per run, received {remedies!r}")
+        out = []
+        for i, spec in enumerate(remedies):
+            try:
+                out.append(remedy_settings(spec, config.head_dim))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"remedies[{i}]: {e}") from None
+        for s in out:
+            if s["qk_norm"] and config.qk_layernorm:
+                raise ValueError(f"remedies: {s['name']!r} sets qk_norm, and config.qk_layernorm is True: choose one")
+    else:
+        out = [{"name": None, "scale": resolve_scale(s, config.head_dim), "logit_cap": None,
+                "qk_norm": config.qk_norm, "sigma_reparam": config.sigma_reparam} for s in scales]
+    if len(out) != C:
+        raise ValueError(f"seeds, learning_rates and {'remedies' if remedies is not None else 'scales'} must have the "
+                         f"same non-zero length C, received {C}, {C}, {len(out)}")
+    return out
+
+
 def train(
     config: ModelConfig,
-    task: RecallTask,
+    task: "RecallTask | TextTask",
     opt: OptConfig,
     *,
     seeds: Sequence[int],
     learning_rates: Sequence[float],
-    scales: Sequence[Any],
+    scales: Sequence[Any] | None = None,
+    remedies: Sequence[Any] | None = None,
     chunk: int = 50,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Train C runs of the same shapes at once (``vmap``), ``opt.total_steps`` steps each.
 
     Run ``c`` has seed ``seeds[c]`` (its initial params and its batches), peak learning rate
-    ``learning_rates[c]`` and query-key scale ``scales[c]`` (see :func:`resolve_scale`); runs with equal
-    seeds start from the same params and see the same batches, so scaled and unscaled runs are paired.
+    ``learning_rates[c]``, and either the query-key scale ``scales[c]`` (see :func:`resolve_scale`) or the
+    remedy ``remedies[c]`` (a :class:`jaxattn.probes.Remedy` or its short form; :func:`remedy_settings`).
+    Runs with equal seeds start from the same params (the embeddings, MLPs and projections; σReparam adds
+    its γ = 1) and see the same batches, so runs are paired across scales and remedies.
+
+    Runs whose remedies change the model's structure differently (qk_norm, σReparam, a cap or none) are
+    separate compiled programs, called one after the other; all the runs of one structure (seeds ×
+    learning rates × scales, temperatures or cap values) are one ``vmap``.
 
     Args:
-      config, task, opt: shapes, task and optimizer recipe, shared by every run.
-      seeds, learning_rates, scales: sequences of length C.
-      chunk: steps per compiled call (the progress callback runs between calls).
-      progress: optional ``progress(steps_done, total_steps)``, called once before anything compiles
-        and after each chunk; e.g. a :class:`jaxattn.progress.ProgressBar`.
+      config, task, opt: shapes, task (:class:`RecallTask` or :class:`TextTask`) and optimizer recipe,
+        shared by every run. With ``remedies``, each remedy sets ``config.qk_norm`` and
+        ``config.sigma_reparam`` for its runs.
+      seeds, learning_rates: sequences of length C.
+      scales, remedies: exactly one of them, a sequence of length C.
+      chunk: steps per compiled call (the progress callback runs between calls, and a :class:`TextTask`'s
+        validation loss is taken before the first and after each).
+      progress: optional ``progress(steps_done, total_steps)`` (steps summed over the compiled programs),
+        called once before anything compiles and after each chunk; e.g. a :class:`jaxattn.progress.ProgressBar`.
 
     Returns:
       dict of NumPy arrays: every key of :data:`METRICS` with shape ``[C, steps, ...]``, plus ``seed``,
-      ``learning_rate_peak`` and ``scale`` ``[C]``.
+      ``learning_rate_peak``, ``scale`` and ``logit_cap`` (NaN: none) ``[C]``; with ``remedies``, ``remedy``
+      ``[C]`` (the names); for a :class:`TextTask`, ``val_loss [C, E]`` at steps ``val_step [E]``.
     """
-    if not isinstance(config, ModelConfig) or not isinstance(task, RecallTask) or not isinstance(opt, OptConfig):
-        raise TypeError("config, task and opt must be a ModelConfig, a RecallTask and an OptConfig")
+    if not isinstance(config, ModelConfig) or not isinstance(task, (RecallTask, TextTask)) or not isinstance(opt, OptConfig):
+        raise TypeError("config, task and opt must be a ModelConfig, a RecallTask or TextTask, and an OptConfig")
     if config.n_vocab < task.n_vocab or config.n_ctx < task.length:
         raise ValueError(
             f"config (n_vocab={config.n_vocab}, n_ctx={config.n_ctx}) is too small for the task "
             f"(n_vocab={task.n_vocab}, length={task.length}); use ModelConfig.for_task"
         )
     C = len(seeds)
-    if len(learning_rates) != C or len(scales) != C or C == 0:
-        raise ValueError(
-            f"seeds, learning_rates and scales must have the same non-zero length C, received "
-            f"{len(seeds)}, {len(learning_rates)}, {len(scales)}"
-        )
+    if len(learning_rates) != C or C == 0:
+        raise ValueError(f"seeds, learning_rates and scales must have the same non-zero length C, received "
+                         f"{len(seeds)}, {len(learning_rates)}")
+    settings = _run_settings(config, scales, remedies, C)
     chunk = check_int(chunk, "chunk")
-    seeds_a = jnp.asarray([int(s) for s in seeds], jnp.uint32)
-    lrs = jnp.asarray([_non_negative_float(lr, "learning_rates[i]") for lr in learning_rates], jnp.float32)
-    scl = jnp.asarray([resolve_scale(s, config.head_dim) for s in scales], jnp.float32)
+    seeds_a = np.asarray([int(s) for s in seeds], np.uint32)
+    lrs = np.asarray([_non_negative_float(lr, "learning_rates[i]") for lr in learning_rates], np.float32)
+    scl = np.asarray([s["scale"] for s in settings], np.float32)
+    caps = np.asarray([np.nan if s["logit_cap"] is None else s["logit_cap"] for s in settings], np.float32)
+    groups: dict[tuple, list[int]] = {}
+    for c, s in enumerate(settings):
+        groups.setdefault((s["qk_norm"], s["sigma_reparam"], s["logit_cap"] is not None), []).append(c)
+    text = isinstance(task, TextTask)
+    data = jnp.asarray(load_text()["train"]) if text else None
+    val_batch = text_validation_batch(task) if text else None
+    total = opt.total_steps * len(groups)
     if progress is not None:  # before anything compiles
-        progress(0, opt.total_steps)
-    states = _init_states(seeds_a, config=config, opt=opt)
-    pieces = []
-    done = 0
-    while done < opt.total_steps:
-        n = min(chunk, opt.total_steps - done)
-        states, logged = _train_chunk(states, seeds_a, lrs, scl, num_steps=n, config=config, task=task, opt=opt)
-        pieces.append(jax.device_get(logged))
-        done += n
-        if progress is not None:
-            progress(done, opt.total_steps)
-    history = {name: np.swapaxes(np.concatenate([p[name] for p in pieces]), 0, 1) for name in METRICS}
-    history["seed"] = np.asarray(seeds_a)
-    history["learning_rate_peak"] = np.asarray(lrs)
-    history["scale"] = np.asarray(scl)
+        progress(0, total)
+    parts, val_parts, order, done_all = [], [], [], 0
+    for (qk_norm, sigma, capped), idx in groups.items():
+        cfg = dataclasses.replace(config, qk_norm=qk_norm, sigma_reparam=sigma)
+        g_seeds, g_lrs, g_scl = jnp.asarray(seeds_a[idx]), jnp.asarray(lrs[idx]), jnp.asarray(scl[idx])
+        g_caps = jnp.asarray(caps[idx]) if capped else None
+        states = _init_states(g_seeds, config=cfg, opt=opt)
+        pieces, vals, val_steps, done = [], [], [], 0
+        while True:
+            if text:
+                vals.append(np.asarray(_eval_loss(states["params"], g_scl, g_caps, val_batch, config=cfg)))
+                val_steps.append(done)
+            if done >= opt.total_steps:
+                break
+            n = min(chunk, opt.total_steps - done)
+            states, logged = _train_chunk(states, g_seeds, g_lrs, g_scl, g_caps, data, num_steps=n, config=cfg,
+                                          task=task, opt=opt)
+            pieces.append(jax.device_get(logged))
+            done += n
+            done_all += n
+            if progress is not None:
+                progress(done_all, total)
+        parts.append({name: np.swapaxes(np.concatenate([p[name] for p in pieces]), 0, 1) for name in METRICS})
+        if text:
+            val_parts.append(np.stack(vals, axis=1))  # [C_group, E]
+        order.extend(idx)
+    inverse = np.argsort(np.asarray(order))  # back to the caller's run order
+    history = {name: np.concatenate([p[name] for p in parts])[inverse] for name in METRICS}
+    if text:
+        history["val_loss"] = np.concatenate(val_parts)[inverse]
+        history["val_step"] = np.asarray(val_steps, np.int32)
+    history["seed"] = seeds_a
+    history["learning_rate_peak"] = lrs
+    history["scale"] = scl
+    history["logit_cap"] = caps
+    if remedies is not None:
+        history["remedy"] = np.asarray([s["name"] for s in settings])
     return history
 
 
@@ -590,7 +877,10 @@ def summarize(history: dict[str, np.ndarray], *, threshold: float, window: int =
       list of C dicts: ``seed``, ``learning_rate``, ``scale``, ``final_loss``, ``final_accuracy``,
       ``steps_to_threshold`` (int, or ``None`` if never reached), ``diverged`` (a non-finite loss at any
       step, or a final loss above the first step's), ``min_entropy`` (nats, the lowest per-head entropy
-      at any logged step), ``max_logit`` (the largest attention logit at any step).
+      at any logged step), ``max_logit`` (the largest attention logit at any step); where the history has
+      them, ``remedy`` (the name), ``final_val_loss`` (the last validation loss), and per layer ``[L]``
+      (means over heads and over the last ``window`` steps) ``final_entropy``, ``final_max_weight``,
+      ``final_logit_grad``.
     """
     window = check_int(window, "window")
     threshold = float(threshold)
@@ -605,17 +895,23 @@ def summarize(history: dict[str, np.ndarray], *, threshold: float, window: int =
         trailing = np.convolve(np.nan_to_num(loss[c], nan=np.inf), np.ones(w) / w, mode="valid")  # [steps - w + 1]
         reached = np.flatnonzero(trailing <= threshold)
         final = float(np.mean(loss[c, -w:]))
-        rows.append(
-            {
-                "seed": int(history["seed"][c]),
-                "learning_rate": float(history["learning_rate_peak"][c]),
-                "scale": float(history["scale"][c]),
-                "final_loss": final,
-                "final_accuracy": float(np.mean(history["accuracy"][c, -w:])),
-                "steps_to_threshold": int(reached[0]) + w if reached.size else None,
-                "diverged": (not finite) or not final <= float(loss[c, 0]),
-                "min_entropy": float(np.min(history["entropy"][c])),
-                "max_logit": float(np.max(history["max_logit"][c])),
-            }
-        )
+        row = {
+            "seed": int(history["seed"][c]),
+            "learning_rate": float(history["learning_rate_peak"][c]),
+            "scale": float(history["scale"][c]),
+            "final_loss": final,
+            "final_accuracy": float(np.mean(history["accuracy"][c, -w:])),
+            "steps_to_threshold": int(reached[0]) + w if reached.size else None,
+            "diverged": (not finite) or not final <= float(loss[c, 0]),
+            "min_entropy": float(np.min(history["entropy"][c])),
+            "max_logit": float(np.max(history["max_logit"][c])),
+        }
+        if "remedy" in history:
+            row["remedy"] = str(history["remedy"][c])
+        if "val_loss" in history:
+            row["final_val_loss"] = float(history["val_loss"][c, -1])
+        for name in ("entropy", "max_weight", "logit_grad"):
+            if name in history:
+                row[f"final_{name}"] = np.mean(history[name][c, -w:], axis=(0, 2)).tolist()  # [L]
+        rows.append(row)
     return rows

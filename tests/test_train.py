@@ -176,6 +176,7 @@ def test_logged_series_are_finite_with_documented_shapes(history):
         "loss": (C, steps),
         "accuracy": (C, steps),
         "entropy": (C, steps, L, N),
+        "max_weight": (C, steps, L, N),
         "max_logit": (C, steps, L, N),
         "logit_grad": (C, steps, L, N),
         "jacobian_frobenius": (C, steps, L, N),
@@ -193,6 +194,8 @@ def test_logged_series_are_finite_with_documented_shapes(history):
     # Entropy is within [0, log T], accuracy within [0, 1], norms positive once gradients flow.
     assert np.all(history["entropy"] >= 0) and np.all(history["entropy"] <= math.log(T) + 1e-5)
     assert np.all((history["accuracy"] >= 0) & (history["accuracy"] <= 1))
+    # The mean largest weight of a causal row lies between the uniform row's (mean of 1/(t+1)) and 1.
+    assert np.all(history["max_weight"] >= np.mean(1 / np.arange(1, T + 1)) - 1e-6) and np.all(history["max_weight"] <= 1)
     assert np.all(history["grad_norm_wq"] > 0) and np.all(history["logit_grad"] > 0)
     # The schedule: zero at step 0 (warm-up), the peak at the end of warm-up.
     np.testing.assert_allclose(history["learning_rate"][:, 0], 0.0)

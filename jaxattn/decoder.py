@@ -54,9 +54,9 @@ from jaxattn._logits import soft_cap as _soft_cap
 from jaxattn._nn import positions, span_log_prob
 from jaxattn._nn import embed_ids as _embed_ids
 from jaxattn._nn import layer_norm as _layer_norm
-from jaxattn._sites import LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
+from jaxattn._sites import CAPTURE_NAMES, LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
 from jaxattn.checkpoint import Fitting, check_shapes, flatten
-from jaxattn.models import ModelOutput, Sizes
+from jaxattn.models import ModelOutput, Sizes, bucket_length
 
 Array = jax.Array
 
@@ -553,18 +553,74 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     warn_if_params_closed_over(params, input_ids, f"{family.name}.forward")
     s = check_config(family, config)
     family.check_params(params, config)
+    # concrete ids run at their bucket's length (a patch padded alike), the outputs cut back to T below
+    input_ids, attention_mask, real = _bucketed(input_ids, attention_mask, s.max_length)
     ids = _ids(family, config, input_ids)
     T = ids.shape[0]
     keep = _keep(attention_mask, T)
     heads = head_mask_(head_mask, s.layers, s.heads)
     scale = check_scale(scale, s.scale_dim or s.head_dim)
-    shapes = site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
+    shapes = site_shapes(T=real or T, S=real or T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
     asked = check_capture(capture)
     flags = dict(want_logits=bool(return_attention_logits), want_qkv=bool(return_qkv),
                  want_hidden=bool(return_hidden_states))
-    out = _forward(params, ids, keep, heads, jnp.asarray(scale, jnp.float32), check_patch(patch, shapes, s.layers),
+    patch = check_patch(patch, shapes, s.layers)  # against the real length: its errors name the real shapes
+    if real is not None:
+        patch = _pad_patch(patch, real, T)
+    out = _forward(params, ids, keep, heads, jnp.asarray(scale, jnp.float32), patch,
                    family=family, config=config, capture=sugar_names(asked, **flags))
+    if real is not None:
+        return _cut(out, asked, tuple(sorted(flags.items())), real)
     return with_sugar(out, asked, **flags)
+
+
+def _bucketed(input_ids: Any, attention_mask: Any, longest: int) -> tuple[Any, Any, int | None]:
+    """``(ids, mask, T)``: concrete ids ``[T]`` (and their mask) right-padded, on the host, to
+    :func:`jaxattn.models.bucket_length`, the padding masked, so every length of a bucket runs one compiled
+    program; ``T`` None when they run as they are: traced ids (the caller's ``jit`` fixes the shape), ids
+    split over several devices, or anything the checks will refuse (they then name the real shape)."""
+    if isinstance(input_ids, jax.core.Tracer) or isinstance(attention_mask, jax.core.Tracer):
+        return input_ids, attention_mask, None
+    if any(isinstance(a, jax.Array) and len(a.sharding.device_set) > 1 for a in (input_ids, attention_mask)):
+        return input_ids, attention_mask, None
+    ids = np.asarray(input_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not 1 <= ids.shape[0] <= longest:
+        return input_ids, attention_mask, None
+    T = ids.shape[0]
+    mask = np.ones(T, bool) if attention_mask is None else np.asarray(attention_mask)
+    if mask.shape != (T,) or not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_):
+        return input_ids, attention_mask, None
+    B = bucket_length(T, longest)
+    if B == T:
+        return input_ids, attention_mask, None
+    pad = (0, B - T)
+    return np.pad(ids, pad), np.pad(mask, pad), T
+
+
+def _pad_patch(patch: dict[str, tuple[Array, Array]], T: int, B: int) -> dict[str, tuple[Array, Array]]:
+    """A checked patch of a ``T``-token input for the forward at bucket length ``B``: each T and S axis of
+    length ``T`` padded to ``B`` (values with 0, ``where`` with False: no padded row is patched); an axis of
+    1 broadcasts as it did."""
+    out = {}
+    for name, pair in patch.items():
+        axes = ["L", *CAPTURE_NAMES[name][0].split()]
+        out[name] = tuple(jnp.pad(a, [(0, B - T) if x in "TS" and n == T else (0, 0) for x, n in zip(axes, a.shape)])
+                          for a in pair)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("asked", "flags", "T"))
+def _cut(out: ModelOutput, asked: tuple[str, ...], flags: tuple[tuple[str, bool], ...], T: int) -> ModelOutput:
+    """A bucketed forward's outputs at the real length ``T``: every T and S axis cut to ``[:T]`` (one small
+    program per ``T``), then the sugar fields filled."""
+    def cut(name: str, a: Array) -> Array:
+        axes = CAPTURE_NAMES[name][0].split()
+        return a[(slice(None),) + tuple(slice(0, T) if x in "TS" else slice(None) for x in axes)]
+
+    out = out._replace(logits=out.logits[:T], last_hidden_state=out.last_hidden_state[:T],
+                       attentions=None if out.attentions is None else out.attentions[..., :T, :T],
+                       captured={name: cut(name, a) for name, a in out.captured.items()})
+    return with_sugar(out, asked, **dict(flags))
 
 
 def log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
@@ -573,8 +629,9 @@ def log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attent
     warn_if_params_closed_over(params, input_ids, f"{family.name}.log_prob")
     s = check_config(family, config)
     family.check_params(params, config)
+    input_ids, attention_mask, real = _bucketed(input_ids, attention_mask, s.max_length)  # one program a bucket
     ids = _ids(family, config, input_ids)
-    end = check_span(start, end, ids.shape[0])
+    end = check_span(start, end, ids.shape[0] if real is None else real)
     keep = _keep(attention_mask, ids.shape[0])
     scale = jnp.asarray(check_scale(scale, s.scale_dim or s.head_dim), jnp.float32)
     return _log_prob(params, ids, keep, scale, start, end, family=family, config=config)
@@ -820,6 +877,13 @@ FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attent
     so the first call compiles one block whatever the depth; derivatives (``jax.grad``, ``jax.jvp``) are
     the scan's own, each layer's params getting their own cotangent.
 
+    Concrete ids (NumPy, a list, a one-device array) run at their bucket's length,
+    :func:`jaxattn.models.bucket_length` (T right-padded under the mask, at most 7 tokens or an eighth of
+    T), and the outputs come back cut to the T real rows: a new prompt length inside a bucket compiles no
+    new forward, only a small program that cuts the outputs. The rows are those of the prompt alone (the
+    pads come after them, masked as keys). Ids traced by a caller's ``jit`` or ``vmap`` run at their own
+    length (the caller's program fixes the shape).
+
     Args:
       params: the params pytree (the module docstring's layout), e.g. from :func:`load`.
       config: the model's :class:`{config}`.
@@ -869,7 +933,8 @@ LOG_PROB_DOC = """``Σ_{{start <= t < end}} log p(ids[t] | ids[:t])`` over real 
     positions. ``start`` and ``end`` index the PADDED array (under left padding by ``p`` tokens, position
     ``t`` of the sequence alone is ``t + p``; :func:`jaxattn.models.left_pad` pads a batch) and may be
     traced (``jit``/``vmap`` over spans and batches); concrete values must satisfy
-    ``0 <= start <= end <= T``.
+    ``0 <= start <= end <= T``. Concrete ids run at their bucket's length as in :func:`forward`; the
+    score is a scalar, so a new length inside a bucket compiles nothing.
 
     Args:
       input_ids: ``[T]``, e.g. a prefix followed by the continuation that starts at token ``start``.

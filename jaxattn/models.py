@@ -44,8 +44,8 @@ import numpy as np
 
 Array = jax.Array
 
-__all__ = ["BUCKETS", "ModelOutput", "ModelSpec", "QKWeights", "Sizes", "head_mesh", "head_mesh_shape", "left_pad",
-           "pad_to_bucket", "spec"]
+__all__ = ["BUCKETS", "ModelOutput", "ModelSpec", "QKWeights", "Sizes", "bucket_length", "head_mesh", "head_mesh_shape",
+           "left_pad", "pad_to_bucket", "spec"]
 
 
 class Sizes(NamedTuple):
@@ -163,6 +163,23 @@ class QKWeights:
 
 
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # sequence lengths :func:`pad_to_bucket` pads to
+
+
+def bucket_length(T: int, longest: int | None = None) -> int:
+    """The length a causal forward of ``T`` tokens runs at: ``T`` rounded up to a multiple of
+    ``2^max(3, ceil(log2 T) - 4)``, and never past ``longest`` (the model's longest input) nor below ``T``.
+
+    Multiples of 8 up to 128, then eight lengths per doubling, so the padding is at most 7 tokens, or
+    less than an eighth of ``T``: 1-8 -> 8, 9-16 -> 16, ..., 97-104 -> 104, 129-144 -> 144, 961-1024 ->
+    1024 (T = 100 runs 4 % more rows, T = 1,000 2.4 %). Every prompt length inside a bucket shares one
+    compiled forward.
+    """
+    if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
+        raise ValueError(f"T must be a positive int, received {T!r}")
+    T = int(T)
+    step = 2 ** max(3, (T - 1).bit_length() - 4)
+    B = -(-T // step) * step
+    return T if longest is not None and T > longest else min(B, longest) if longest is not None else B
 
 
 def pad_to_bucket(input_ids: Any, *, buckets: Any = BUCKETS, pad_id: int = 0) -> tuple[Array, Array]:

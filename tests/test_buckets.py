@@ -1,0 +1,127 @@
+"""Concrete prompts run at their bucket's length (:func:`jaxattn.models.bucket_length`): a new prompt length
+inside a bucket compiles no new forward, and the results are those of the prompt at its own length.
+
+Compilations are counted with ``jax.monitoring``'s backend-compile events. The models are tiny random ones
+built here, with sizes no other test file uses, so no other test has compiled their programs.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import gpt2, llama, models
+from llama_checkpoints import random_params
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+_EVENTS = []
+jax.monitoring.register_event_duration_secs_listener(lambda e, d, **k: _EVENTS.append(e) if e == COMPILE else None)
+
+LLAMA = llama.LlamaConfig.make(vocab_size=301, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40)
+GPT2 = gpt2.GPT2Config.make(vocab_size=299, n_positions=40, n_embd=24, n_layer=2, n_head=3)
+
+
+@pytest.fixture(scope="module")
+def models_():
+    lp = jax.tree.map(jnp.asarray, random_params(1, LLAMA))
+    gp = jax.tree.map(lambda w: jnp.asarray(w * 20 if w.ndim >= 2 else w), gpt2.init_params(1, GPT2))
+    return {"llama": (llama, lp, LLAMA), "gpt2": (gpt2, gp, GPT2)}
+
+
+def _compiles(fn):
+    """``(fn(), the number of XLA compilations it ran)``."""
+    n = len(_EVENTS)
+    out = jax.block_until_ready(fn())
+    return out, len(_EVENTS) - n
+
+
+def test_bucket_lengths():
+    assert [models.bucket_length(t) for t in (1, 8, 9, 11, 13, 16, 17, 64, 65, 100, 128, 129, 1000)] == \
+        [8, 8, 16, 16, 16, 16, 24, 64, 72, 104, 128, 144, 1024]
+    assert models.bucket_length(990, 1000) == 1000 and models.bucket_length(1100, 1024) == 1100
+    for T in range(1, 2049):  # never shorter, and less than an eighth of T (or 8 tokens) of padding
+        B = models.bucket_length(T)
+        assert T <= B < T + max(8, T / 8)
+    with pytest.raises(ValueError, match=r"^T must be a positive int, received 0"):
+        models.bucket_length(0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_new_length_inside_a_bucket_compiles_no_new_forward_or_log_prob(models_, name):
+    module, params, config = models_[name]
+    ids = lambda T: (np.arange(T) * 7 + 3) % 290  # noqa: E731
+    _, first = _compiles(lambda: module.forward(params, config, ids(11)).logits)
+    assert first >= 2  # the forward, then the cut of its outputs to 11 rows: the counter sees compilations
+    _, n = _compiles(lambda: module.forward(params, config, ids(13)).logits)
+    assert n == 1  # only the small program that cuts the outputs to 13 rows; the forward is the bucket's
+    _compiles(lambda: module.log_prob(params, config, ids(11), start=3))
+    _, n = _compiles(lambda: module.log_prob(params, config, ids(13), start=3))
+    assert n == 0  # a scalar: nothing to cut
+    _, n = _compiles(lambda: module.log_prob(params, config, ids(15), start=5, attention_mask=np.arange(15) >= 2))
+    assert n == 0
+    _, n = _compiles(lambda: module.log_prob(params, config, ids(17), start=3))  # 17: the next bucket, 24
+    assert n >= 1
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_bucketed_results_are_those_of_the_prompt_at_its_own_length(models_, name):
+    module, params, config = models_[name]
+    T = 13
+    ids = (np.arange(T) * 5 + 1) % 290
+    mask = np.arange(T) >= 3  # left padding too
+    kw = dict(attention_mask=mask, return_attention_logits=True, return_hidden_states=True, return_qkv=True,
+              capture=("z", "resid_post", "attn_weights"))
+    bucketed = module.forward(params, config, ids, **kw)
+    exact = jax.jit(lambda p, i: module.forward(p, config, i, **kw))(params, ids)  # traced ids: T rows
+    assert bucketed.logits.shape == exact.logits.shape == (T, config.vocab_size)
+    for field in ("logits", "last_hidden_state", "attentions", "attention_logits", "hidden_states", "q", "k", "v"):
+        a, b = np.asarray(getattr(bucketed, field)), np.asarray(getattr(exact, field))
+        assert a.shape == b.shape, field
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=field)
+    assert sorted(bucketed.captured) == ["attn_weights", "resid_post", "z"]
+    for site in bucketed.captured:
+        assert bucketed.captured[site].shape == exact.captured[site].shape, site
+        np.testing.assert_allclose(bucketed.captured[site], exact.captured[site], rtol=1e-5, atol=1e-6, err_msg=site)
+    for start, end in ((3, None), (5, 11)):
+        got = module.log_prob(params, config, ids, attention_mask=mask, start=start, end=end)
+        want = jax.jit(lambda p, i: module.log_prob(p, config, i, attention_mask=mask, start=start, end=end))(params, ids)
+        assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+        assert np.isfinite(float(got)) and float(got) < 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_patched_forward_runs_bucketed_like_the_unpatched_one(models_, name):
+    """A patch is padded with the prompt (no padded row patched): a zero patch of a head's z is exactly
+    that head's ablation, and patches of full-length and broadcast values equal the exact-length forward's."""
+    module, params, config = models_[name]
+    T = 11
+    ids, other = (np.arange(T) * 3 + 2) % 290, (np.arange(T) * 11 + 1) % 290
+    L, N = module.SPEC.sizes(config).layers, module.SPEC.sizes(config).heads
+    source = module.forward(params, config, other, capture=("z", "attn_weights"))
+    where = np.zeros((L, 1, N, 1), bool)
+    where[1, 0, 1, 0] = True
+    rows = np.zeros((L, T, 1, 1), bool)
+    rows[0, 4:] = True
+    hm = np.ones((L, N), np.float32)
+    hm[1, 1] = 0.0
+    ablated = module.forward(params, config, ids, head_mask=hm).logits
+    zero = module.forward(params, config, ids, patch={"z": (np.zeros(where.shape, np.float32), where)}).logits
+    np.testing.assert_array_equal(zero, ablated)
+    for patch in ({"z": (source.captured["z"], rows)},
+                  {"attn_weights": (source.captured["attn_weights"], np.ones((L, 1, 1, 1), bool))}):
+        got = module.forward(params, config, ids, patch=patch, capture=("resid_post",))
+        want = jax.jit(lambda p, i: module.forward(p, config, i, patch=patch, capture=("resid_post",)))(params, ids)
+        np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.captured["resid_post"], want.captured["resid_post"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"patch\['z'\] value must have shape \(2, 11, "):  # the real length
+        module.forward(params, config, ids, patch={"z": (np.zeros((L, 16, N, 8), np.float32), where)})
+
+
+def test_a_prompt_that_fills_its_bucket_or_the_model_runs_as_it_is(models_):
+    module, params, config = models_["llama"]
+    for T in (16, 40):  # a bucket's own length; the longest input (its bucket would pass the model's length)
+        out = module.forward(params, config, np.arange(T) % 290)
+        assert out.logits.shape == (T, config.vocab_size) and out.attentions.shape[-2:] == (T, T)
+    with pytest.raises(ValueError, match=r"input_ids must hold 1 to max_position_embeddings=40 tokens, received T=41"):
+        module.forward(params, config, np.arange(41) % 290)

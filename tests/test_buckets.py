@@ -90,7 +90,7 @@ def test_bucketed_results_are_those_of_the_prompt_at_its_own_length(models_, nam
         assert np.isfinite(float(got)) and float(got) < 0
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2: make test-slow
 def test_a_patched_forward_runs_bucketed_like_the_unpatched_one(models_, name):
     """A patch is padded with the prompt (no padded row patched): a zero patch of a head's z is exactly
     that head's ablation, and patches of full-length and broadcast values equal the exact-length forward's."""

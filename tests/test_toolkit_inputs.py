@@ -122,6 +122,7 @@ def test_benchmark_tables_refuses_no_tables_by_name(tables):
         _script("heads.py").benchmark_tables(tables, repeats=1)
 
 
+@pytest.mark.slow
 def test_the_benchmarks_loop_of_forwards_gives_the_library_tables():
     """The baseline ``heads.py --parts bench`` times (a Python loop of jitted whole forwards, written with the
     public API) computes the tables the library computes in one program: a head ablation, a head patch and

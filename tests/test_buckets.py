@@ -47,7 +47,7 @@ def test_bucket_lengths():
         models.bucket_length(0)
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2: make test-slow
 def test_a_new_length_inside_a_bucket_compiles_no_new_forward_or_log_prob(models_, name):
     module, params, config = models_[name]
     ids = lambda T: (np.arange(T) * 7 + 3) % 290  # noqa: E731
@@ -64,7 +64,7 @@ def test_a_new_length_inside_a_bucket_compiles_no_new_forward_or_log_prob(models
     assert n >= 1
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2: make test-slow
 def test_bucketed_results_are_those_of_the_prompt_at_its_own_length(models_, name):
     module, params, config = models_[name]
     T = 13
@@ -90,7 +90,8 @@ def test_bucketed_results_are_those_of_the_prompt_at_its_own_length(models_, nam
         assert np.isfinite(float(got)) and float(got) < 0
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2: make test-slow
+@pytest.mark.slow  # make test-slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_a_patched_forward_runs_bucketed_like_the_unpatched_one(models_, name):
     """A patch is padded with the prompt (no padded row patched): a zero patch of a head's z is exactly
     that head's ablation, and patches of full-length and broadcast values equal the exact-length forward's."""

@@ -191,7 +191,7 @@ def test_a_gemma3_rope_scaling_it_does_not_implement_is_refused(tok, tmp_path):
                                model_type="gemma2", sliding_window=2, rope_local_base_freq=5.0)
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side", [pytest.param("left", marks=pytest.mark.slow), "right"])  # left: make test-slow
 def test_a_padded_prompt_generates_as_the_prompt_alone_across_the_window(case, side):
     """The rings of the windowed layers are indexed by position, so padding takes no room in them."""
     _, _, params, config, _ = case

@@ -68,6 +68,7 @@ def test_bind_checks_traced_ids_by_dtype_and_shape(params):
         jax.vmap(lambda x, m: I.bind(llama, params, CONFIG, x, attention_mask=m).args["ids"])(IDS, MASK[:, :7])
 
 
+@pytest.mark.slow  # make test-slow
 def test_per_sequence_gives_each_sequence_of_a_batched_bound_its_own_table_equal_to_the_loop(params):
     """A batched bound's own table is one table of a batch metric; ``per_sequence`` gives one per sequence."""
     bound = I.bind(llama, params, CONFIG, IDS, attention_mask=MASK)

@@ -239,6 +239,7 @@ def test_dot_product_attention_local_window_size_without_mask(impl):
     _close(output_small_window, jax.nn.dot_product_attention(Q, K, V, local_window_size=(1, 1)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # make test-slow: it compiles every implementation in every dtype
 def test_the_lse_is_in_the_input_dtype_without_a_gradient_as_in_jax_nn():
     """With return_residual, lse carries no gradient (a cotangent on it changes nothing), in bf16."""
     keys = random.split(random.PRNGKey(1), 4)

@@ -42,6 +42,7 @@ def test_gradient_with_respect_to_the_params_matches_float64_finite_differences(
         assert abs(float(fd - exact)) <= 1e-6 * max(1.0, abs(float(exact))), (float(fd), float(exact))
 
 
+@pytest.mark.slow  # make test-slow
 def test_jit_vmap_and_eager_agree_over_params_and_batches(params):
     eager = gpt2.forward(params, TINY, IDS)
     jitted = jax.jit(lambda p, ids: gpt2.forward(p, TINY, ids))(params, IDS)  # params traced

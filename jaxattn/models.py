@@ -179,7 +179,9 @@ def bucket_length(T: int, longest: int | None = None) -> int:
     T = int(T)
     step = 2 ** max(3, (T - 1).bit_length() - 4)
     B = -(-T // step) * step
-    return T if longest is not None and T > longest else min(B, longest) if longest is not None else B
+    if longest is None:
+        return B
+    return T if T > longest else min(B, longest)  # past the model's longest input: as it is (the checks refuse it)
 
 
 def pad_to_bucket(input_ids: Any, *, buckets: Any = BUCKETS, pad_id: int = 0) -> tuple[Array, Array]:

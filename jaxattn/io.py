@@ -223,6 +223,9 @@ def use_compilation_cache(path: str | os.PathLike | None = None, *, enabled: boo
     bound on compile time or entry size, so the many small programs of a lab run are kept too. It
     changes JAX's configuration for the whole process: call it once, at the start of a script, before
     the first compilation. A cached program is the same executable, so results are bit-identical.
+    The saturation sweep's programs are also kept traced, as ``jax.export`` artifacts in
+    ``<folder>/exported`` (when ``flatbuffers`` is installed, as ``jaxattn[lab]`` does), so a later run
+    skips tracing and lowering them too; they give the same numbers, bit for bit.
     The folder is trusted: whoever can write to it can make this process run code (JAX's warning);
     keep it private.
 
@@ -274,6 +277,9 @@ def use_compilation_cache(path: str | os.PathLike | None = None, *, enabled: boo
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: every entry, whatever its size
+    from jaxattn import _exported
+
+    _exported.keep_in(folder / "exported")  # the saturation sweep's programs, traced once (jax.export)
     return folder
 
 

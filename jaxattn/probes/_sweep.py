@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import _exported
 from jaxattn._attention import _masked_softmax, attention_logits
 from jaxattn._checks import as_key, check_float_dtype, check_int, check_logit_cap, softmax_dtype
 from jaxattn._logits import soft_cap
@@ -423,7 +424,8 @@ def saturation_sweep(
                              "as a remedy, ('cap', c), or as Remedy(..., logit_cap=c)")
         return _remedy_sweep(as_key(key), specs, dims, R=R, T=T, S=S, V=V, dtype=dtype, batch=batch)
     keys = jax.random.split(as_key(key), (len(dims), R))  # [P, R]
-    out = _sweep_program(keys, cap, head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
+    out = _exported.call(_sweep_program, "saturation_sweep", keys, cap, head_dims=dims, T=T, S=S, V=V, dtype=dtype,
+                         batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
     result.update(
         head_dims=np.asarray(dims),
@@ -445,8 +447,9 @@ def _remedy_sweep(key, specs, dims, *, R, T, S, V, dtype, batch) -> dict[str, An
     scales = np.array([[remedy_scale(r, d) for r in specs] for d in dims])  # [P, M], float64
     caps = np.array([np.nan if r.logit_cap is None else r.logit_cap for r in specs])  # [M]
     keys = jax.random.split(key, (len(dims), R))  # [P, R]
-    out = _remedy_program(keys, jnp.asarray(scales, acc), jnp.asarray(np.nan_to_num(caps, nan=1.0), acc),
-                          plan=_plan(specs), head_dims=dims, T=T, S=S, V=V, dtype=dtype, batch=batch)
+    out = _exported.call(_remedy_program, "remedy_sweep", keys, jnp.asarray(scales, acc),
+                         jnp.asarray(np.nan_to_num(caps, nan=1.0), acc), plan=_plan(specs), head_dims=dims, T=T, S=S,
+                         V=V, dtype=dtype, batch=batch)
     result = {name: np.asarray(x) for name, x in out.items()}
     bounds = [logit_cap_bounds(r.logit_cap, S) if r.logit_cap is not None else {"max_weight": 1.0, "entropy": 0.0}
               for r in specs]

@@ -812,8 +812,8 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         rot = _rotation(family, config, rows_pos, slots)
         h, cache = _cache_blocks(family, config, params, h, rot, rows_pos, key_pos, seen, own, at, write, cache,
                                  scale, heads)  # [R, D]
-        logits = _unembed(family, config, params, family.final_norm(params, config, h))  # [R, V]
-        logits = logits[jnp.where(reading, last, 0)] if short else logits[0]  # [V]
+        h = h[jnp.where(reading, last, 0)] if short else h[0]  # [D]: the row that predicts the next token
+        logits = _unembed(family, config, params, family.final_norm(params, config, h[None]))[0]  # [V]
         picked = _pick(logits, None if greedy else keys[k], temperature, greedy)
         return (cache, picked), (picked, logits if return_logits else None)
 

@@ -61,7 +61,7 @@ from jaxattn.models import ModelOutput, Sizes, bucket_length
 Array = jax.Array
 
 __all__ = [
-    "FORWARD_DOC", "Family", "GENERATE_DOC", "LOG_PROB_DOC", "PROMPT_ROWS", "RESUME_DOC", "check_config",
+    "FORWARD_DOC", "Family", "GENERATE_DOC", "HOST_CUT_BYTES", "LOG_PROB_DOC", "PROMPT_ROWS", "RESUME_DOC", "check_config",
     "check_stacked", "check_tree", "document", "embed_ids", "forward", "gated_mlp", "generate", "layer_data",
     "layer_norm", "log_prob", "no_layer_data", "place_stacked", "resume", "rms_norm", "rope", "rope_frequencies",
     "rope_table", "soft_cap", "warn_if_params_closed_over",
@@ -569,9 +569,11 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
         patch = _pad_patch(patch, real, T)
     out = _forward(params, ids, keep, heads, jnp.asarray(scale, jnp.float32), patch,
                    family=family, config=config, capture=sugar_names(asked, **flags))
-    if real is not None:
-        return _cut(out, asked, tuple(sorted(flags.items())), real)
-    return with_sugar(out, asked, **flags)
+    if real is None:
+        return with_sugar(out, asked, **flags)
+    if _in_host_memory(out.logits) and _nbytes(out) <= HOST_CUT_BYTES:
+        return _host_cut(out, asked, flags, real)
+    return _cut(out, asked, tuple(sorted(flags.items())), real)
 
 
 def _bucketed(input_ids: Any, attention_mask: Any, longest: int) -> tuple[Any, Any, int | None]:
@@ -609,18 +611,49 @@ def _pad_patch(patch: dict[str, tuple[Array, Array]], T: int, B: int) -> dict[st
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("asked", "flags", "T"))
-def _cut(out: ModelOutput, asked: tuple[str, ...], flags: tuple[tuple[str, bool], ...], T: int) -> ModelOutput:
-    """A bucketed forward's outputs at the real length ``T``: every T and S axis cut to ``[:T]`` (one small
-    program per ``T``), then the sugar fields filled."""
+def _cut_outputs(out: ModelOutput, T: int, take: Callable[[Array, tuple], Array]) -> ModelOutput:
+    """``out`` with every T and S axis cut to ``[:T]`` by ``take(array, index)``."""
     def cut(name: str, a: Array) -> Array:
         axes = CAPTURE_NAMES[name][0].split()
-        return a[(slice(None),) + tuple(slice(0, T) if x in "TS" else slice(None) for x in axes)]
+        return take(a, (slice(None),) + tuple(slice(0, T) if x in "TS" else slice(None) for x in axes))
 
-    out = out._replace(logits=out.logits[:T], last_hidden_state=out.last_hidden_state[:T],
-                       attentions=None if out.attentions is None else out.attentions[..., :T, :T],
-                       captured={name: cut(name, a) for name, a in out.captured.items()})
-    return with_sugar(out, asked, **dict(flags))
+    return out._replace(logits=take(out.logits, (slice(0, T),)), last_hidden_state=take(out.last_hidden_state, (slice(0, T),)),
+                        attentions=None if out.attentions is None else take(out.attentions, (..., slice(0, T), slice(0, T))),
+                        captured={name: cut(name, a) for name, a in out.captured.items()})
+
+
+@functools.partial(jax.jit, static_argnames=("asked", "flags", "T"))
+def _cut(out: ModelOutput, asked: tuple[str, ...], flags: tuple[tuple[str, bool], ...], T: int) -> ModelOutput:
+    """A bucketed forward's outputs at the real length ``T`` off the host, or large: every T and S axis cut to
+    ``[:T]`` (one small program per ``T``), then the sugar fields filled."""
+    return with_sugar(_cut_outputs(out, T, lambda a, index: a[index]), asked, **dict(flags))
+
+
+HOST_CUT_BYTES = 64 << 20  # outputs up to this size are cut on the host (CPU): a copy, faster than compiling a cut
+
+
+def _nbytes(out: ModelOutput) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(out))
+
+
+def _in_host_memory(a: Array) -> bool:
+    """Whether ``a`` is a concrete array on CPU devices, whose memory the host reads in place (not a value
+    traced by a caller's transformation, e.g. ``jit`` over the params with the ids concrete)."""
+    return not isinstance(a, jax.core.Tracer) and all(d.platform == "cpu" for d in a.devices())
+
+
+def _host_cut(out: ModelOutput, asked: tuple[str, ...], flags: dict[str, bool], T: int) -> ModelOutput:
+    """:func:`_cut` for outputs in CPU memory, where the host reads them in place: each cut is a NumPy view
+    put on the output's device (a copy, as the compiled cut makes), so a new length compiles nothing."""
+    def take(a: Array, index: tuple) -> Array:
+        return jax.device_put(np.asarray(a)[index], a.sharding)  # one copy (or none, for a leading cut)
+
+    out = _cut_outputs(out, T, take)
+    hidden = None
+    if flags["want_hidden"]:  # [L + 1, T, D], as with_sugar builds it
+        c = out.captured["resid_pre"]
+        hidden = jax.device_put(np.concatenate([np.asarray(c), np.asarray(out.last_hidden_state)[None]]), c.sharding)
+    return with_sugar(out, asked, **{**flags, "want_hidden": False})._replace(hidden_states=hidden)
 
 
 def log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
@@ -880,7 +913,8 @@ FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attent
     Concrete ids (NumPy, a list, a one-device array) run at their bucket's length,
     :func:`jaxattn.models.bucket_length` (T right-padded under the mask, at most 7 tokens or an eighth of
     T), and the outputs come back cut to the T real rows: a new prompt length inside a bucket compiles no
-    new forward, only a small program that cuts the outputs. The rows are those of the prompt alone (the
+    new forward (on CPU, outputs up to ``HOST_CUT_BYTES`` are cut on the host and compile nothing; larger
+    ones, or on an accelerator, a small program per length cuts them). The rows are those of the prompt alone (the
     pads come after them, masked as keys). Ids traced by a caller's ``jit`` or ``vmap`` run at their own
     length (the caller's program fixes the shape).
 

@@ -18,7 +18,8 @@ PACKAGE = ROOT / "jaxattn"
 LAYERS = {
     "core": {"jaxattn._attention", "jaxattn._blockwise", "jaxattn._masks", "jaxattn._ring",
              "jaxattn._backends", "jaxattn._conformance", "jaxattn._logits", "jaxattn._dpa",
-             "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io", "jaxattn.progress"},
+             "jaxattn._checks", "jaxattn._extras", "jaxattn._typing", "jaxattn.io", "jaxattn.progress",
+             "jaxattn._exported"},
     "probes": {"jaxattn", "jaxattn.probes"},
     "models": {"jaxattn.checkpoint", "jaxattn.gpt2", "jaxattn.bert", "jaxattn._nn", "jaxattn.train", "jaxattn.nnx",
                "jaxattn.llama", "jaxattn._gguf", "jaxattn._spm", "jaxattn._llamalike", "jaxattn._sites", "jaxattn.models", "jaxattn.decoder",

@@ -880,17 +880,30 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     s = check_config(family, config)
     family.check_params(params, config)
     new = check_int(max_new_tokens, "max_new_tokens")
+    prompt = prompt_ids
+    # a concrete prompt runs at its bucket's length (padded on the right, masked), so a new prompt length
+    # inside a bucket compiles nothing; the padding is taken out of the ids returned
+    prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new)
     ids = _ids(family, config, prompt_ids, "prompt_ids")
-    if ids.shape[0] + new > s.max_length:
+    if (real or ids.shape[0]) + new > s.max_length:
         raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds "
                          f"{family.max_name}={s.max_length}")
     keep = _keep(attention_mask, ids.shape[0])
     heads = head_mask_(head_mask, s.layers, s.heads)
     scale = check_scale(scale, s.scale_dim or s.head_dim)
     greedy, key = sampling(temperature, key)
-    return _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
-                     jnp.asarray(0.0 if greedy else temperature, jnp.float32), None if greedy else key, family=family,
-                     config=config, max_new_tokens=new, greedy=greedy, return_logits=bool(return_logits))
+    out = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
+                    jnp.asarray(0.0 if greedy else temperature, jnp.float32), None if greedy else key, family=family,
+                    config=config, max_new_tokens=new, greedy=greedy, return_logits=bool(return_logits))
+    if real is None:
+        return out
+    padded = out[0] if return_logits else out  # [bucket + new]: the prompt, its padding, the new tokens
+    if isinstance(padded, jax.core.Tracer):  # params traced by a caller's transformation: part of its program
+        joined = jnp.concatenate([jnp.asarray(prompt, padded.dtype), padded[ids.shape[0]:]])
+    else:  # a few ints, put together on the host (nothing compiled)
+        picked = np.asarray(padded)[ids.shape[0]:]
+        joined = jax.device_put(np.concatenate([np.asarray(prompt).astype(picked.dtype), picked]), padded.sharding)
+    return (joined, out[1]) if return_logits else joined
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -991,6 +1004,10 @@ GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a ke
     new token is predicted from the last REAL prompt token, so a left- or right-padded prompt continues
     as the prompt alone (the new tokens come after the whole padded array); a batch of prompts is
     ``jax.vmap`` of this over padded prompts with their ``attention_mask``.
+
+    A concrete prompt runs at its bucket's length, :func:`jaxattn.models.bucket_length` (right-padded under
+    the mask, as in :func:`forward`; the padding taken out of the ids returned, on the host): a new prompt
+    length inside a bucket compiles nothing new. Ids traced by a caller's ``jit`` run at their length.
 
     Args:
       prompt_ids: ``[T]`` token ids.

@@ -152,3 +152,22 @@ def test_the_cut_on_the_host_equals_the_compiled_cut(models_, monkeypatch, off_h
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=field)
     assert host.captured.keys() == compiled.captured.keys() == {"z"}
     np.testing.assert_array_equal(host.captured["z"], compiled.captured["z"])
+
+
+def test_generate_runs_a_prompt_at_its_bucket_and_a_new_length_compiles_nothing(models_):
+    module, params, config = models_["llama"]
+    ids = lambda T: (np.arange(T) * 5 + 2) % 290  # noqa: E731
+    exact = jax.jit(lambda p, i: module.generate(p, config, i, max_new_tokens=4, return_logits=True))  # traced ids
+    for T in (11, 3):  # the long-prompt path (bucket 16) and the short one (bucket 8: the step reads it)
+        got, logits = module.generate(params, config, ids(T), max_new_tokens=4, return_logits=True)
+        want, want_logits = exact(params, ids(T))
+        assert got.shape == (T + 4,) and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+    _, n = _compiles(lambda: module.generate(params, config, ids(13), max_new_tokens=4, return_logits=True)[0])
+    assert n == 0  # 13 tokens: bucket 16, as 11's
+    mask = np.arange(12) >= 2  # left padding and the bucket's right padding together
+    got = module.generate(params, config, ids(12), attention_mask=mask, max_new_tokens=4)
+    np.testing.assert_array_equal(got[12:], module.generate(params, config, ids(12)[2:], max_new_tokens=4)[10:])
+    with pytest.raises(ValueError, match=r"prompt_ids T=38 plus max_new_tokens=4 exceeds max_position_embeddings=40"):
+        module.generate(params, config, ids(38), max_new_tokens=4)

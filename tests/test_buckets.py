@@ -128,7 +128,7 @@ def test_a_prompt_that_fills_its_bucket_or_the_model_runs_as_it_is(models_):
         module.forward(params, config, np.arange(41) % 290)
 
 
-@pytest.mark.parametrize("off_host", [False, True])
+@pytest.mark.parametrize("off_host", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: make test-slow
 def test_the_cut_on_the_host_equals_the_compiled_cut(models_, monkeypatch, off_host):
     """Small outputs on CPU are cut by NumPy views (nothing compiled); larger ones, or outputs off the host,
     by a small compiled program per length (decoder._cut): the same arrays, on the same device."""
@@ -154,6 +154,7 @@ def test_the_cut_on_the_host_equals_the_compiled_cut(models_, monkeypatch, off_h
     np.testing.assert_array_equal(host.captured["z"], compiled.captured["z"])
 
 
+@pytest.mark.slow  # make test-slow (make test's time)
 def test_generate_runs_a_prompt_at_its_bucket_and_a_new_length_compiles_nothing(models_):
     module, params, config = models_["llama"]
     ids = lambda T: (np.arange(T) * 5 + 2) % 290  # noqa: E731

@@ -45,6 +45,7 @@ def test_a_kept_sweep_gives_the_same_numbers_and_is_read_back_without_tracing(ke
     assert sorted(kept.iterdir()) == files
 
 
+@pytest.mark.slow  # make test-slow (make test's time)
 def test_what_the_program_depends_on_names_its_file(kept):
     probes.saturation_sweep(0, **SMALL)
     probes.saturation_sweep(0, **SMALL, logit_cap=2.0)  # a capped program: another file

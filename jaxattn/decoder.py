@@ -881,9 +881,12 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     family.check_params(params, config)
     new = check_int(max_new_tokens, "max_new_tokens")
     prompt = prompt_ids
-    # a concrete prompt runs at its bucket's length (padded on the right, masked), so a new prompt length
-    # inside a bucket compiles nothing; the padding is taken out of the ids returned
-    prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new)
+    # a concrete prompt longer than PROMPT_ROWS runs at its bucket's length (padded on the right, masked), so
+    # a new prompt length inside a bucket compiles nothing; the padding is taken out of the ids returned. A
+    # shorter one runs as it is: every step carries its rows, so padding them would cost every step.
+    real = None
+    if np.ndim(prompt_ids) != 1 or np.shape(prompt_ids)[0] > PROMPT_ROWS:
+        prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new)
     ids = _ids(family, config, prompt_ids, "prompt_ids")
     if (real or ids.shape[0]) + new > s.max_length:
         raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds "
@@ -1005,9 +1008,11 @@ GENERATE_DOC = """Continue ``prompt_ids`` by ``max_new_tokens`` tokens with a ke
     as the prompt alone (the new tokens come after the whole padded array); a batch of prompts is
     ``jax.vmap`` of this over padded prompts with their ``attention_mask``.
 
-    A concrete prompt runs at its bucket's length, :func:`jaxattn.models.bucket_length` (right-padded under
-    the mask, as in :func:`forward`; the padding taken out of the ids returned, on the host): a new prompt
-    length inside a bucket compiles nothing new. Ids traced by a caller's ``jit`` run at their length.
+    A concrete prompt of more than 8 tokens runs at its bucket's length, :func:`jaxattn.models.bucket_length`
+    (right-padded under the mask, as in :func:`forward`; the padding taken out of the ids returned, on the
+    host): a new prompt length inside a bucket compiles nothing new. A prompt of at most 8 tokens, and ids
+    traced by a caller's ``jit``, run at their own length (every step carries a short prompt's rows, so
+    padding them would cost every step).
 
     Args:
       prompt_ids: ``[T]`` token ids.

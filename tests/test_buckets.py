@@ -159,7 +159,7 @@ def test_generate_runs_a_prompt_at_its_bucket_and_a_new_length_compiles_nothing(
     module, params, config = models_["llama"]
     ids = lambda T: (np.arange(T) * 5 + 2) % 290  # noqa: E731
     exact = jax.jit(lambda p, i: module.generate(p, config, i, max_new_tokens=4, return_logits=True))  # traced ids
-    for T in (11, 3):  # the long-prompt path (bucket 16) and the short one (bucket 8: the step reads it)
+    for T in (11, 3):  # bucket 16; a prompt of at most PROMPT_ROWS = 8 tokens runs at its own length
         got, logits = module.generate(params, config, ids(T), max_new_tokens=4, return_logits=True)
         want, want_logits = exact(params, ids(T))
         assert got.shape == (T + 4,) and got.dtype == want.dtype

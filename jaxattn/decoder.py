@@ -888,7 +888,7 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     if np.ndim(prompt_ids) != 1 or np.shape(prompt_ids)[0] > PROMPT_ROWS:
         prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new)
     ids = _ids(family, config, prompt_ids, "prompt_ids")
-    if (real or ids.shape[0]) + new > s.max_length:
+    if ids.shape[0] + new > s.max_length:  # a bucket never passes it: it is at most max_length - new
         raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds "
                          f"{family.max_name}={s.max_length}")
     keep = _keep(attention_mask, ids.shape[0])

@@ -76,6 +76,7 @@ class _Plan:
     has_mask: bool
     window: tuple[int, int] | None = None  # (left, right): query r sees key c iff r - left <= c <= r + right
     cap: float | None = None  # the logit soft cap c of c·tanh(x / c)
+    band: tuple[int, int] | None = None  # (before, after): a windowed block's keys in one slice (see _band_forward)
 
     @property
     def full_k(self) -> int:
@@ -84,12 +85,21 @@ class _Plan:
 
 
 def _plan(T: int, S: int, block_q: int, block_k: int, causal: bool, has_mask: bool,
-          window: tuple[int, int] | None = None, cap: float | None = None) -> _Plan:
+          window: tuple[int, int] | None = None, cap: float | None = None, band: bool | None = False) -> _Plan:
+    """The tiling; ``band``: True runs a window as bands (:func:`_band_forward`), None when they are
+    narrower than the keys (and there is no mask: the caller also passes False for a bias), False never."""
     bq = max(1, min(block_q, T))
     bk = max(1, min(block_k, S))
     if window is not None:  # no wider than the keys: the same mask, and the index arithmetic stays small
         window = (min(window[0], T + S), min(window[1], T + S))
-    return _Plan(T, S, bq, bk, -(-T // bq), -(-S // bk), causal, has_mask, window, cap)
+    sides = None
+    if window is not None and band is not False and not has_mask:
+        right = min(window[1], 0) if causal else window[1]
+        # whole query blocks before and after a block's own keys, so that key gradients add up block-wise
+        sides = (-(-max(window[0], 0) // bq) * bq, -(-max(right, 0) // bq) * bq)
+        if band is None and sum(sides) + bq >= S:  # no narrower than the keys: the tiles skip as much
+            sides = None
+    return _Plan(T, S, bq, bk, -(-T // bq), -(-S // bk), causal, has_mask, window, cap, sides)
 
 
 def _min(a: Any, b: Any) -> Any:
@@ -269,9 +279,6 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | Non
              plan: _Plan) -> tuple[Array, Array]:
     """Padded inputs (q ``[nq·bq, H]``, k ``[nk·bk, H]``, v ``[nk·bk, V]``, bias ``[t, s]`` or None) ->
     ``(out [nq·bq, V], lse [nq·bq])``."""
-    acc_dtype = scale.dtype
-    fill = jnp.finfo(acc_dtype).min  # finite: a fully masked row keeps m = fill and never makes NaN
-    bq, bk, V = plan.bq, plan.bk, v.shape[1]
     # Non-finite inputs (see blockwise_attention): a non-finite entry of q or k becomes NaN, so that its
     # logits are NaN (a masked one is replaced by the fill, a kept one makes the row NaN, as in the dense
     # core); v is summed with its non-finite entries zeroed (a masked key's weight is 0, and 0 · NaN would
@@ -283,9 +290,23 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | Non
     # float32/64 inputs: q scaled once, so that no tile pays a [bq, bk] multiply. bf16/fp16 inputs: each
     # tile's float32 product is scaled in float32 (as the dense core does), never the scale rounded to
     # the input dtype (which overflows fp16 at scale·q > 65504 and loses the scale's precision).
-    pre = q.dtype == acc_dtype
+    pre = q.dtype == scale.dtype
     if pre:
         q = _scaled(q, scale)  # [Tp, H]
+    if plan.band is not None:
+        out, lse = _band_forward(q, k, v, scale, plan, pre)  # [Tp, V], [Tp]
+    else:
+        out, lse = _tile_forward(q, k, v, mask, bias, scale, plan, pre)  # [Tp, V], [Tp]
+    window = None if plan.window is None else (*plan.window, 0)
+    hit = kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * plan.bq, plan.nk * plan.bk, v_bad, window)  # [Tp or 1, V], no [T, S] buffer
+    return jnp.where(hit, jnp.nan, out), lse
+
+
+def _tile_forward(q, k, v, mask, bias, scale, plan: _Plan, pre: bool) -> tuple[Array, Array]:
+    """The online softmax over the visited key blocks of each query block: ``(out [Tp, V], lse [Tp])``."""
+    acc_dtype = scale.dtype
+    fill = jnp.finfo(acc_dtype).min  # finite: a fully masked row keeps m = fill and never makes NaN
+    bq, bk, V = plan.bq, plan.bk, v.shape[1]
     (n_free, n_masked), _ = _loop_counts(plan)
 
     def q_block(i, qb):  # qb [bq, H]
@@ -332,10 +353,164 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | Non
 
     qs = q.reshape(plan.nq, bq, q.shape[1])  # [nq, bq, H]
     _, (out, lse) = jax.lax.scan(scan_body, None, (jnp.arange(plan.nq), qs))  # [nq, bq, V], [nq, bq]
-    out = out.reshape(plan.nq * bq, V)  # [Tp, V]
-    window = None if plan.window is None else (*plan.window, 0)
-    hit = kept_nonfinite(mask, 0 if plan.causal else None, plan.nq * bq, plan.nk * bk, v_bad, window)  # [Tp or 1, V], no [T, S] buffer
-    return jnp.where(hit, jnp.nan, out), lse.reshape(plan.nq * bq)
+    return out.reshape(plan.nq * bq, V), lse.reshape(plan.nq * bq)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bands: a window's keys of a query block in one slice.
+# ----------------------------------------------------------------------------------------------------
+#
+# Under a window narrower than the keys, query block i sees keys [i·bq - before, i·bq + bq + after) at
+# most (``plan.band = (before, after)``, whole blocks): one slice of L = before + bq + after keys, so one
+# [bq, L] product and one softmax per block instead of an online softmax over small tiles, and the few
+# masked logits of the band's two corners are the only waste (a fifth of them for a causal window of 4
+# blocks). GROUP blocks run side by side (vmapped) in each step of a scan, so the products are batched
+# and the loop short. The backward goes block by block too; each block's key gradients [L, H] are added
+# into the keys' by whole blocks of bq (the slices of neighbouring blocks overlap by L - bq keys).
+
+_GROUP = 8  # query blocks per step of the band's scan
+
+
+def _band_geometry(plan: _Plan) -> tuple[int, int, int, int]:
+    """``(L, G, ng, Tg)``: the band's keys per block, blocks per step, steps, and the rows they cover."""
+    before, after = plan.band
+    G = min(_GROUP, plan.nq)
+    ng = -(-plan.nq // G)
+    return before + plan.bq + after, G, ng, ng * G * plan.bq
+
+
+def _band_keep(plan: _Plan, i: Any) -> Array:
+    """Query block ``i``'s keep-mask over its band: ``[bq, L]`` bool (the window, causal, real keys).
+
+    Row ``r``, column ``c`` is key ``i·bq - before + c``: the window and causality depend on ``c - r``
+    alone (one static mask for every block), the keys before 0 and past S on the block (one [L] compare)."""
+    before, after = plan.band
+    L = before + plan.bq + after
+    offset = np.arange(L)[None, :] - np.arange(plan.bq)[:, None] - before  # [bq, L]: key - query
+    right = min(plan.window[1], 0) if plan.causal else plan.window[1]
+    static = (offset >= -plan.window[0]) & (offset <= right)  # [bq, L]
+    key = i * plan.bq - before + jnp.arange(L)  # [L]
+    return jnp.logical_and(static, ((key >= 0) & (key < plan.S))[None, :])  # [bq, L]
+
+
+def _band_keys(x: Array, plan: _Plan) -> Array:
+    """``x [Sp, F]`` with zero rows before key 0 and past the last, as far as the bands reach."""
+    L, G, ng, Tg = _band_geometry(plan)
+    before, after = plan.band
+    n = before + Tg + after  # the keys the bands reach, from key -before
+    x = x[:n - before]
+    return jnp.pad(x, ((before, n - before - x.shape[0]), (0, 0)))  # [n, F]
+
+
+def _band_slices(x: Array, i: Array, plan: _Plan) -> Array:
+    """Blocks ``i``'s bands of :func:`_band_keys`' ``x``: ``[G, L, F]`` (a slice each)."""
+    L = sum(plan.band) + plan.bq
+    return jax.vmap(lambda i: jax.lax.dynamic_slice_in_dim(x, i * plan.bq, L))(i)  # [G, L, F]
+
+
+def _band_step_add(parts: Array, plan: _Plan) -> Array:
+    """One step's bands' key gradients ``[G, L, F]`` added up by blocks of bq: ``[G + C - 1, bq, F]``."""
+    L, G, _, _ = _band_geometry(plan)
+    C = L // plan.bq
+    chunks = parts.reshape(G, C, plan.bq, parts.shape[-1])
+    total = jnp.zeros((G + C - 1, *chunks.shape[2:]), parts.dtype)
+    for c in range(C):  # band j's c-th block of keys is the step's block j + c
+        total = total.at[c:c + G].add(chunks[:, c])
+    return total
+
+
+def _band_fold(steps: Array, plan: _Plan, S: int) -> Array:
+    """Every step's ``[ng, G + C - 1, bq, F]`` added up into the keys': ``[S, F]`` (padded key count)."""
+    L, G, ng, Tg = _band_geometry(plan)
+    n = steps.shape[1]
+    total = jnp.zeros((ng * G + n - G, *steps.shape[2:]), steps.dtype)
+    for c in range(n):  # step g's block c is block g·G + c from key -before
+        total = total.at[c:c + ng * G:G].add(steps[:, c])
+    total = total.reshape(-1, steps.shape[-1])[plan.band[0]:]  # [Tg + after, F] from key 0
+    return _pad_rows(total[:S], S)
+
+
+def _band_rows(x: Array, plan: _Plan) -> Array:
+    """Query-side ``x [Tp, ...]`` -> ``[ng, G, bq, ...]`` (zero rows past Tp)."""
+    L, G, ng, Tg = _band_geometry(plan)
+    return _pad_rows(x, Tg).reshape(ng, G, plan.bq, *x.shape[1:])
+
+
+def _band_logits(plan: _Plan, i, qb, kb, scale, pre):
+    """Block ``i``'s ``[bq, L]`` logits (capped) and its keep-mask."""
+    acc_dtype = scale.dtype
+    s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, L]
+    if not pre:
+        s = s * scale
+    return s, _band_keep(plan, i)
+
+
+def _band_forward(q, k, v, scale, plan: _Plan, pre: bool) -> tuple[Array, Array]:
+    """``(out [Tp, V], lse [Tp])`` by bands: one softmax over each block's band (no online rescaling)."""
+    acc_dtype = scale.dtype
+    fill = jnp.finfo(acc_dtype).min
+    L, G, ng, Tg = _band_geometry(plan)
+
+    def block(i, qb, kb, vb):  # [bq, H], [L, H], [L, V]
+        s, keep = _band_logits(plan, i, qb, kb, scale, pre)
+        s = jnp.where(keep, soft_cap(s, plan.cap), fill)  # [bq, L]
+        m = jnp.max(s, axis=1)  # [bq]
+        p = jnp.exp(s - m[:, None])  # [bq, L]: a masked entry's exp(fill - m) is 0 unless the row is empty
+        # a row with no kept key (its maximum is the fill: kept logits are finite or NaN here) gives 0 and
+        # lse -inf, as the tiles do
+        empty = m == fill  # [bq]
+        l1 = jnp.where(empty, 1.0, jnp.sum(p, axis=1))  # [bq]
+        out = jnp.einsum("TS,SV->TV", p, vb.astype(acc_dtype)) / l1[:, None]  # [bq, V]
+        return jnp.where(empty[:, None], 0.0, out), jnp.where(empty, -jnp.inf, m + jnp.log(l1))
+
+    k, v = _band_keys(k, plan), _band_keys(v, plan)
+
+    def step(_, xs):
+        i, qg = _tied(*xs)  # see _tied
+        return None, jax.vmap(block)(i, qg, _band_slices(k, i, plan), _band_slices(v, i, plan))
+
+    i = jnp.arange(ng * G).reshape(ng, G)
+    _, (out, lse) = jax.lax.scan(step, None, (i, _band_rows(q, plan)))
+    Tp = plan.nq * plan.bq
+    return out.reshape(Tg, -1)[:Tp], lse.reshape(Tg)[:Tp]
+
+
+def _band_backward(q_s, k, v, d_out, D, lse, scale, plan: _Plan, pre: bool) -> tuple[Array, Array, Array]:
+    """``(dq, dk, dv)`` as :func:`_backward`'s tiles give them (dq unscaled), block by block over bands."""
+    acc_dtype = scale.dtype
+    L, G, ng, Tg = _band_geometry(plan)
+    Sp = k.shape[0]
+
+    def block(i, qb, dob, lse_b, D_b, kb, vb):  # [bq, H], [bq, V], [bq], [bq], [L, H], [L, V]
+        # the band transposed, [L, bq], so that the products are plain row-major matmuls (as in _backward)
+        s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [L, bq]
+        if not pre:
+            s = s * scale
+        if plan.cap is not None:
+            u = s / plan.cap
+            s, d_cap = plan.cap * jnp.tanh(u), sech2(u)
+        p = jnp.where(_band_keep(plan, i).T, jnp.exp(s - lse_b[None, :]), 0.0)  # [L, bq], the forward's weights
+        dv = jnp.einsum("ST,TV->SV", p, dob)  # [L, V]
+        dp = jnp.einsum("SV,TV->ST", vb.astype(acc_dtype), dob)  # [L, bq]
+        ds = p * (dp - D_b[None, :])  # [L, bq]
+        if plan.cap is not None:
+            ds = ds * d_cap
+        dk = jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [L, H]
+        ds_t = jax.lax.optimization_barrier(ds.T)  # [bq, L]: one copy (see _backward)
+        dq = jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [bq, H]
+        return dq, dk, dv
+
+    k, v = _band_keys(k, plan), _band_keys(v, plan)
+
+    def step(_, xs):
+        i, rows = _tied(xs[0], xs[1:])  # see _tied
+        dq, dk, dv = jax.vmap(block)(i, *rows, _band_slices(k, i, plan), _band_slices(v, i, plan))
+        return None, (dq, _band_step_add(dk, plan), _band_step_add(dv, plan))
+
+    i = jnp.arange(ng * G).reshape(ng, G)
+    xs = (i, _band_rows(q_s, plan), _band_rows(d_out, plan), _band_rows(lse, plan), _band_rows(D, plan))
+    _, (dq, dk, dv) = jax.lax.scan(step, None, xs)  # [ng, G, bq, H], [ng, G + C - 1, bq, H], [.., V]
+    return dq.reshape(Tg, -1)[:q_s.shape[0]], _band_fold(dk, plan, Sp), _band_fold(dv, plan, Sp)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -361,6 +536,9 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=No
     q, k, v, d_out, D, lse = _backward_operands(q, k, v, out, lse, d_out, d_lse, acc_dtype)
     pre = q.dtype == acc_dtype  # as in _forward: bf16/fp16 tiles scale their float32 product instead
     q_s = _scaled(q, scale) if pre else q  # [Tp, H]
+    if plan.band is not None:
+        dq, dk, dv = _band_backward(q_s, k, v, d_out, D, lse, scale, plan, pre)  # [Tp, H], [Sp, H], [Sp, V]
+        return _backward_end(q, dq, dk, dv, scale, pre, None)
     _, (n_masked_b, n_free_b) = _loop_counts(plan)
     dq_rows = _dq_rows(bq, bias)
     tb, sb = (1, 1) if bias is None else (bias.shape[0], bk if bias.shape[1] > 1 else 1)  # dbias: [tb, sb] a key block
@@ -424,12 +602,15 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=No
         d_bias = db.transpose(1, 0, 2).reshape(tb, plan.nk * bk)  # [tb, Sp]
     else:
         d_bias = jnp.sum(db, axis=0)  # [tb, 1]
-    d_scale = jnp.sum(dq * q.astype(acc_dtype))  # Σ_ij ds_ij (q_i · k_j)
+    return _backward_end(q, dq, dk.reshape(plan.nk * bk, H), dv.reshape(plan.nk * bk, V), scale, pre, d_bias)
+
+
+def _backward_end(q, dq, dk, dv, scale, pre, d_bias):
+    """``(dq, dk, dv, dscale, dbias)`` from the sums over tiles (dq unscaled, dk unscaled unless ``pre``)."""
+    d_scale = jnp.sum(dq * q.astype(scale.dtype))  # Σ_ij ds_ij (q_i · k_j)
     dq = dq * scale  # [Tp, H]
-    dk = dk.reshape(plan.nk * bk, H)  # [Sp, H]
     if not pre:
         dk = dk * scale  # [Sp, H], = scale·dsᵀq
-    dv = dv.reshape(plan.nk * bk, V)  # [Sp, V]
     return dq, dk, dv, d_scale, d_bias
 
 
@@ -552,16 +733,18 @@ def _padded(q, k, v, mask, plan: _Plan):
     return qp, kp, vp, _pad_compact(mask, Tp, Sp)
 
 
-def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, cap=None, bias=None):
+def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, cap=None, bias=None, band=None):
     """One head, validated inputs; mask and bias ``[t, s]`` or None; scale an array of the accumulation
-    dtype; ``window`` ``(left, right)`` or None, ``cap`` a Python float or None (both static)."""
+    dtype; ``window`` ``(left, right)`` or None, ``cap`` a Python float or None (both static); ``band``
+    as :func:`_plan` takes it (None: bands where they are narrower than the keys, without a bias)."""
     T, S = q.shape[0], k.shape[0]
     out_dtype = jnp.result_type(q, k, v)
     acc_dtype = scale.dtype
     if T == 0 or S == 0:  # no key: every row is fully masked (zero output, lse = log 0)
         out = jnp.zeros((T, v.shape[1]), out_dtype)  # [T, V]
         return out, jnp.full((T,), -jnp.inf, acc_dtype)
-    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None, window, cap)
+    plan = _plan(T, S, block_q, block_k, bool(is_causal), mask is not None, window, cap,
+                 band=False if bias is not None else band)
     qp, kp, vp, mask = _padded(q, k, v, mask, plan)  # [Tp, H], [Sp, H], [Sp, V], [t, s] padded
     bias = _pad_compact(bias, plan.nq * plan.bq, plan.nk * plan.bk)  # [t, s] padded, or None
     out, lse = _flash(qp, kp, vp, mask, bias, scale, plan)  # [Tp, V], [Tp]
@@ -570,7 +753,7 @@ def _blockwise(q, k, v, mask, scale, is_causal, block_q, block_k, window=None, c
 
 # The public functions check their inputs in Python, then run as one compiled program (eagerly on a new
 # shape: one compile instead of one per primitive; inside the caller's jit the inner jit is inlined).
-_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k", "window", "cap"))  # noqa: E501
+_blockwise_jit = jax.jit(_blockwise, static_argnames=("is_causal", "block_q", "block_k", "window", "cap", "band"))  # noqa: E501
 
 
 def _blockwise_grads(q, k, v, mask, scale, out, lse, d_out, d_lse, is_causal, block_q, block_k, window=None, cap=None):

@@ -118,7 +118,9 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
         if causal is not None:
             hi = jnp.minimum(hi, rows + causal)  # [T]
         lo = rows + offset - left  # [T]
-        counts = jnp.concatenate([jnp.zeros((1, bad.shape[1]), jnp.int32), jnp.cumsum(bad, axis=0, dtype=jnp.int32)])  # [S+1, C]
+        # an associative scan: XLA's CPU backend runs jnp.cumsum's reduce-window ~6x slower at S = 16k
+        prefix = jax.lax.associative_scan(jnp.add, bad.astype(jnp.int32), axis=0)  # [S, C]
+        counts = jnp.concatenate([jnp.zeros((1, bad.shape[1]), jnp.int32), prefix])  # [S+1, C]
         hi_c, lo_c = jnp.clip(hi + 1, 0, S), jnp.clip(lo, 0, S)  # [T], [T]
         hit = (counts[hi_c] - counts[jnp.minimum(lo_c, hi_c)]) > 0  # [T, C]
     elif causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key

@@ -1,0 +1,87 @@
+"""A window run as bands (each query block's keys in one slice, one softmax) equals the tiles and the oracle.
+
+``blockwise_attention`` runs a window narrower than the keys (without a mask or a bias) as bands; these
+tests call the module's kernel with the choice forced both ways, on purpose.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxattn
+from jaxattn import _blockwise
+from tests._oracle import assert_close, reference_forward, reference_vjp, window_keep
+
+# (T, S, window, causal, cap, block_q): a causal window over several scan steps with padded rows, capped;
+# a two-sided window with more keys than queries; more queries than keys (rows past the keys see none);
+# a window of zero keys back.
+CASES = [
+    (37, 37, (9, 0), True, None, 4),
+    (37, 37, (9, 0), True, 1.5, 4),
+    (20, 29, (3, 6), False, None, 4),
+    (26, 9, (0, 2), False, 0.8, 4),
+    (19, 19, (0, 0), True, None, 8),
+]
+
+
+def _run(q, k, v, window, causal, cap, bq, band):
+    scale = jnp.asarray(1.0 / np.sqrt(q.shape[1]), jnp.float32)
+    return _blockwise._blockwise_jit(q, k, v, None, scale, causal, bq, 3, window, cap, band=band)
+
+
+@pytest.mark.parametrize("T,S,window,causal,cap,bq", CASES)
+def test_bands_equal_the_oracle_and_the_tiles_with_their_gradients(T, S, window, causal, cap, bq):
+    rng = np.random.default_rng(T * S)
+    q, k = (rng.normal(size=(n, 4)).astype(np.float32) * 1.5 for n in (T, S))
+    v = rng.normal(size=(S, 3)).astype(np.float32)
+    d_out, d_lse = rng.normal(size=(T, 3)).astype(np.float32), rng.normal(size=(T,)).astype(np.float32)
+    plan = _blockwise._plan(T, S, bq, 3, causal, False, window, cap, band=None)
+    assert plan.band is not None  # the automatic choice takes bands here
+    keep = window_keep(T, S, *window)
+    if causal:
+        keep &= np.tril(np.ones((T, S), bool))
+    want_out, _ = reference_forward(q, k, v, keep, None, None, cap)
+
+    def both(band):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: _run(q, k, v, window, causal, cap, bq, band), q, k, v)
+        return out, lse, vjp((d_out, d_lse))
+
+    out, lse, grads = both(True)
+    out_t, lse_t, grads_t = both(False)
+    assert_close(out, want_out, err_msg="out")
+    empty = ~keep.any(axis=1)
+    assert np.all(np.asarray(out)[empty] == 0) and np.all(np.isneginf(np.asarray(lse)[empty]))
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(lse_t)[~empty], rtol=2e-6, atol=2e-6)
+    for got, want, name in zip(grads, grads_t, "qkv"):  # with the lse's cotangent too
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"d{name}")
+    _, vjp = jax.vjp(lambda q, k, v: _run(q, k, v, window, causal, cap, bq, True)[0], q, k, v)
+    for got, want, name in zip(vjp(d_out), reference_vjp(q, k, v, d_out, keep, None, None, cap), "qkv"):
+        assert_close(got, want, err_msg=f"oracle d{name}")
+
+
+def test_bands_in_bfloat16_equal_the_tiles():
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(40, 8)), jnp.bfloat16) for _ in range(3))
+    got, want = (_run(q, k, v, (11, 0), True, 2.0, 8, band)[0] for band in (True, False))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_bands_have_second_derivatives_and_a_scale_gradient(x64):
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.normal(size=(13, 3)) for _ in range(3))
+
+    def f(q, k, v, scale):
+        return jaxattn.blockwise_attention(q, k, v, is_causal=True, local_window_size=(3, 0), logit_cap=1.7,
+                                           scale=scale, block_q=2, block_k=2)[0]
+
+    check_grads(f, (q, k, v, 0.6), order=2, modes=["rev"], atol=1e-5, rtol=1e-5)
+
+
+def test_the_automatic_choice_keeps_tiles_for_a_mask_or_a_window_as_wide_as_the_keys():
+    assert _blockwise._plan(64, 64, 8, 8, True, False, (15, 0), None, band=None).band == (16, 0)
+    assert _blockwise._plan(64, 64, 8, 8, True, True, (15, 0), None, band=None).band is None  # a mask
+    assert _blockwise._plan(16, 16, 8, 8, True, False, (15, 0), None, band=None).band is None  # as wide
+    assert _blockwise._plan(64, 64, 8, 8, True, False, None, None, band=None).band is None  # no window

@@ -828,6 +828,9 @@ def blockwise_attention(
     Sliding windows (``local_window_size``, as in :func:`jaxattn.attention`; a causal window of W keys is
     ``is_causal=True, local_window_size=(W - 1, 0)``): the key blocks wholly outside every row's window
     are skipped in the forward and the backward, so the cost grows as ``T·(block_q + W)``, not ``T·S``.
+    A window narrower than the keys, without a mask or a bias, runs as bands: each query block takes the
+    keys it may see as one slice (one product and one softmax, no online rescaling), eight blocks
+    batched per step; the same numbers, fewer and larger operations (docs/blockwise.md).
     Soft-capping (``logit_cap=c``: ``c · tanh(logit / c)`` before the mask) runs inside each tile, and the
     backward multiplies by its derivative ``1 - tanh²``; the cap is a Python number (it is part of the
     compiled program) and carries no gradient here (the dense :func:`jaxattn.attention` differentiates it).

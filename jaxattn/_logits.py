@@ -112,17 +112,22 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
     if mask is not None and s > 1:  # [1, S]: the same keys for every query
         bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
     if window is not None:  # keys [lo_i, hi_i] visible to query i: a difference of prefix sums of bad
-        left, right, offset = window
-        rows = jnp.arange(T)  # [T]
-        hi = rows + offset + right  # [T]
-        if causal is not None:
-            hi = jnp.minimum(hi, rows + causal)  # [T]
-        lo = rows + offset - left  # [T]
+        left, right, offset = window  # Python ints
+        hi = offset + right if causal is None else min(offset + right, causal)  # hi_i = i + hi, lo_i = i + offset - left
         # an associative scan: XLA's CPU backend runs jnp.cumsum's reduce-window ~6x slower at S = 16k
         prefix = jax.lax.associative_scan(jnp.add, bad.astype(jnp.int32), axis=0)  # [S, C]
-        counts = jnp.concatenate([jnp.zeros((1, bad.shape[1]), jnp.int32), prefix])  # [S+1, C]
-        hi_c, lo_c = jnp.clip(hi + 1, 0, S), jnp.clip(lo, 0, S)  # [T], [T]
-        hit = (counts[hi_c] - counts[jnp.minimum(lo_c, hi_c)]) > 0  # [T, C]
+        counts = jnp.concatenate([jnp.zeros((1, bad.shape[1]), jnp.int32), prefix])  # [S+1, C], counts[j] = Σ_{s<j} bad
+
+        def at(shift):  # counts[clip(i + shift, 0, S)] for i < T: a static slice of the edge-padded counts
+            before, after = max(0, -shift), max(0, T - 1 + shift - S)
+            edged = jnp.pad(counts, ((before, after), (0, 0)), mode="edge")  # [before + S + 1 + after, C]
+            return jax.lax.slice_in_dim(edged, shift + before, shift + before + T)  # [T, C]
+
+        # any bad key in [lo_i, hi_i] iff counts[hi_i + 1] > counts[lo_i] (counts never decrease, so an
+        # empty range, lo_i > hi_i, gives False); counted only when some value is bad (under vmap the cond
+        # becomes a select and both run)
+        none = jnp.zeros_like(bad, shape=(T, bad.shape[1]))  # [T, C] False
+        hit = jax.lax.cond(jnp.any(bad), lambda: at(hi + 1) > at(offset - left), lambda: none)  # [T, C]
     elif causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
         none = T + S + abs(causal)  # past every query: a column without a bad key is never hit
         first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]

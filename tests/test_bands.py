@@ -85,3 +85,23 @@ def test_the_automatic_choice_keeps_tiles_for_a_mask_or_a_window_as_wide_as_the_
     assert _blockwise._plan(64, 64, 8, 8, True, True, (15, 0), None, band=None).band is None  # a mask
     assert _blockwise._plan(16, 16, 8, 8, True, False, (15, 0), None, band=None).band is None  # as wide
     assert _blockwise._plan(64, 64, 8, 8, True, False, None, None, band=None).band is None  # no window
+
+
+def test_which_outputs_a_non_finite_value_reaches_under_a_window_equals_a_dense_count():
+    """The kernels' count of kept non-finite values (prefix sums over the keys, read at shifted rows) against
+    the keep-mask written out, over offsets, both sides, causal diagonals and rows seeing no key."""
+    from jaxattn._logits import kept_nonfinite
+
+    rng = np.random.default_rng(0)
+    for T, S, left, right, offset, causal in [(1, 1, 2, 12, -5, 0), (7, 9, 2, 3, 0, None), (7, 4, 0, 0, 4, None),
+                                              (3, 9, 11, 12, -5, 2), (7, 9, 11, 0, 0, 0), (9, 7, 2, 3, 4, 0)]:
+        bad = rng.random((S, 3)) < 0.3
+        bad[0, 0] = True
+        i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+        keep = (j >= i + offset - left) & (j <= i + offset + right)
+        if causal is not None:
+            keep &= j <= i + causal
+        want = (keep.astype(int) @ bad.astype(int)) > 0
+        got = np.asarray(kept_nonfinite(None, causal, T, S, jnp.asarray(bad), (left, right, offset)))
+        np.testing.assert_array_equal(got, want, err_msg=str((T, S, left, right, offset, causal)))
+        assert not np.any(np.asarray(kept_nonfinite(None, causal, T, S, jnp.zeros((S, 3), bool), (left, right, offset))))

@@ -437,7 +437,7 @@ def _band_rows(x: Array, plan: _Plan) -> Array:
 
 
 def _band_logits(plan: _Plan, i, qb, kb, scale, pre):
-    """Block ``i``'s ``[bq, L]`` logits (capped) and its keep-mask."""
+    """Block ``i``'s ``[bq, L]`` logits (scaled, not yet capped) and its keep-mask."""
     acc_dtype = scale.dtype
     s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, L]
     if not pre:

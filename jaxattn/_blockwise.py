@@ -426,7 +426,7 @@ def _band_fold(steps: Array, plan: _Plan, S: int) -> Array:
     total = jnp.zeros((ng * G + n - G, *steps.shape[2:]), steps.dtype)
     for c in range(n):  # step g's block c is block g·G + c from key -before
         total = total.at[c:c + ng * G:G].add(steps[:, c])
-    total = total.reshape(-1, steps.shape[-1])[plan.band[0]:]  # [Tg + after, F] from key 0
+    total = total.reshape(total.shape[0] * plan.bq, steps.shape[-1])[plan.band[0]:]  # [Tg + after, F] from key 0
     return _pad_rows(total[:S], S)
 
 
@@ -454,9 +454,9 @@ def _band_forward(q, k, v, scale, plan: _Plan, pre: bool) -> tuple[Array, Array]
     def block(i, qb, kb, vb):  # [bq, H], [L, H], [L, V]
         s, keep = _band_logits(plan, i, qb, kb, scale, pre)
         s = jnp.where(keep, soft_cap(s, plan.cap), fill)  # [bq, L]
-        m = jnp.max(s, axis=1)  # [bq]
+        m = jnp.maximum(jnp.max(s, axis=1), fill)  # [bq]: at least the fill, as the tiles' running maximum
         p = jnp.exp(s - m[:, None])  # [bq, L]: a masked entry's exp(fill - m) is 0 unless the row is empty
-        # a row with no kept key (its maximum is the fill: kept logits are finite or NaN here) gives 0 and
+        # a row with no kept key, or whose kept logits are all -inf (its maximum is the fill), gives 0 and
         # lse -inf, as the tiles do
         empty = m == fill  # [bq]
         l1 = jnp.where(empty, 1.0, jnp.sum(p, axis=1))  # [bq]

@@ -105,3 +105,19 @@ def test_which_outputs_a_non_finite_value_reaches_under_a_window_equals_a_dense_
         got = np.asarray(kept_nonfinite(None, causal, T, S, jnp.asarray(bad), (left, right, offset)))
         np.testing.assert_array_equal(got, want, err_msg=str((T, S, left, right, offset, causal)))
         assert not np.any(np.asarray(kept_nonfinite(None, causal, T, S, jnp.zeros((S, 3), bool), (left, right, offset))))
+
+
+def test_bands_at_the_edges_equal_the_tiles_values_of_zero_width_and_rows_whose_logits_are_all_minus_inf():
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.normal(size=(20, 4)), jnp.float32) for _ in range(2))
+    v0 = jnp.zeros((20, 0), jnp.float32)
+    grads = [jax.grad(lambda q, k: _run(q, k, v0, (2, 1), False, None, 4, band)[1].sum(), argnums=(0, 1))(q, k)
+             for band in (True, False)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # one query whose logits all overflow to -inf: no weight, as a row that sees no key
+    q1, k1 = jnp.full((1, 2), 1e20, jnp.float32), jnp.full((8, 2), -1e20, jnp.float32)
+    for band in (True, False):
+        out, lse = _run(q1, k1, jnp.ones((8, 3), jnp.float32), (0, 2), False, None, 1, band)
+        np.testing.assert_array_equal(np.asarray(out), np.zeros((1, 3), np.float32))
+        assert np.isneginf(np.asarray(lse)).all()

@@ -57,6 +57,9 @@ def test_a_nan_query_row_is_nan_in_weights_output_and_row_statistics():
     out_b, lse_b = jaxattn.blockwise_attention(q, k, v, block_q=2, block_k=3)
     _assert_only_row_3_is_nan(out_b, "blockwise_attention's output")
     _assert_only_row_3_is_nan(lse_b, "blockwise_attention's lse")
+    out_w, lse_w = jaxattn.blockwise_attention(q, k, v, block_q=2, local_window_size=(1, 1))  # a window as bands
+    _assert_only_row_3_is_nan(out_w, "blockwise_attention's output with a window")
+    _assert_only_row_3_is_nan(lse_w, "blockwise_attention's lse with a window")
     stats = probes.row_stats(weights)
     for name in ("entropy", "max_weight"):
         _assert_only_row_3_is_nan(stats[name], f"row_stats' {name}")
@@ -92,6 +95,10 @@ def test_a_nan_query_row_is_nan_under_xla_default_compiler_flags():
         print("output", out[3].tolist())
         assert np.all(np.isnan(w[3])) and np.all(np.isnan(out[3])), "the NaN query row vanished"
         assert np.all(np.isfinite(np.delete(w, 3, axis=0))) and np.all(np.isfinite(np.delete(out, 3, axis=0)))
+        band = np.asarray(jaxattn.blockwise_attention(q, k, v, block_q=2, local_window_size=(1, 1))[0])  # bands
+        print("blockwise with a window", band[3].tolist())
+        assert np.all(np.isnan(band[3])), "the NaN query row vanished from the windowed blockwise kernel"
+        assert np.all(np.isfinite(np.delete(band, 3, axis=0)))
         """
     )
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

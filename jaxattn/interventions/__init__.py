@@ -20,7 +20,9 @@ effect of every head is one compiled program over a batch of masks or patches: n
 - head types from attention maps (``_scores``): :func:`head_scores` (previous-token, duplicate-token,
   induction and sink scores, :data:`HEAD_KINDS`);
 - metrics (``_metrics``): :func:`span_log_prob`, :func:`choice_metric` (a causal LM's log-probability
-  difference between two continuations), :func:`similarity_metric` (an encoder's, no LM head);
+  difference between two continuations), :func:`similarity_metric` (an encoder's, no LM head),
+  :class:`RowMetric` (a function of the logits at chosen real tokens, whose tables run at the prompt's
+  bucket length: a new length inside a bucket compiles nothing new);
 - tokens of a text (``_text``): :func:`encode_with_offsets`, :func:`char_span_to_tokens`,
   :func:`find_span`, :func:`encode_choices`;
 - statistics (``_stats``): :func:`spearman`, :func:`wilson_interval`;
@@ -60,7 +62,7 @@ from jaxattn.interventions._effects import (  # noqa: E402
 )
 from jaxattn.interventions._heads import attention_inputs, entropy_bounds, qk_weights  # noqa: E402
 from jaxattn.interventions._lens import logit_attribution, logit_lens  # noqa: E402
-from jaxattn.interventions._metrics import LogitMetric, choice_metric, similarity_metric, span_log_prob  # noqa: E402
+from jaxattn.interventions._metrics import LogitMetric, RowMetric, choice_metric, similarity_metric, span_log_prob  # noqa: E402
 from jaxattn.interventions._model import Bound, bind, per_sequence  # noqa: E402
 from jaxattn.interventions._report import (  # noqa: E402
     METHODS,
@@ -94,6 +96,7 @@ __all__ = [
     "bound_summary",
     "char_span_to_tokens",
     "LogitMetric",
+    "RowMetric",
     "choice_metric",
     "choice_pair",
     "correlations",

@@ -49,6 +49,7 @@ from jaxattn.interventions._programs import program as _program
 from jaxattn.interventions._programs import resumable, resumed_effects
 from jaxattn.interventions._programs import run_map as _run_map
 from jaxattn.interventions._programs import scalar as _scalar
+from jaxattn.interventions._programs import table_args as _table_args
 
 Array = jax.Array
 Metric = Callable[[Any], Array]
@@ -121,22 +122,23 @@ def head_where(name: str, shape: Sequence[int], *, positions: Any = None) -> Arr
 def metric_value(bound: Bound, metric: Metric) -> Array:
     """``metric(bound())``: the clean value every table is measured from (compiled)."""
     _check_bound(bound), _check_metric(metric)
-    return _program(_clean_fn(bound.apply, metric), None)(bound.args, None)
+    return _program(_clean_fn(bound.apply, metric), None)(_table_args(bound, metric), None)
 
 
 @functools.lru_cache(maxsize=64)
 def _clean_fn(apply: Callable[..., Any], metric: Metric) -> Callable[[Any, Any], Array]:
-    return lambda args, _: _scalar(metric, apply(args))
+    return lambda args, _: _scalar(metric, apply(args), args)
 
 
 @functools.lru_cache(maxsize=64)
 def _mask_fn(apply: Callable[..., Any], metric: Metric) -> Callable[[Any, Any], Array]:
-    return lambda args, mask: _scalar(metric, apply(args, head_mask=mask))
+    return lambda args, mask: _scalar(metric, apply(args, head_mask=mask), args)
 
 
 @functools.lru_cache(maxsize=64)
 def _patch_fn(apply: Callable[..., Any], metric: Metric, name: str) -> Callable[[Any, Any], Array]:
-    return lambda args_value, where: _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}))
+    return lambda args_value, where: _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}),
+                                             args_value[0])
 
 
 @functools.lru_cache(maxsize=64)
@@ -147,7 +149,7 @@ def _position_patch_fn(apply: Callable[..., Any], metric: Metric, name: str, L: 
 
     def fn(args_value, at):
         where = (jnp.arange(L)[:, None, None] == at[0]) & (jnp.arange(T)[None, :, None] == at[1])  # [L, T, 1]
-        return _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}))
+        return _scalar(metric, apply(args_value[0], patch={name: (args_value[1], where)}), args_value[0])
 
     return fn
 
@@ -189,7 +191,7 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
         return resumed_effects(bound, metric, kind="gate", G=N, extra=jnp.asarray(value, _float()), chunk=chunk,
                                shape=(L, N), mesh=mesh, data_axis=data_axis)
     masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
-    return _run_map(bound.args, _mask_fn(bound.apply, metric), masks, chunk, mesh, data_axis).reshape(L, N)
+    return _run_map(_table_args(bound, metric), _mask_fn(bound.apply, metric), masks, chunk, mesh, data_axis).reshape(L, N)
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -377,15 +379,16 @@ def gate_gradients(bound: Bound, metric: Metric, *, mesh: Any = None) -> Array:
     """
     _check_bound(bound), _check_metric(metric)
     ones = jnp.ones((bound.n_layers, bound.n_heads), _float())
+    args = _table_args(bound, metric)
     if mesh is not None:
         _mesh.check(mesh, None)
-        return _mesh.run(_gate_program(bound.apply, metric), mesh, ones, bound.args, replicate=True)
-    return _gate_program(bound.apply, metric)(ones, bound.args)
+        return _mesh.run(_gate_program(bound.apply, metric), mesh, ones, args, replicate=True)
+    return _gate_program(bound.apply, metric)(ones, args)
 
 
 @functools.lru_cache(maxsize=64)
 def _gate_program(apply: Callable[..., Any], metric: Metric) -> Callable[[Any, Any], Array]:
-    return jax.jit(jax.grad(lambda m, args: _scalar(metric, apply(args, head_mask=m))))
+    return jax.jit(jax.grad(lambda m, args: _scalar(metric, apply(args, head_mask=m), args)))
 
 
 def _reduce_heads(x: Array, name: str, batched: bool) -> Array:
@@ -432,7 +435,7 @@ def _layer_grad(apply: Callable[..., Any], metric: Metric, name: str, L: int, ba
     """``∂metric/∂x[layer]`` with layer ``layer``'s tensor patched with its own value ``x``: ``[(B,) ...]``."""
     rank = 1 + len(CAPTURE_NAMES[name][0].split())
     where = (jnp.arange(L) == layer).reshape((L,) + (1,) * (rank - 1))
-    g = jax.grad(lambda v: _scalar(metric, apply(args, patch={name: (v, where)})))(x)
+    g = jax.grad(lambda v: _scalar(metric, apply(args, patch={name: (v, where)}), args))(x)
     return g[:, layer] if batched else g[layer]  # [(B,) ...]
 
 

@@ -45,6 +45,56 @@ class LogitMetric:
         return f"LogitMetric({getattr(self.fn, '__name__', self.fn)!r}, rows={self.rows!r})"
 
 
+class RowMetric:
+    """A metric of a causal model's logits at chosen REAL tokens, given those rows alone: ``RowMetric(fn, rows)``.
+
+    ``fn(logits, next_ids) -> scalar`` receives ``logits [R, V]``, the logits at the real tokens ``rows``
+    (``k >= 0``: the k-th real token, counted from 0; ``k < 0``: counted from the last, ``-1`` being the
+    last real token), and ``next_ids [R]``, the id of the real token after each (the one that row predicts;
+    ``-1`` after the last). A batched bound gives ``[B, R, V]`` and ``[B, R]``, each sequence's own rows. A
+    row that a sequence does not have (``k`` past its real tokens) comes as NaN logits.
+
+    Positions count real tokens only and ``fn`` never sees a length, so the metric's value does not depend
+    on padding, and a table of it does not depend on the prompt's length: :func:`bind` of concrete ids
+    (one sequence of a causal model) keeps them padded to their bucket too
+    (:func:`jaxattn.models.bucket_length`), and :func:`ablation_effects`, :func:`gate_gradients` and
+    :func:`metric_value` of a ``RowMetric`` run there, so a new prompt whose length falls in a bucket
+    already run compiles nothing new. The tables unembed the declared rows only.
+
+    Two ``RowMetric`` of the same ``fn`` (the same function object) and ``rows`` are equal and share the
+    tables' compiled programs; a new ``fn`` (a new lambda) is a new program.
+
+    Example: ``RowMetric(lambda lg, nxt: lg[0, paris] - lg[0, rome], rows=(-1,))``, the logit difference at
+    the last token; ``RowMetric(lambda lg, nxt: jnp.sum(jax.nn.log_softmax(lg)[jnp.arange(3), nxt]),
+    rows=(-4, -3, -2))``, the log-probability of the last three tokens.
+
+    Raises:
+      TypeError, ValueError: naming ``fn`` (not callable) or ``rows`` (not a non-empty sequence of ints).
+    """
+
+    def __init__(self, fn: Callable[[Array, Array], Array], rows: Any):
+        if not callable(fn):
+            raise TypeError(f"fn must be a function (logits [R, V], next_ids [R]) -> scalar, received "
+                            f"{type(fn).__name__}")
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, (tuple, list, np.ndarray)) or len(rows) == 0 or \
+                any(isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) for r in rows):
+            raise ValueError(f"rows must be a non-empty sequence of ints (real-token indices; negative counts from "
+                             f"the last real token), received {rows!r}")
+        self.fn, self.rows = fn, tuple(int(r) for r in rows)
+
+    def __call__(self, logits: Any, next_ids: Any) -> Array:
+        return self.fn(logits, next_ids)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, RowMetric) and other.fn is self.fn and other.rows == self.rows
+
+    def __hash__(self) -> int:
+        return hash((RowMetric, self.fn, self.rows))
+
+    def __repr__(self) -> str:
+        return f"RowMetric({getattr(self.fn, '__name__', self.fn)!r}, rows={self.rows!r})"
+
+
 def span_log_prob(logits: Any, ids: Any, start: Any, end: Any, *, attention_mask: Any = None) -> Array:
     """``Σ_{start <= t < end} log p(ids[t] | the real tokens before t)``: a span's log-probability (nats).
 

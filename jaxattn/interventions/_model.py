@@ -17,10 +17,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn._inputs import batch_ids, batch_mask
 from jaxattn._sites import CAPTURE_NAMES
-from jaxattn.models import ModelSpec, spec
+from jaxattn.models import ModelSpec, bucket_length, spec
 
 Array = jax.Array
 
@@ -47,6 +48,10 @@ class Bound:
         ``layer`` on (the protocol's ``resume``), from ``resid_pre [(B,) T, D]`` with the maps
         ``attentions [(B,) L, N, T, T]`` of the blocks before it; ``None`` when the module has no ``resume``
         (the tables then run whole forwards).
+      bucket: ``args`` with the ids and mask right-padded to :func:`jaxattn.models.bucket_length` (the
+        padding masked), for the tables of a :class:`~jaxattn.interventions.RowMetric`, whose value does not
+        depend on the length (a new prompt length inside a bucket then compiles nothing new); ``None`` when
+        the inputs are traced, batched, not a causal model's, or already a bucket's length.
     """
 
     apply: Callable[..., Any]
@@ -57,6 +62,7 @@ class Bound:
     module: Any = None
     config: Any = None
     resume: Callable[..., Any] | None = None
+    bucket: Any = None
 
     @property
     def spec(self) -> ModelSpec:
@@ -137,6 +143,12 @@ def _resume_fn(resume: Callable[..., Any], config: Any, batched: bool) -> Callab
 RESUME_KWARGS = frozenset({"scale"})  # the further forward arguments the protocol's resume takes
 
 
+def _on_host(*arrays: Any) -> bool:
+    """Whether every array is concrete and whole on one device (NumPy, or a JAX array on one device)."""
+    return all(isinstance(a, np.ndarray) or (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+                                             and len(a.sharding.device_set) == 1) for a in arrays)
+
+
 def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
          **forward_kwargs: Any) -> Bound:
     """``module.forward(params, config, input_ids, ...)`` as a :class:`Bound`, for any bundled model.
@@ -156,7 +168,10 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     Returns:
       a :class:`Bound`; ``bound()`` is the plain forward, ``bound(head_mask=m)`` ablates. Its ``resume`` is
       the model's ``resume`` (the forward from a layer on, which the effect tables use) when it declares
-      one and ``forward_kwargs`` holds only arguments it takes (``scale``), else ``None``.
+      one and ``forward_kwargs`` holds only arguments it takes (``scale``), else ``None``. Concrete ids of
+      one sequence of a causal model are also kept padded to their bucket (:attr:`Bound.bucket`), where
+      the tables of a :class:`~jaxattn.interventions.RowMetric` run: a new prompt length inside a bucket
+      compiles nothing new for them.
     """
     declared = spec(module)
     ids = batch_ids(input_ids, "input_ids")
@@ -168,7 +183,15 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     resume = None
     if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:
         resume = _resume_fn(declared.resume, config, batch is not None)
-    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume)
+    bucket = None
+    if batch is None and declared.causal and set(forward_kwargs) <= RESUME_KWARGS and _on_host(ids, mask) \
+            and ids.shape[0] <= sizes.max_length:
+        B = bucket_length(ids.shape[0], int(sizes.max_length))
+        if B > ids.shape[0]:  # padded on the host, the padding masked
+            pad = (0, B - ids.shape[0])
+            bucket = {**args, "ids": jnp.asarray(np.pad(np.asarray(ids), pad)),
+                      "mask": jnp.asarray(np.pad(np.asarray(mask), pad))}
+    return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume, bucket)
 
 
 def per_sequence(bound: Bound, table: Callable[..., Any], *per_sequence_args: Any) -> Any:

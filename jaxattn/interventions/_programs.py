@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.interventions import _mesh
-from jaxattn.interventions._metrics import LogitMetric
+from jaxattn.interventions._metrics import LogitMetric, RowMetric
 from jaxattn.interventions._model import Bound
 from jaxattn.interventions._packing import (
     Packing,
@@ -48,12 +48,14 @@ Array = jax.Array
 Metric = Callable[[Any], Array]
 
 
-def scalar(metric: Metric, out: Any) -> Array:
+def scalar(metric: Metric, out: Any, args: Any = None, unembed: Any = None, config: Any = None) -> Array:
     """``metric(out)`` as a float scalar; a result that is not one real number (int or float) is refused.
 
-    The checks read only the result's type, dtype and shape, which are static under ``jax.jit``.
+    A :class:`RowMetric` gets its rows of ``out`` (:func:`row_logits`, from ``args``' ids and mask; unembedded
+    from ``last_hidden_state`` by ``unembed`` when given, else read off ``out.logits``). The checks read only
+    the result's type, dtype and shape, which are static under ``jax.jit``.
     """
-    value = metric(out)
+    value = metric(*row_logits(metric, out, args, unembed, config)) if isinstance(metric, RowMetric) else metric(out)
     if isinstance(value, (jax.Array, np.ndarray, np.generic)):
         dtype = value.dtype
     elif isinstance(value, (int, float, complex)):  # bool is an int: refused below by its dtype
@@ -68,6 +70,40 @@ def scalar(metric: Metric, out: Any) -> Array:
         raise ValueError(f"metric must return a scalar, received shape {tuple(jnp.shape(value))}")
     value = jnp.asarray(value)
     return value.astype(jnp.promote_types(value.dtype, jnp.float32))
+
+
+def real_rows(rows: tuple[int, ...], ids: Array, mask: Array) -> tuple[Array, Array, Array]:
+    """``(at [R], ok [R], next_ids [R])`` of one sequence (``ids, mask [T]``): the position of each real-token
+    index of ``rows`` (negative: from the last real token), whether the sequence has it, and the id of the
+    real token after it (-1 when none). Traced arrays of the real-token count, not of the length."""
+    keep = mask.astype(bool)  # [T]
+    n = jnp.sum(keep)
+    k = jnp.asarray(rows, jnp.int32)  # [R]
+    k = jnp.where(k < 0, n + k, k)  # [R]
+    count = jnp.cumsum(keep)  # [T]: real tokens up to and at each position
+    first = lambda c: jnp.argmax(keep[None, :] & (count[None, :] == c[:, None]), axis=1)  # noqa: E731  [R]
+    at, after = first(k + 1), first(k + 2)  # the k-th real token's position, the next one's
+    ok = (k >= 0) & (k < n)  # [R]
+    return at, ok, jnp.where(ok & (k + 1 < n), ids[after], -1)
+
+
+def row_logits(metric: RowMetric, out: Any, args: Any, unembed: Any, config: Any) -> tuple[Array, Array]:
+    """``(logits [(B,) R, V], next_ids [(B,) R])`` of a :class:`RowMetric`'s rows, NaN for a row a sequence
+    does not have: ``unembed(last_hidden_state at the rows)`` when ``unembed`` is given, else ``out.logits``
+    at the rows."""
+    if unembed is None and getattr(out, "logits", None) is None:
+        raise ValueError("metric is a RowMetric, which reads a causal language model's logits, but the bound's "
+                         "model gives none (an encoder): use a plain metric of its output")
+    src = out.last_hidden_state if unembed is not None else out.logits  # [(B,) T, D or V]
+
+    def one(ids, mask, x):
+        at, ok, nxt = real_rows(metric.rows, ids, mask)
+        return jnp.take(x, at, axis=0), ok, nxt  # [R, D or V], [R], [R]
+
+    ids, mask = args["ids"], args["mask"]
+    x, ok, nxt = (jax.vmap(one) if ids.ndim == 2 else one)(ids, mask, src)
+    logits = unembed(args["params"], config, x) if unembed is not None else x  # [(B,) R, V]
+    return jnp.where(ok[..., None], logits, jnp.nan), nxt
 
 
 def default_float() -> Any:
@@ -170,6 +206,15 @@ def readout(unembed: Any, config: Any, rows: tuple[int, ...] | None, params: Any
 # ----------------------------------------------------------------------------------------------------
 
 
+def table_args(bound: Bound, metric: Metric) -> Any:
+    """The arrays a table of ``metric`` runs on: the bound's inputs padded to their bucket
+    (:attr:`Bound.bucket`) for a :class:`RowMetric`, whose value does not depend on the length, so every
+    prompt length of a bucket shares the table's program; else the inputs as they are."""
+    if isinstance(metric, RowMetric) and bound.bucket is not None:
+        return bound.bucket
+    return bound.args
+
+
 def resumable(bound: Bound) -> bool:
     """Whether the tables can resume this bound's interventions (its module has the protocol's ``resume``)."""
     return bound.resume is not None and bound.module is not None
@@ -182,7 +227,7 @@ def _prefix_program(apply: Callable[..., Any], unembed: Any, config: Any, metric
 
     def run(args):
         out = apply(args, capture=("resid_pre",))
-        clean = scalar(metric, out)
+        clean = scalar(metric, out, args, unembed, config)
         alone = scalar(metric, readout(unembed, config, rows, args["params"], out)) if rows is not None else clean
         return out.captured["resid_pre"], out.attentions, clean, alone
 
@@ -202,8 +247,11 @@ def _packing(bound: Bound, kind: str, name: str | None, extra: Any) -> Packing |
     return pk if value_packs(name, value, value.ndim == rank + 1, int(pk.shared)) else None
 
 
-def _unembed(bound: Bound, rows: Any) -> Any:
-    """The protocol's ``unembed`` when a metric reads some logits rows only (else ``None``: not needed)."""
+def _unembed(bound: Bound, rows: Any, metric: Metric) -> Any:
+    """The protocol's ``unembed`` when a metric reads some logits rows only (else ``None``: not needed; a
+    :class:`RowMetric` of a model without one reads ``out.logits``, or is refused when there are none)."""
+    if isinstance(metric, RowMetric):
+        return bound.spec.unembed
     if rows is None:
         return None
     unembed = bound.spec.unembed
@@ -268,7 +316,7 @@ def _resumed_program(resume: Callable[..., Any], unembed: Any, config: Any, batc
                     patch = patch and {n: (v, pack_where(n, w, pk)) for n, (v, w) in patch.items()}
                     out = unpack(resume(args, layer, stream, maps, head_mask=head_mask, patch=patch,
                                         packed=(pk.keep, pk.positions)), pk)
-                return scalar(metric, readout(unembed, config, rows, args["params"], out))
+                return scalar(metric, readout(unembed, config, rows, args["params"], out), args, unembed, config)
 
             return carry, jax.vmap(one)(idx)  # [C]
 
@@ -301,8 +349,9 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
     L = bound.n_layers
     T = int(bound.args["ids"].shape[-1])
     rows = logit_rows(metric, T)
-    prefix = _prefix_program(bound.apply, _unembed(bound, rows), bound.config, metric, rows)
-    resid_pre, maps, clean, alone = prefix(bound.args) if mesh is None else _mesh.run(prefix, mesh, bound.args)
+    args = table_args(bound, metric) if kind == "gate" else bound.args
+    prefix = _prefix_program(bound.apply, _unembed(bound, rows, metric), bound.config, metric, rows)
+    resid_pre, maps, clean, alone = prefix(args) if mesh is None else _mesh.run(prefix, mesh, args)
     if rows is not None and not bool(jnp.abs(clean - alone) <= 1e-5 * jnp.maximum(1.0, jnp.abs(clean))):
         raise ValueError(f"metric.rows = {rows} leaves out logits rows the metric reads: on the clean run "
                          f"it gives {float(clean)!r} from every row and {float(alone)!r} from those rows alone")
@@ -316,9 +365,9 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
             value = extra[0] if kind == "head" else extra
             value = pack_value(name, value, value.ndim == len(shape) + 1, pk)
             extra = (value, extra[1]) if kind == "head" else value
-    program = _resumed_program(bound.resume, _unembed(bound, rows), bound.config, bound.batch is not None, metric,
+    program = _resumed_program(bound.resume, _unembed(bound, rows, metric), bound.config, bound.batch is not None, metric,
                                rows, kind, name, tuple(shape), pk is not None)
-    fixed, xs = (bound.args, extra, resid_pre, maps, pk), (jnp.asarray(layers), jnp.asarray(items))
+    fixed, xs = (args, extra, resid_pre, maps, pk), (jnp.asarray(layers), jnp.asarray(items))
     values = program(*fixed, *xs) if mesh is None else _mesh.split(program, fixed, xs, mesh, data_axis)  # [n, C]
 
     def assemble(values):

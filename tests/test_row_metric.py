@@ -1,0 +1,134 @@
+"""A :class:`jaxattn.interventions.RowMetric` reads the logits at chosen REAL tokens, so its tables do not
+depend on the prompt's length: they run at the bucket's length, a new length inside a bucket compiles
+nothing new (counted with ``jax.monitoring``'s backend-compile events), and the values equal a plain metric
+of the same rows at the prompt's own length.
+
+A tiny random Llama with sizes no other test file uses, so its programs are compiled here first.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxattn import bert, llama
+from jaxattn import interventions as I
+from llama_checkpoints import random_params
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+_EVENTS = []
+jax.monitoring.register_event_duration_secs_listener(lambda e, d, **k: _EVENTS.append(e) if e == COMPILE else None)
+
+CONFIG = llama.LlamaConfig.make(vocab_size=307, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40)
+ROWS = (-1, 2, -3)  # the last real token, the third, the third from the end
+
+
+def fn(logits, next_ids):  # [R, V], [R]: a logit difference at the last token, plus the rows' log-probabilities
+    scores = jax.nn.log_softmax(logits)[jnp.arange(logits.shape[0]), jnp.maximum(next_ids, 0)]
+    return logits[0, 5] - logits[0, 9] + 0.1 * jnp.sum(jnp.where(next_ids >= 0, scores, 0.0))
+
+
+METRIC = I.RowMetric(fn, ROWS)
+
+
+def ids_of(T):
+    return ((np.arange(T) * 7 + 3) % 300).astype(np.int32)
+
+
+def plain(T, mask=None):
+    """The same metric written as a plain function of the whole output, for the prompt at its own length."""
+    ids, keep = ids_of(T), np.ones(T, bool) if mask is None else np.asarray(mask, bool)
+    real = np.flatnonzero(keep)
+    k = [len(real) - 1, 2, len(real) - 3]
+    rows = jnp.asarray(real[k])
+    nxt = jnp.asarray([ids[real[i + 1]] if i + 1 < len(real) else -1 for i in k])
+    return lambda out: fn(out.logits[rows], nxt)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jax.tree.map(jnp.asarray, random_params(3, CONFIG))
+
+
+def _compiles(fn):
+    n = len(_EVENTS)
+    out = jax.block_until_ready(fn())
+    return out, len(_EVENTS) - n
+
+
+def _tables(bound, metric, every):
+    if not every:
+        return (I.ablation_effects(bound, metric), I.metric_value(bound, metric))
+    return (I.ablation_effects(bound, metric), I.ablation_effects(bound, metric, resume=False),
+            I.gate_gradients(bound, metric), I.metric_value(bound, metric))
+
+
+@pytest.mark.parametrize("every", [False, pytest.param(True, marks=pytest.mark.slow)])  # True: make test-slow
+def test_a_new_length_inside_a_bucket_compiles_nothing_new_for_a_row_metric_table(params, every):
+    """``every=False``: the resumed ablation table and the metric's value; ``True`` adds the whole-forward
+    ablation table and the gates' gradients, and compares at both lengths."""
+    first = I.bind(llama, params, CONFIG, ids_of(11))
+    assert first.bucket["ids"].shape == (16,) and first.args["ids"].shape == (11,)
+    got11, n = _compiles(lambda: _tables(first, METRIC, every))
+    assert n >= 1  # the counter sees compilations
+    mask = np.arange(13) >= 2  # left padding: rows count real tokens
+    second = I.bind(llama, params, CONFIG, ids_of(13), attention_mask=mask)
+    again = I.RowMetric(fn, list(ROWS))  # an equal metric made anew shares the programs
+    got13, n = _compiles(lambda: _tables(second, again, every))
+    assert n == 0  # 13 tokens run in 11's bucket (16)
+    if every:
+        _, n = _compiles(lambda: I.ablation_effects(I.bind(llama, params, CONFIG, ids_of(17)), METRIC))
+        assert n >= 1  # 17: the next bucket (24)
+    for T, m, got in ((11, None, got11), (13, mask, got13))[not every:]:  # equal to the plain metric at T rows
+        bound = I.bind(llama, params, CONFIG, ids_of(T), attention_mask=m)
+        want = _tables(bound, plain(T, m), every)
+        for g, w in zip(got, want):
+            assert np.shape(g) == np.shape(w)
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-5)
+        assert np.abs(np.asarray(got[0])).max() > 1e-3  # heads do move the metric
+
+
+def test_a_row_metric_under_vmap_over_prompts_and_on_a_batched_bound_equals_the_loop(params):
+    ids = np.stack([ids_of(12), ids_of(12)[::-1], (ids_of(12) + 5) % 300])
+    mask = np.ones_like(ids, bool)
+    mask[1, :3] = False  # left padding
+    mask[2, -2:] = False  # right padding
+    loop = [I.ablation_effects(I.bind(llama, params, CONFIG, i, attention_mask=m), METRIC) for i, m in zip(ids, mask)]
+    over = jax.vmap(lambda i, m: I.ablation_effects(I.bind(llama, params, CONFIG, i, attention_mask=m), METRIC))
+    np.testing.assert_allclose(np.asarray(over(ids, mask)), np.stack(loop), rtol=1e-5, atol=2e-5)
+    # a batched bound: fn sees [B, R, V] and [B, R], each sequence's own real rows
+    batched = I.RowMetric(lambda lg, nxt: jnp.sum(jax.vmap(fn)(lg, nxt)), ROWS)
+    got = I.metric_value(I.bind(llama, params, CONFIG, ids, attention_mask=mask), batched)
+    want = sum(float(I.metric_value(I.bind(llama, params, CONFIG, i, attention_mask=m), METRIC)) for i, m in zip(ids, mask))
+    assert abs(float(got) - want) <= 1e-5 * max(1.0, abs(want))
+
+
+def test_a_row_the_sequence_does_not_have_gives_nan(params):
+    seen = {}
+
+    def record(logits, next_ids):
+        seen["shape"] = (logits.shape, next_ids.shape)
+        return jnp.sum(logits[:, 0])
+
+    bound = I.bind(llama, params, CONFIG, ids_of(6), attention_mask=np.arange(6) >= 1)  # 5 real tokens
+    assert np.isfinite(float(I.metric_value(bound, I.RowMetric(record, (0, 4, -5)))))
+    assert seen["shape"] == ((3, CONFIG.vocab_size), (3,))
+    assert np.isnan(float(I.metric_value(bound, I.RowMetric(record, (5,)))))  # a sixth real token: none
+    assert np.isnan(float(I.metric_value(bound, I.RowMetric(record, (-6,)))))
+
+
+def test_row_metric_arguments_equality_and_an_encoder():
+    assert I.RowMetric(fn, (-1, 2)) == I.RowMetric(fn, [-1, 2]) and hash(I.RowMetric(fn, (-1,))) == hash(I.RowMetric(fn, [-1]))
+    assert I.RowMetric(fn, (-1,)) != I.RowMetric(lambda lg, n: fn(lg, n), (-1,)) and I.RowMetric(fn, (1,)) != I.RowMetric(fn, (2,))
+    with pytest.raises(TypeError, match=r"^fn must be a function \(logits \[R, V\], next_ids \[R\]\) -> scalar, received int"):
+        I.RowMetric(3, (-1,))
+    for rows in ((), "ab", (1.0,), (True,), 3):
+        with pytest.raises(ValueError, match=r"^rows must be a non-empty sequence of ints"):
+            I.RowMetric(fn, rows)
+    config = bert.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=20, max_position_embeddings=16, type_vocab_size=2, layer_norm_eps=1e-12)
+    bound = I.bind(bert, bert.init_params(0, config), config, np.arange(6) % 50)
+    assert bound.bucket is None  # an encoder's bound is never padded
+    with pytest.raises(ValueError, match=r"^metric is a RowMetric, which reads a causal language model's logits"):
+        I.metric_value(bound, I.RowMetric(fn, (-1,)))

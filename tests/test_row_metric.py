@@ -132,3 +132,28 @@ def test_row_metric_arguments_equality_and_an_encoder():
     assert bound.bucket is None  # an encoder's bound is never padded
     with pytest.raises(ValueError, match=r"^metric is a RowMetric, which reads a causal language model's logits"):
         I.metric_value(bound, I.RowMetric(fn, (-1,)))
+
+
+@pytest.mark.slow  # make test-slow
+def test_patching_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_metric(params):
+    """Head patching (all positions, some positions, attention weights) and position patching of the stream:
+    the patch value is padded to the bucket with the prompt, its padded rows never patched."""
+    def source(T):
+        return I.bind(llama, params, CONFIG, (ids_of(T) + 11) % 300)(capture=("z", "attn_weights", "resid_pre")).captured
+
+    def tables(bound, metric, src, T):
+        pos = np.arange(T) >= T - 4
+        return (I.patching_effects(bound, metric, src["z"]), I.patching_effects(bound, metric, src["z"], positions=pos),
+                I.patching_effects(bound, metric, src["attn_weights"], name="attn_weights"),
+                I.patching_effects(bound, metric, src["resid_pre"], name="resid_pre", positions=pos))
+
+    got = {}
+    for T in (11, 13):
+        bound, src = I.bind(llama, params, CONFIG, ids_of(T)), source(T)
+        got[T], n = _compiles(lambda: tables(bound, METRIC, src, T))
+        assert (n >= 1) if T == 11 else (n == 0)  # 13 runs in 11's bucket
+    for T in (11, 13):
+        want = tables(I.bind(llama, params, CONFIG, ids_of(T)), plain(T), source(T), T)
+        for g, w in zip(got[T], want):
+            assert np.shape(g) == np.shape(w) and np.abs(np.asarray(w)).max() > 1e-4
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-5)

@@ -49,6 +49,7 @@ from jaxattn.interventions._programs import program as _program
 from jaxattn.interventions._programs import resumable, resumed_effects
 from jaxattn.interventions._programs import run_map as _run_map
 from jaxattn.interventions._programs import scalar as _scalar
+from jaxattn.interventions._programs import bucketed as _bucketed
 from jaxattn.interventions._programs import table_args as _table_args
 
 Array = jax.Array
@@ -260,6 +261,22 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
     return pairs, int(cols.size)
 
 
+def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]) -> tuple[Array, tuple[int, ...]]:
+    """A patch value ``[L, ...]`` of the bound's T tokens, and its full shape, with every T and S axis of
+    length T padded with zeros to the bucket's length (an axis of 1 broadcasts as it did)."""
+    T, B = bound.args["ids"].shape[-1], bound.bucket["ids"].shape[-1]
+    axes = ["L", *CAPTURE_NAMES[name][0].split()]
+    widths = [(0, B - T) if a in "TS" and n == T else (0, 0) for a, n in zip(axes, value.shape)]
+    return _pad(value, widths), tuple(B if a in "TS" else n for a, n in zip(axes, shape))
+
+
+def _pad(a: Any, widths: Any) -> Any:
+    """``a`` zero-padded: on the host when concrete (no program compiled for a new length), else traced."""
+    if isinstance(a, jax.core.Tracer):
+        return jnp.pad(a, widths)
+    return jnp.asarray(np.pad(np.asarray(a), widths))
+
+
 def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
                      chunk: int | None = 16, resume: bool = True, mesh: Any = None,
                      data_axis: str = "data") -> Array:
@@ -298,11 +315,14 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
     value = _check_value(name, value, HEAD_SITES + POSITION_SITES)
     shape = _where_shape(bound, name, value)
     fast = resume and resumable(bound)
+    padded = fast and _bucketed(bound, metric)  # a RowMetric's table runs at the bucket's length
     if name in POSITION_SITES:  # [L, T, D]: one (layer, position) pair per intervention, row 0 the clean run
         L, T = shape[0], shape[1]
         pairs, P = _position_pairs(L, T, positions)
         _check_chunk(chunk, L * P)
         if fast:
+            if padded:
+                value, shape = _pad_to_bucket(bound, name, value, shape)
             return resumed_effects(bound, metric, kind="position", G=P, extra=value, chunk=chunk, name=name,
                                    shape=shape, labels=pairs[1:P + 1, 1], mesh=mesh, data_axis=data_axis)
         fn = _position_patch_fn(bound.apply, metric, name, L, T)
@@ -312,6 +332,10 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         heads = shape[1 + (axes.index("N") if "N" in axes else axes.index("K"))]
         _check_chunk(chunk, shape[0] * heads)
         pos = None if positions is None else _check_positions(positions, shape[1 + axes.index("T")])
+        if padded:  # the padded rows are never patched
+            T = shape[1 + axes.index("T")]
+            value, shape = _pad_to_bucket(bound, name, value, shape)
+            pos = _pad(np.ones((T,), bool) if pos is None else pos, (0, shape[1 + axes.index("T")] - T))
         return resumed_effects(bound, metric, kind="head", G=heads, extra=(value, pos), chunk=chunk, name=name,
                                shape=shape, mesh=mesh, data_axis=data_axis)
     where = head_where(name, shape, positions=positions)  # [L·N, L, ...]

@@ -206,13 +206,16 @@ def readout(unembed: Any, config: Any, rows: tuple[int, ...] | None, params: Any
 # ----------------------------------------------------------------------------------------------------
 
 
+def bucketed(bound: Bound, metric: Metric) -> bool:
+    """Whether a table of ``metric`` runs on the bound's inputs padded to their bucket (:attr:`Bound.bucket`):
+    for a :class:`RowMetric`, whose value does not depend on the length, so every prompt length of a bucket
+    shares the table's program."""
+    return isinstance(metric, RowMetric) and bound.bucket is not None
+
+
 def table_args(bound: Bound, metric: Metric) -> Any:
-    """The arrays a table of ``metric`` runs on: the bound's inputs padded to their bucket
-    (:attr:`Bound.bucket`) for a :class:`RowMetric`, whose value does not depend on the length, so every
-    prompt length of a bucket shares the table's program; else the inputs as they are."""
-    if isinstance(metric, RowMetric) and bound.bucket is not None:
-        return bound.bucket
-    return bound.args
+    """The arrays a table of ``metric`` runs on: :attr:`Bound.bucket` when :func:`bucketed`, else ``args``."""
+    return bound.bucket if bucketed(bound, metric) else bound.args
 
 
 def resumable(bound: Bound) -> bool:
@@ -349,7 +352,7 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
     L = bound.n_layers
     T = int(bound.args["ids"].shape[-1])
     rows = logit_rows(metric, T)
-    args = table_args(bound, metric) if kind == "gate" else bound.args
+    args = table_args(bound, metric)  # bucketed: a patch value and its shape come padded to the bucket
     prefix = _prefix_program(bound.apply, _unembed(bound, rows, metric), bound.config, metric, rows)
     resid_pre, maps, clean, alone = prefix(args) if mesh is None else _mesh.run(prefix, mesh, args)
     if rows is not None and not bool(jnp.abs(clean - alone) <= 1e-5 * jnp.maximum(1.0, jnp.abs(clean))):

@@ -2,15 +2,20 @@
 (jaxattn.models.bucket_length), so prompts of 20, 21 and 22 tokens share one compiled forward; under the
 caller's own jax.jit (traced ids) it runs at its exact length, one program per length.
 
-Two measurements, in one run:
+Two measurements, in one run (three with --table):
 - compilations: a forward for each of --lengths, exact (jax.jit over the ids, per length) against bucketed
   (the plain call), counted with jax.monitoring's backend-compile events, with the seconds they took, and
   the largest difference between the two logits;
 - cost of the padding: the steady forward (logits and every map) at each of --cost-lengths, exact against
-  bucketed, the median of --repeats interleaved runs with min-max, wall and CPU seconds.
+  bucketed, the median of --repeats interleaved runs with min-max, wall and CPU seconds;
+- with --table, the first call of interventions.ablation_effects for each of --lengths, on a logit
+  difference at the last token written as an interventions.RowMetric (run in the bucket) against the same
+  metric as a plain function of the output (each length its own program): compilations, wall and CPU
+  seconds, and the largest difference between the two tables.
 
     python experiments/bench_buckets.py                                  # GPT-2-small shapes, random weights
     python experiments/bench_buckets.py --model smollm2 --cost-lengths 100 1000
+    python experiments/bench_buckets.py --model smollm2 --lengths 11 13 15 --cost-lengths --table
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cost-lengths", type=int_at_least(1), nargs="*", default=[100])
     parser.add_argument("--repeats", type=int_at_least(3), default=5, help="steady runs per way (>= 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--table", action="store_true", help="also time ablation_effects per length: RowMetric "
+                        "against a plain metric")
     args = parser.parse_args(argv)
 
     compiles: list[float] = []
@@ -102,7 +109,33 @@ def main(argv: list[str] | None = None) -> int:
               f"bucketed {_spread(wall['bucketed'])} wall, {np.median(cpu['bucketed']):.3f} s CPU; bucketed / exact "
               f"{np.median(wall['bucketed']) / np.median(wall['exact']):.3f} wall (paired {np.median(paired):.3f}, "
               f"{min(paired):.3f}-{max(paired):.3f}), {np.median(cpu['bucketed']) / np.median(cpu['exact']):.3f} CPU")
+    if args.table:
+        _tables(module, params, config, sentences, compiles)
     return 0
+
+
+def _logit_difference(logits, next_ids):  # a RowMetric's fn: [R, V], [R]
+    return logits[0, 0] - logits[0, 1]
+
+
+def _tables(module, params, config, sentences, compiles):
+    from jaxattn import interventions as I
+
+    metrics = {"RowMetric": I.RowMetric(_logit_difference, (-1,)),
+               "plain": lambda out: out.logits[-1, 0] - out.logits[-1, 1]}
+    tables = {}
+    print("ablation_effects of the last token's logit difference, first call per length: XLA compilations, "
+          "wall and CPU seconds")
+    for way, metric in metrics.items():
+        tables[way], cells = [], []
+        for ids in sentences:
+            start, t0, c0 = len(compiles), time.perf_counter(), time.process_time()
+            tables[way].append(jax.block_until_ready(I.ablation_effects(I.bind(module, params, config, ids), metric)))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            cells.append(f"T={len(ids)}: {len(compiles) - start}, {wall:.2f} s ({cpu:.2f} s CPU)")
+        print(f"  {way:9s} " + "; ".join(cells))
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(tables["RowMetric"], tables["plain"]))
+    print(f"RowMetric tables vs plain: max |diff| {diff:.2e}")
 
 
 if __name__ == "__main__":

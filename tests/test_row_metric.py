@@ -73,10 +73,9 @@ def test_a_new_length_inside_a_bucket_compiles_nothing_new_for_a_row_metric_tabl
     got11, n = _compiles(lambda: _tables(first, METRIC, every))
     assert n >= 1  # the counter sees compilations
     mask = np.arange(13) >= 2  # left padding: rows count real tokens
-    second = I.bind(llama, params, CONFIG, ids_of(13), attention_mask=mask)
     again = I.RowMetric(fn, list(ROWS))  # an equal metric made anew shares the programs
-    got13, n = _compiles(lambda: _tables(second, again, every))
-    assert n == 0  # 13 tokens run in 11's bucket (16)
+    got13, n = _compiles(lambda: _tables(I.bind(llama, params, CONFIG, ids_of(13), attention_mask=mask), again, every))
+    assert n == 0  # 13 tokens run in 11's bucket (16): neither bind nor the tables compile anything
     if every:
         _, n = _compiles(lambda: I.ablation_effects(I.bind(llama, params, CONFIG, ids_of(17)), METRIC))
         assert n >= 1  # 17: the next bucket (24)
@@ -149,8 +148,8 @@ def test_patching_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_m
 
     got = {}
     for T in (11, 13):
-        bound, src = I.bind(llama, params, CONFIG, ids_of(T)), source(T)
-        got[T], n = _compiles(lambda: tables(bound, METRIC, src, T))
+        src = source(T)  # the capture patched in: another input's forward at its own length
+        got[T], n = _compiles(lambda: tables(I.bind(llama, params, CONFIG, ids_of(T)), METRIC, src, T))
         assert (n >= 1) if T == 11 else (n == 0)  # 13 runs in 11's bucket
     for T in (11, 13):
         want = tables(I.bind(llama, params, CONFIG, ids_of(T)), plain(T), source(T), T)

@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.interventions import _mesh
-from jaxattn.interventions._model import Bound
+from jaxattn.interventions._model import Bound, on_device
 from jaxattn.interventions._programs import check_chunk as _check_chunk
 from jaxattn.interventions._programs import default_float as _float
 from jaxattn.interventions._programs import program as _program
@@ -233,7 +233,7 @@ def _check_value(name: str, value: Any, sites: tuple[str, ...] = HEAD_SITES) -> 
     dtype = getattr(value, "dtype", None) or np.asarray(value).dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"value must be a float array (a captured {name}), received dtype {np.dtype(dtype).name}")
-    return jnp.asarray(value)
+    return on_device(value)
 
 
 def _where_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
@@ -274,7 +274,7 @@ def _pad(a: Any, widths: Any) -> Any:
     """``a`` zero-padded: on the host when concrete (no program compiled for a new length), else traced."""
     if isinstance(a, jax.core.Tracer):
         return jnp.pad(a, widths)
-    return jnp.asarray(np.pad(np.asarray(a), widths))
+    return on_device(np.pad(np.asarray(a), widths))
 
 
 def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z", positions: Any = None,
@@ -389,7 +389,7 @@ def _check_positions(positions: Any, T: int) -> Array:
     pos = np.asarray(positions)
     if pos.dtype != np.bool_ or pos.shape != (T,):
         raise ValueError(f"positions must be boolean [T] = ({T},), received dtype {pos.dtype.name} shape {pos.shape}")
-    return jnp.asarray(pos)
+    return on_device(pos)
 
 
 def gate_gradients(bound: Bound, metric: Metric, *, mesh: Any = None) -> Array:

@@ -143,6 +143,13 @@ def _resume_fn(resume: Callable[..., Any], config: Any, batched: bool) -> Callab
 RESUME_KWARGS = frozenset({"scale"})  # the further forward arguments the protocol's resume takes
 
 
+def on_device(x: Any) -> Any:
+    """``x`` as a JAX array: a JAX array (or tracer) as it is, anything else put on the default device by
+    ``jax.device_put``, which compiles nothing (``jnp.asarray`` of a NumPy array compiles a small copy
+    program for each new shape)."""
+    return x if isinstance(x, (jax.Array, jax.core.Tracer)) else jax.device_put(np.asarray(x))
+
+
 def _on_host(*arrays: Any) -> bool:
     """Whether every array is concrete and whole on one device (NumPy, or a JAX array on one device)."""
     return all(isinstance(a, np.ndarray) or (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
@@ -179,7 +186,7 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     batch = ids.shape[0] if ids.ndim == 2 else None
     apply = _apply_fn(declared.forward, config, batch is not None)
     sizes = declared.sizes(config)
-    args = {"params": params, "ids": jnp.asarray(ids), "mask": jnp.asarray(mask), "kwargs": dict(forward_kwargs)}
+    args = {"params": params, "ids": on_device(ids), "mask": on_device(mask), "kwargs": dict(forward_kwargs)}
     resume = None
     if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:
         resume = _resume_fn(declared.resume, config, batch is not None)
@@ -189,8 +196,7 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         B = bucket_length(ids.shape[0], int(sizes.max_length))
         if B > ids.shape[0]:  # padded on the host, the padding masked
             pad = (0, B - ids.shape[0])
-            bucket = {**args, "ids": jnp.asarray(np.pad(np.asarray(ids), pad)),
-                      "mask": jnp.asarray(np.pad(np.asarray(mask), pad))}
+            bucket = {**args, "ids": on_device(np.pad(np.asarray(ids), pad)), "mask": on_device(np.pad(np.asarray(mask), pad))}
     return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume, bucket)
 
 

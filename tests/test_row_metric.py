@@ -156,3 +156,22 @@ def test_patching_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_m
         for g, w in zip(got[T], want):
             assert np.shape(g) == np.shape(w) and np.abs(np.asarray(w)).max() > 1e-4
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.slow  # make test-slow
+def test_gradient_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_metric(params):
+    """layer_gradients and attention_gradient are computed at the bucket's length and cut to the prompt's
+    on the host; attribution_patching pads its value with the prompt."""
+    def tables(bound, metric, z):
+        x, g = I.layer_gradients(bound, metric, "resid_mid")
+        return x, g, I.attention_gradient(bound, metric), I.attribution_patching(bound, metric, z)
+
+    got = {}
+    for T in (11, 13):
+        z = I.bind(llama, params, CONFIG, (ids_of(T) + 11) % 300)(capture=("z",)).captured["z"]
+        got[T], n = _compiles(lambda: tables(I.bind(llama, params, CONFIG, ids_of(T)), METRIC, z))
+        assert (n >= 1) if T == 11 else (n == 0)  # 13 runs in 11's bucket
+        want = tables(I.bind(llama, params, CONFIG, ids_of(T)), plain(T), z)
+        for g, w in zip(got[T], want):
+            assert np.shape(g) == np.shape(w) and np.abs(np.asarray(w)).max() > 1e-4
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-5)

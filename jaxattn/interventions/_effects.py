@@ -433,8 +433,18 @@ def layer_gradients(bound: Bound, metric: Metric, name: str, *, chunk: int | Non
     (``where`` true at layer ``l`` only), so every later layer recomputes from it. Patching all layers at
     once would hold the later layers' tensors fixed and drop the paths through them; instead the L
     backward passes run as one ``lax.map`` (``chunk`` at a time); with ``mesh``, the layers are split over
-    its ``data_axis`` (as in :func:`ablation_effects`).
+    its ``data_axis`` (as in :func:`ablation_effects`). A :class:`RowMetric`'s gradients are computed at the
+    bucket's length (without ``mesh``) and cut to the prompt's on the host.
     """
+    clean, grads, cut = _layer_gradients(bound, metric, name, chunk, mesh, data_axis)
+    return cut(clean), cut(grads)
+
+
+def _layer_gradients(bound: Bound, metric: Metric, name: str, chunk: int | None, mesh: Any,
+                     data_axis: str) -> tuple[Array, Array, Callable[[Array], Array]]:
+    """``(x, ∂metric/∂x, cut)`` of :func:`layer_gradients` at the length the table runs at (the bucket's for a
+    :class:`RowMetric`), and ``cut``, which takes an array of ``x``'s shape to the bound's own length (on
+    the host; the identity at the bound's own length)."""
     _check_bound(bound), _check_metric(metric)
     if name not in CAPTURE_NAMES or name == "attn_logits":
         raise ValueError(f"name must be a patchable capture name, received {name!r}")
@@ -446,12 +456,22 @@ def layer_gradients(bound: Bound, metric: Metric, name: str, *, chunk: int | Non
         clean = _mesh.run(lambda args: bound.apply(args, capture=(name,)).captured[name], mesh, bound.args)
         grads = _mesh.mesh_map(_layer_fn(bound.apply, metric, name, L, batched), (bound.args, clean),
                                jnp.arange(L), chunk, mesh, data_axis)  # [L, (B,) ...]
-        return _mesh.run(lambda c, g: (c, jnp.moveaxis(g, 0, 1) if batched else g), mesh, clean, grads, replicate=True)
-    clean = bound(capture=(name,)).captured[name]  # [(B,) L, ...]
+        grads = _mesh.run(lambda c, g: (c, jnp.moveaxis(g, 0, 1) if batched else g), mesh, clean, grads, replicate=True)
+        return (*grads, lambda a: a)
+    padded = _bucketed(bound, metric)
+    args = _table_args(bound, metric)
+    clean = bound.apply(args, capture=(name,)).captured[name]  # [(B,) L, ...]
     layers = jnp.arange(L + (-L % size))  # whole chunks only; the extra layers repeat the last one
-    grads = _layer_program(bound.apply, metric, name, L, batched, size)(bound.args, clean, jnp.minimum(layers, L - 1))
+    grads = _layer_program(bound.apply, metric, name, L, batched, size)(args, clean, jnp.minimum(layers, L - 1))
     grads = grads[:L]  # [L, (B,) ...]
-    return clean, (jnp.moveaxis(grads, 0, 1) if batched else grads)
+    return clean, (jnp.moveaxis(grads, 0, 1) if batched else grads), _cut_to_bound(bound, name) if padded else (lambda a: a)
+
+
+def _cut_to_bound(bound: Bound, name: str) -> Callable[[Array], Array]:
+    """An array ``[L, ...]`` of ``name`` at the bucket's length cut to the bound's T on the host (no program)."""
+    T = bound.args["ids"].shape[-1]
+    index = tuple(slice(0, T) if a in "TS" else slice(None) for a in ["L", *CAPTURE_NAMES[name][0].split()])
+    return lambda a: on_device(np.asarray(a)[index])
 
 
 def _layer_grad(apply: Callable[..., Any], metric: Metric, name: str, L: int, batched: bool, args: Any, x: Array,
@@ -486,7 +506,14 @@ def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str 
     _check_bound(bound)
     value = _check_value(name, value)
     _value_shape(bound, name, value)
-    clean, grad = layer_gradients(bound, metric, name, chunk=chunk, mesh=mesh, data_axis=data_axis)
+    clean, grad, cut = _layer_gradients(bound, metric, name, chunk, mesh, data_axis)
+    if mesh is None and _bucketed(bound, metric):  # at the bucket's length: the value padded alike
+        T = bound.args["ids"].shape[-1]
+        shape = tuple(T if a in "TS" else n for a, n in zip(["L", *CAPTURE_NAMES[name][0].split()], clean.shape))
+        if not _broadcasts(value.shape, shape):
+            raise ValueError(f"value must have the shape of the captured {name}, {shape} (or 1 along an axis), "
+                             f"received {tuple(value.shape)}")
+        value, _ = _pad_to_bucket(bound, name, value, shape)
     if not _broadcasts(value.shape, clean.shape):
         raise ValueError(f"value must have the shape of the captured {name}, {tuple(clean.shape)} (or 1 along an "
                          f"axis), received {tuple(value.shape)}")
@@ -507,8 +534,8 @@ def attention_gradient(bound: Bound, metric: Metric, *, chunk: int | None = 8, m
     :func:`gate_gradients` (``z`` is linear in ``A``, so scaling a head's weights scales its output like
     its gate does). ``mesh``, ``data_axis``: as in :func:`layer_gradients`.
     """
-    weights, grad = layer_gradients(bound, metric, "attn_weights", chunk=chunk, mesh=mesh, data_axis=data_axis)
-    return weights * grad if mesh is None else _mesh.run(jnp.multiply, mesh, weights, grad, replicate=True)
+    weights, grad, cut = _layer_gradients(bound, metric, "attn_weights", chunk, mesh, data_axis)
+    return cut(weights * grad) if mesh is None else _mesh.run(jnp.multiply, mesh, weights, grad, replicate=True)
 
 
 def reference_mean(bounds: Sequence[Bound], name: str = "z") -> Array:

@@ -58,9 +58,11 @@ class RowMetric:
     on padding, and a table of it does not depend on the prompt's length: :func:`bind` of concrete ids
     (one sequence of a causal model) keeps them padded to their bucket too
     (:func:`jaxattn.models.bucket_length`), and :func:`ablation_effects`, :func:`patching_effects` (resumed;
-    the patch value is padded with the prompt, its padded rows never patched), :func:`gate_gradients` and
-    :func:`metric_value` of a ``RowMetric`` run there, so a new prompt whose length falls in a bucket
-    already run compiles nothing new. The tables unembed the declared rows only.
+    the patch value is padded with the prompt, its padded rows never patched), :func:`gate_gradients`,
+    :func:`layer_gradients`, :func:`attention_gradient`, :func:`attribution_patching` (their arrays cut to
+    the prompt's length on the host) and :func:`metric_value` of a ``RowMetric`` run there, so a new prompt
+    whose length falls in a bucket already run compiles nothing new. The tables unembed the declared rows
+    only.
 
     Two ``RowMetric`` of the same ``fn`` (the same function object) and ``rows`` are equal and share the
     tables' compiled programs; a new ``fn`` (a new lambda) is a new program.

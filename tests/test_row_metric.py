@@ -175,3 +175,20 @@ def test_gradient_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_m
         for g, w in zip(got[T], want):
             assert np.shape(g) == np.shape(w) and np.abs(np.asarray(w)).max() > 1e-4
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-5)
+
+
+def test_the_lens_and_logit_attribution_run_in_the_bucket(params):
+    """They read chosen positions (resolved on the host at the prompt's length), so they run on the bucket's
+    inputs: a new length inside the bucket compiles nothing, and the values are those at the prompt's length."""
+    got = {}
+    for T in (11, 13):
+        got[T], n = _compiles(lambda: (I.logit_lens(I.bind(llama, params, CONFIG, ids_of(T)), positions=[-1, 3]),
+                                       I.logit_attribution(I.bind(llama, params, CONFIG, ids_of(T)), (5, 9))))
+        assert (n >= 1) if T == 11 else (n == 0)
+    lens = jax.jit(lambda p, i: I.logit_lens(I.bind(llama, p, CONFIG, i), positions=[-1, 3]))  # traced: T rows
+    dla = jax.jit(lambda p, i: I.logit_attribution(I.bind(llama, p, CONFIG, i), (5, 9)))
+    for T in (11, 13):
+        np.testing.assert_allclose(got[T][0], lens(params, ids_of(T)), rtol=1e-5, atol=2e-5)
+        want = dla(params, ids_of(T))
+        for key, value in got[T][1].items():
+            np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=2e-5, err_msg=key)

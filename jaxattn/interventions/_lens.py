@@ -72,6 +72,12 @@ def _length(bound: Bound) -> int:
     return int(bound.args["ids"].shape[-1])
 
 
+def _args(bound: Bound) -> Any:
+    """The inputs the lens runs on: padded to their bucket when the bound keeps them so (its outputs read
+    chosen real positions only, so a new prompt length inside a bucket compiles nothing), else as they are."""
+    return bound.args if bound.bucket is None else bound.bucket
+
+
 @functools.lru_cache(maxsize=64)
 def _lens_program(apply: Callable[..., Any], final_norm: Callable[..., Any], unembed: Callable[..., Any],
                   config: Any, batched: bool) -> Callable[..., Array]:
@@ -111,8 +117,8 @@ def logit_lens(bound: Bound, *, positions: Any, mesh: Any = None) -> Array:
     program = _lens_program(bound.apply, module.final_norm, module.unembed, bound.config, bound.batch is not None)
     if mesh is not None:
         _mesh.check(mesh, None)
-        return _mesh.run(program, mesh, bound.args, jnp.asarray(pos), replicate=True)
-    return program(bound.args, jnp.asarray(pos))
+        return _mesh.run(program, mesh, _args(bound), jnp.asarray(pos), replicate=True)
+    return program(_args(bound), jnp.asarray(pos))
 
 
 _DLA_CAPTURE = ("attn_out", "mlp_out", "resid_post", "resid_pre", "z")
@@ -215,7 +221,7 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any 
     program = _dla_program(bound.apply, module.final_norm, module.final_norm_linear, module.unembed,
                            module.head_projections, bound.config, int(sizes.layers), int(sizes.width),
                            bound.batch is not None)
-    inputs = (bound.args, jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+    inputs = (_args(bound), jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
     if mesh is not None:
         _mesh.check(mesh, None)
         parts, present = _mesh.run(program, mesh, *inputs, replicate=True)

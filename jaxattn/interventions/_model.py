@@ -50,8 +50,9 @@ class Bound:
         (the tables then run whole forwards).
       bucket: ``args`` with the ids and mask right-padded to :func:`jaxattn.models.bucket_length` (the
         padding masked), for the tables of a :class:`~jaxattn.interventions.RowMetric`, whose value does not
-        depend on the length (a new prompt length inside a bucket then compiles nothing new); ``None`` when
-        the inputs are traced, batched, not a causal model's, or already a bucket's length.
+        depend on the length, and for the logit lens and attribution (a new prompt length inside a bucket
+        then compiles nothing new); ``None`` when the inputs are traced, batched, not a causal model's, or
+        already a bucket's length.
     """
 
     apply: Callable[..., Any]

@@ -144,7 +144,8 @@ def test_patching_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_m
         pos = np.arange(T) >= T - 4
         return (I.patching_effects(bound, metric, src["z"]), I.patching_effects(bound, metric, src["z"], positions=pos),
                 I.patching_effects(bound, metric, src["attn_weights"], name="attn_weights"),
-                I.patching_effects(bound, metric, src["resid_pre"], name="resid_pre", positions=pos))
+                I.patching_effects(bound, metric, src["resid_pre"], name="resid_pre", positions=pos),
+                I.joint_patching_effect(bound, metric, src["z"], [(0, 1), (1, 3)]))
 
     got = {}
     for T in (11, 13):

@@ -364,6 +364,8 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
     _check_bound(bound), _check_metric(metric)
     value = _check_value(name, value)
     shape = _where_shape(bound, name, value)
+    if _bucketed(bound, metric):  # a RowMetric's effect runs at the bucket's length, the value padded alike
+        value, shape = _pad_to_bucket(bound, name, value, shape)
     every = head_where(name, shape)  # [L·G, L, ...], one head each
     G = every.shape[0] // shape[0]
     if isinstance(heads, str) and heads == "all":
@@ -379,10 +381,11 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
     where = jnp.any(every[jnp.asarray(picked)], axis=0)  # [L, ...]
     run = _program(_patch_fn(bound.apply, metric, name), None)
     effect = lambda args_value, where: run(args_value, where) - run(args_value, jnp.zeros_like(where))  # noqa: E731
+    args = _table_args(bound, metric)
     if mesh is None:
-        return effect((bound.args, value), where)
+        return effect((args, value), where)
     _mesh.check(mesh, None)
-    return _mesh.run(effect, mesh, (bound.args, value), where, replicate=True)
+    return _mesh.run(effect, mesh, (args, value), where, replicate=True)
 
 
 def _check_positions(positions: Any, T: int) -> Array:

@@ -58,7 +58,8 @@ class RowMetric:
     on padding, and a table of it does not depend on the prompt's length: :func:`bind` of concrete ids
     (one sequence of a causal model) keeps them padded to their bucket too
     (:func:`jaxattn.models.bucket_length`), and :func:`ablation_effects`, :func:`patching_effects` (resumed;
-    the patch value is padded with the prompt, its padded rows never patched), :func:`gate_gradients`,
+    the patch value is padded with the prompt, its padded rows never patched), :func:`joint_patching_effect`,
+    :func:`gate_gradients`,
     :func:`layer_gradients`, :func:`attention_gradient`, :func:`attribution_patching` (their arrays cut to
     the prompt's length on the host) and :func:`metric_value` of a ``RowMetric`` run there, so a new prompt
     whose length falls in a bucket already run compiles nothing new. The tables unembed the declared rows

@@ -197,7 +197,8 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
         B = bucket_length(ids.shape[0], int(sizes.max_length))
         if B > ids.shape[0]:  # padded on the host, the padding masked
             pad = (0, B - ids.shape[0])
-            bucket = {**args, "ids": on_device(np.pad(np.asarray(ids), pad)), "mask": on_device(np.pad(np.asarray(mask), pad))}
+            bucket = {**args, **{k: jax.device_put(np.pad(np.asarray(a), pad), args[k].sharding)  # where a was
+                                 for k, a in (("ids", ids), ("mask", mask))}}
     return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume, bucket)
 
 

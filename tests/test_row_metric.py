@@ -123,7 +123,7 @@ def test_row_metric_arguments_equality_and_an_encoder():
     with pytest.raises(TypeError, match=r"^fn must be a function \(logits \[R, V\], next_ids \[R\]\) -> scalar, received int"):
         I.RowMetric(3, (-1,))
     for rows in ((), "ab", (1.0,), (True,), 3):
-        with pytest.raises(ValueError, match=r"^rows must be a non-empty sequence of ints"):
+        with pytest.raises(ValueError, match=r"^rows must be a non-empty sequence of ints in"):
             I.RowMetric(fn, rows)
     config = bert.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                              intermediate_size=20, max_position_embeddings=16, type_vocab_size=2, layer_norm_eps=1e-12)
@@ -142,14 +142,19 @@ def test_patching_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_m
 
     def tables(bound, metric, src, T):
         pos = np.arange(T) >= T - 4
+        uniform = jnp.full((2, 4, T, 1), 1.0 / T, jnp.float32)  # a key axis of 1: uniform attention over T keys
         return (I.patching_effects(bound, metric, src["z"]), I.patching_effects(bound, metric, src["z"], positions=pos),
                 I.patching_effects(bound, metric, src["attn_weights"], name="attn_weights"),
+                I.patching_effects(bound, metric, uniform, name="attn_weights"),
                 I.patching_effects(bound, metric, src["resid_pre"], name="resid_pre", positions=pos),
-                I.joint_patching_effect(bound, metric, src["z"], [(0, 1), (1, 3)]))
+                I.patching_effects(bound, metric, src["resid_pre"], name="resid_pre"),  # every position
+                I.joint_patching_effect(bound, metric, src["z"], [(0, 1), (1, 3)]),
+                I.attribution_patching(bound, metric, uniform, name="attn_weights"))
 
     got = {}
     for T in (11, 13):
         src = source(T)  # the capture patched in: another input's forward at its own length
+        jax.block_until_ready(jnp.full((2, 4, T, 1), 1.0 / T, jnp.float32))  # (an eager program per T, not the tables')
         got[T], n = _compiles(lambda: tables(I.bind(llama, params, CONFIG, ids_of(T)), METRIC, src, T))
         assert (n >= 1) if T == 11 else (n == 0)  # 13 runs in 11's bucket
     for T in (11, 13):
@@ -176,6 +181,11 @@ def test_gradient_tables_of_a_row_metric_run_in_the_bucket_and_equal_the_plain_m
         for g, w in zip(got[T], want):
             assert np.shape(g) == np.shape(w) and np.abs(np.asarray(w)).max() > 1e-4
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=2e-5)
+    # params traced (vmap over two copies), ids concrete: the bucket's arrays are cut inside the program
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+    over = jax.vmap(lambda p: tables(I.bind(llama, p, CONFIG, ids_of(13)), METRIC, z)[1:3])(stacked)
+    for g, w in zip(over, got[13][1:3]):
+        np.testing.assert_allclose(np.asarray(g), np.stack([w, w]), rtol=1e-5, atol=2e-5)
 
 
 def test_the_lens_and_logit_attribution_run_in_the_bucket(params):
@@ -193,3 +203,31 @@ def test_the_lens_and_logit_attribution_run_in_the_bucket(params):
         want = dla(params, ids_of(T))
         for key, value in got[T][1].items():
             np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=2e-5, err_msg=key)
+
+
+def test_concrete_ids_inside_a_callers_jit_and_a_patch_of_another_length(params):
+    ids = ids_of(11)
+    for metric in (METRIC, plain(11)):  # the ids concrete, the params traced by the caller's jit
+        got = jax.jit(lambda p: I.metric_value(I.bind(llama, p, CONFIG, ids), metric))(params)
+        assert abs(float(got) - float(I.metric_value(I.bind(llama, params, CONFIG, ids), metric))) <= 1e-5
+    bound = I.bind(llama, params, CONFIG, jnp.asarray(ids), attention_mask=jnp.ones(11, jnp.int32))  # JAX arrays
+    assert bound.bucket["ids"].shape == (16,) and isinstance(bound.args["ids"], jax.Array)
+    z16 = jnp.zeros((2, 16, 4, 8), jnp.float32)  # the bucket's length, not the prompt's: refused as for a plain metric
+    with pytest.raises(ValueError, match=r"^value must have T = 11 \(the bound's tokens\) or 1 along its T axis"):
+        I.patching_effects(bound, METRIC, z16)
+    with pytest.raises(ValueError, match=r"^patch\['z'\] value must have shape \(2, 11, 4, 8\)"):
+        I.patching_effects(bound, plain(11), z16)
+
+
+class _Scorer:
+    def metric(self, logits, next_ids):
+        return logits[0, 0]
+
+
+def test_row_metrics_of_one_bound_method_are_equal():
+    s = _Scorer()
+    assert I.RowMetric(s.metric, (-1,)) == I.RowMetric(s.metric, (-1,))
+    assert hash(I.RowMetric(s.metric, (-1,))) == hash(I.RowMetric(s.metric, (-1,)))
+    assert I.RowMetric(s.metric, (-1,)) != I.RowMetric(_Scorer().metric, (-1,))
+    with pytest.raises(ValueError, match=r"^rows must be a non-empty sequence of ints in \[-2\*\*31, 2\*\*31\)"):
+        I.RowMetric(fn, (2**31,))

@@ -262,10 +262,18 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
 
 
 def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]) -> tuple[Array, tuple[int, ...]]:
-    """A patch value ``[L, ...]`` of the bound's T tokens, and its full shape, with every T and S axis of
-    length T padded with zeros to the bucket's length (an axis of 1 broadcasts as it did)."""
+    """A patch value ``[L, ...]`` of the bound's T tokens, and its full shape, with every T and S axis padded
+    with zeros to the bucket's length. A query (T) axis of 1 broadcasts as it did (over padded rows too,
+    which no real row reads); a key (S) axis of 1 is broadcast to T first, so no padded key gets a weight."""
     T, B = bound.args["ids"].shape[-1], bound.bucket["ids"].shape[-1]
     axes = ["L", *CAPTURE_NAMES[name][0].split()]
+    for a, n in zip(axes, value.shape):
+        if a in "TS" and n not in (T, 1):
+            raise ValueError(f"value must have T = {T} (the bound's tokens) or 1 along its {a} axis (the captured "
+                             f"{name} is [{', '.join(axes)}]), received shape {tuple(value.shape)}")
+    if "S" in axes and value.shape[axes.index("S")] == 1:
+        full = tuple(T if a == "S" else n for a, n in zip(axes, value.shape))
+        value = jnp.broadcast_to(value, full) if isinstance(value, jax.core.Tracer) else np.broadcast_to(np.asarray(value), full)
     widths = [(0, B - T) if a in "TS" and n == T else (0, 0) for a, n in zip(axes, value.shape)]
     return _pad(value, widths), tuple(B if a in "TS" else n for a, n in zip(axes, shape))
 
@@ -321,10 +329,15 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
         pairs, P = _position_pairs(L, T, positions)
         _check_chunk(chunk, L * P)
         if fast:
+            labels = pairs[1:P + 1, 1]
             if padded:
                 value, shape = _pad_to_bucket(bound, name, value, shape)
+                if positions is None and mesh is None:  # every position of the bucket (a pad's effect is 0, cut)
+                    table = resumed_effects(bound, metric, kind="position", G=shape[1], extra=value, chunk=chunk,
+                                            name=name, shape=shape, labels=np.arange(shape[1]))
+                    return _cut_columns(table, T)
             return resumed_effects(bound, metric, kind="position", G=P, extra=value, chunk=chunk, name=name,
-                                   shape=shape, labels=pairs[1:P + 1, 1], mesh=mesh, data_axis=data_axis)
+                                   shape=shape, labels=labels, mesh=mesh, data_axis=data_axis)
         fn = _position_patch_fn(bound.apply, metric, name, L, T)
         return _run_map((bound.args, value), fn, jnp.asarray(pairs), chunk, mesh, data_axis).reshape(L, P)
     if fast:
@@ -471,10 +484,24 @@ def _layer_gradients(bound: Bound, metric: Metric, name: str, chunk: int | None,
 
 
 def _cut_to_bound(bound: Bound, name: str) -> Callable[[Array], Array]:
-    """An array ``[L, ...]`` of ``name`` at the bucket's length cut to the bound's T on the host (no program)."""
+    """An array ``[L, ...]`` of ``name`` at the bucket's length cut to the bound's T (:func:`_cut`)."""
     T = bound.args["ids"].shape[-1]
     index = tuple(slice(0, T) if a in "TS" else slice(None) for a in ["L", *CAPTURE_NAMES[name][0].split()])
-    return lambda a: on_device(np.asarray(a)[index])
+    return lambda a: _cut(a, index)
+
+
+def _cut_columns(table: Array, T: int) -> Array:
+    """A table ``[L, B]`` by layer and position at the bucket's length cut to ``[L, T]`` (:func:`_cut`)."""
+    return _cut(table, (slice(None), slice(0, T)))
+
+
+def _cut(a: Array, index: tuple) -> Array:
+    """``a[index]``: on the host for a concrete array (no program compiled per length; put back where ``a`` was
+    when it was placed on one device), traced otherwise (part of the caller's program)."""
+    if isinstance(a, jax.core.Tracer):
+        return a[index]
+    cut = np.asarray(a)[index]
+    return jax.device_put(cut, a.sharding) if a.committed and len(a.sharding.device_set) == 1 else on_device(cut)
 
 
 def _layer_grad(apply: Callable[..., Any], metric: Metric, name: str, L: int, batched: bool, args: Any, x: Array,

@@ -65,8 +65,10 @@ class RowMetric:
     whose length falls in a bucket already run compiles nothing new. The tables unembed the declared rows
     only.
 
-    Two ``RowMetric`` of the same ``fn`` (the same function object) and ``rows`` are equal and share the
-    tables' compiled programs; a new ``fn`` (a new lambda) is a new program.
+    Two ``RowMetric`` of equal ``fn`` (the same function, or the same bound method) and ``rows`` are equal
+    and share the tables' compiled programs; a new ``fn`` (a new lambda) is a new program. Position-site
+    patching of all positions runs over the bucket's; with ``positions=`` each number of selected positions
+    is a program.
 
     Example: ``RowMetric(lambda lg, nxt: lg[0, paris] - lg[0, rome], rows=(-1,))``, the logit difference at
     the last token; ``RowMetric(lambda lg, nxt: jnp.sum(jax.nn.log_softmax(lg)[jnp.arange(3), nxt]),
@@ -81,16 +83,17 @@ class RowMetric:
             raise TypeError(f"fn must be a function (logits [R, V], next_ids [R]) -> scalar, received "
                             f"{type(fn).__name__}")
         if isinstance(rows, (str, bytes)) or not isinstance(rows, (tuple, list, np.ndarray)) or len(rows) == 0 or \
-                any(isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) for r in rows):
-            raise ValueError(f"rows must be a non-empty sequence of ints (real-token indices; negative counts from "
-                             f"the last real token), received {rows!r}")
+                any(isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or not -2**31 <= r < 2**31
+                    for r in rows):
+            raise ValueError(f"rows must be a non-empty sequence of ints in [-2**31, 2**31) (real-token indices; "
+                             f"negative counts from the last real token), received {rows!r}")
         self.fn, self.rows = fn, tuple(int(r) for r in rows)
 
     def __call__(self, logits: Any, next_ids: Any) -> Array:
         return self.fn(logits, next_ids)
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, RowMetric) and other.fn is self.fn and other.rows == self.rows
+        return isinstance(other, RowMetric) and other.fn == self.fn and other.rows == self.rows
 
     def __hash__(self) -> int:
         return hash((RowMetric, self.fn, self.rows))

@@ -151,10 +151,9 @@ def on_device(x: Any) -> Any:
     return x if isinstance(x, (jax.Array, jax.core.Tracer)) else jax.device_put(np.asarray(x))
 
 
-def _on_host(*arrays: Any) -> bool:
-    """Whether every array is concrete and whole on one device (NumPy, or a JAX array on one device)."""
-    return all(isinstance(a, np.ndarray) or (isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
-                                             and len(a.sharding.device_set) == 1) for a in arrays)
+def _on_one_device(a: Any) -> bool:
+    """Whether ``a`` is a concrete JAX array whole on one device."""
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and len(a.sharding.device_set) == 1
 
 
 def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
@@ -182,6 +181,9 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
       compiles nothing new for them.
     """
     declared = spec(module)
+    # concrete arrays whole on one device are read on the host, as NumPy ones (nothing compiled per length);
+    # the tables' programs put them where the params are
+    input_ids, attention_mask = (np.asarray(a) if _on_one_device(a) else a for a in (input_ids, attention_mask))
     ids = batch_ids(input_ids, "input_ids")
     mask = batch_mask(attention_mask, ids.shape)
     batch = ids.shape[0] if ids.ndim == 2 else None
@@ -192,13 +194,12 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:
         resume = _resume_fn(declared.resume, config, batch is not None)
     bucket = None
-    if batch is None and declared.causal and set(forward_kwargs) <= RESUME_KWARGS and _on_host(ids, mask) \
-            and ids.shape[0] <= sizes.max_length:
+    if batch is None and declared.causal and set(forward_kwargs) <= RESUME_KWARGS and isinstance(ids, np.ndarray) \
+            and isinstance(mask, np.ndarray) and ids.shape[0] <= sizes.max_length:
         B = bucket_length(ids.shape[0], int(sizes.max_length))
         if B > ids.shape[0]:  # padded on the host, the padding masked
             pad = (0, B - ids.shape[0])
-            bucket = {**args, **{k: jax.device_put(np.pad(np.asarray(a), pad), args[k].sharding)  # where a was
-                                 for k, a in (("ids", ids), ("mask", mask))}}
+            bucket = {**args, "ids": on_device(np.pad(ids, pad)), "mask": on_device(np.pad(mask, pad))}
     return Bound(apply, args, int(sizes.layers), int(sizes.heads), batch, module, config, resume, bucket)
 
 

@@ -616,6 +616,9 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         def metric(out):
             return jax.nn.log_softmax(out.logits[-2])[ids[-1]]
 
+        def _row_log_prob(logits, next_ids):  # the same metric from the second-to-last real token's row
+            return jax.nn.log_softmax(logits[0])[next_ids[0]]
+
         one = iv.bind(llama, params, config, ids)
         source = iv.bind(llama, params, config, ids2)(capture=("z", "resid_pre"))
         sharded = llama.shard(params, config, m)
@@ -643,6 +646,15 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         dla, dla_m = iv.logit_attribution(one, (3, 5)), iv.logit_attribution(on_mesh, (3, 5), mesh=m)
         assert dla.keys() == dla_m.keys(), (dla.keys(), dla_m.keys())
         errs["logit_attribution"] = max(rel_table(dla_m[k], dla[k], dla["total"], k) for k in dla)
+        # a RowMetric's tables run on the prompt's bucket (7 tokens -> 8), on the mesh and with the params
+        # placed on another device than the default one
+        row = iv.RowMetric(_row_log_prob, (-2,))
+        row_ref = iv.ablation_effects(one, row)
+        errs["RowMetric ablation"] = rel_table(iv.ablation_effects(on_mesh, row, mesh=m), row_ref, clean, "RowMetric")
+        errs["RowMetric equals the plain metric"] = rel_table(row_ref, iv.ablation_effects(one, metric), clean, "row")
+        on_one = iv.bind(llama, jax.device_put(params, jax.devices()[1]), config, ids)
+        errs["RowMetric, params on device 1"] = rel_table(iv.ablation_effects(on_one, row), row_ref, clean, "device 1")
+        errs["logit_lens, params on device 1"] = rel(iv.logit_lens(on_one, positions=[-2, -1]), lens, "lens device 1")
         # head_scores of a sharded forward's maps (the ids follow the maps' batch split)
         batch_ids = rng.integers(0, 8, (4, 9)).astype(np.int32)  # a small vocabulary: repeated tokens
         maps = forward_fn(llama, config)(params, batch_ids, np.ones((4, 9), bool)).attentions

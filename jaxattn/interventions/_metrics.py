@@ -67,7 +67,7 @@ class RowMetric:
 
     Two ``RowMetric`` of equal ``fn`` (the same function, or the same bound method) and ``rows`` are equal
     and share the tables' compiled programs; a new ``fn`` (a new lambda) is a new program. Position-site
-    patching of all positions runs over the bucket's; with ``positions=`` each number of selected positions
+    patching of all positions runs over the bucket's (without ``mesh=``); with ``positions=`` each number of selected positions
     is a program.
 
     Example: ``RowMetric(lambda lg, nxt: lg[0, paris] - lg[0, rome], rows=(-1,))``, the logit difference at

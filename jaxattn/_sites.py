@@ -40,6 +40,17 @@ CAPTURE_NAMES: dict[str, tuple[str, str]] = {
 PATCHABLE = tuple(name for name in CAPTURE_NAMES if name != "attn_logits")
 
 
+def pad_site(name: str, a: Any, T: int, B: int, xp: Any = jnp) -> Any:
+    """A patch value or ``where`` ``[L, ...]`` of ``name`` for ``T`` tokens, at length ``B``: each T and S axis
+    of length ``T`` padded with zeros (False). A key (S) axis of 1 is broadcast to ``T`` first, so that no
+    padded key is patched with a weight; a query (T) axis of 1 broadcasts as it did (over padded rows too,
+    which no real row reads). ``xp``: ``jnp``, or ``np`` for a concrete array padded on the host."""
+    axes = ["L", *CAPTURE_NAMES[name][0].split()]
+    if "S" in axes and a.shape[axes.index("S")] == 1:
+        a = xp.broadcast_to(a, tuple(T if x == "S" else n for x, n in zip(axes, a.shape)))
+    return xp.pad(a, [(0, B - T) if x in "TS" and n == T else (0, 0) for x, n in zip(axes, a.shape)])
+
+
 def site_shapes(*, T: int, S: int, N: int, K: int, H: int, D: int) -> dict[str, tuple[int, ...]]:
     """Each name's per-layer shape for a model with these sizes."""
     sizes = {"T": T, "S": S, "N": N, "K": K, "H": H, "D": D}

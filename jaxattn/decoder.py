@@ -54,7 +54,7 @@ from jaxattn._logits import soft_cap as _soft_cap
 from jaxattn._nn import positions, span_log_prob
 from jaxattn._nn import embed_ids as _embed_ids
 from jaxattn._nn import layer_norm as _layer_norm
-from jaxattn._sites import CAPTURE_NAMES, LayerSites, check_capture, check_patch, site_shapes, sugar_names, with_sugar
+from jaxattn._sites import CAPTURE_NAMES, LayerSites, check_capture, check_patch, pad_site, site_shapes, sugar_names, with_sugar
 from jaxattn.checkpoint import Fitting, check_shapes, flatten
 from jaxattn.models import ModelOutput, Sizes, bucket_length
 
@@ -600,15 +600,9 @@ def _bucketed(input_ids: Any, attention_mask: Any, longest: int) -> tuple[Any, A
 
 
 def _pad_patch(patch: dict[str, tuple[Array, Array]], T: int, B: int) -> dict[str, tuple[Array, Array]]:
-    """A checked patch of a ``T``-token input for the forward at bucket length ``B``: each T and S axis of
-    length ``T`` padded to ``B`` (values with 0, ``where`` with False: no padded row is patched); an axis of
-    1 broadcasts as it did."""
-    out = {}
-    for name, pair in patch.items():
-        axes = ["L", *CAPTURE_NAMES[name][0].split()]
-        out[name] = tuple(jnp.pad(a, [(0, B - T) if x in "TS" and n == T else (0, 0) for x, n in zip(axes, a.shape)])
-                          for a in pair)
-    return out
+    """A checked patch of a ``T``-token input for the forward at bucket length ``B`` (:func:`pad_site`: no
+    padded row or key is patched)."""
+    return {name: tuple(pad_site(name, a, T, B) for a in pair) for name, pair in patch.items()}
 
 
 def _cut_outputs(out: ModelOutput, T: int, take: Callable[[Array, tuple], Array]) -> ModelOutput:

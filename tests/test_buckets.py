@@ -172,3 +172,15 @@ def test_generate_runs_a_prompt_at_its_bucket_and_a_new_length_compiles_nothing(
     np.testing.assert_array_equal(got[12:], module.generate(params, config, ids(12)[2:], max_new_tokens=4)[10:])
     with pytest.raises(ValueError, match=r"prompt_ids T=38 plus max_new_tokens=4 exceeds max_position_embeddings=40"):
         module.generate(params, config, ids(38), max_new_tokens=4)
+
+
+def test_an_attention_patch_with_a_key_axis_of_one_weighs_no_padded_key(models_):
+    """A patch of attn_weights broadcast over the keys (``[L, N, T, 1]``) gives the bucketed forward the
+    weights of the forward at the prompt's own length: the key axis is broadcast to T before the padding."""
+    module, params, config = models_["llama"]
+    T, L, N = 11, 2, 4
+    ids = (np.arange(T) * 3 + 2) % 290
+    patch = {"attn_weights": (np.full((L, N, T, 1), 1.0 / T, np.float32), np.ones((L, 1, 1, 1), bool))}
+    got = module.forward(params, config, ids, patch=patch).logits  # bucketed: 16 rows
+    want = jax.jit(lambda p, i: module.forward(p, config, i, patch=patch).logits)(params, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._sites import CAPTURE_NAMES
+from jaxattn._sites import CAPTURE_NAMES, pad_site
 from jaxattn.interventions import _mesh
 from jaxattn.interventions._model import Bound, on_device
 from jaxattn.interventions._programs import check_chunk as _check_chunk
@@ -262,20 +262,17 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
 
 
 def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]) -> tuple[Array, tuple[int, ...]]:
-    """A patch value ``[L, ...]`` of the bound's T tokens, and its full shape, with every T and S axis padded
-    with zeros to the bucket's length. A query (T) axis of 1 broadcasts as it did (over padded rows too,
-    which no real row reads); a key (S) axis of 1 is broadcast to T first, so no padded key gets a weight."""
+    """A patch value ``[L, ...]`` of the bound's T tokens, and its full shape, at the bucket's length
+    (:func:`jaxattn._sites.pad_site`; on the host for a concrete value, nothing compiled per length)."""
     T, B = bound.args["ids"].shape[-1], bound.bucket["ids"].shape[-1]
     axes = ["L", *CAPTURE_NAMES[name][0].split()]
     for a, n in zip(axes, value.shape):
         if a in "TS" and n not in (T, 1):
             raise ValueError(f"value must have T = {T} (the bound's tokens) or 1 along its {a} axis (the captured "
                              f"{name} is [{', '.join(axes)}]), received shape {tuple(value.shape)}")
-    if "S" in axes and value.shape[axes.index("S")] == 1:
-        full = tuple(T if a == "S" else n for a, n in zip(axes, value.shape))
-        value = jnp.broadcast_to(value, full) if isinstance(value, jax.core.Tracer) else np.broadcast_to(np.asarray(value), full)
-    widths = [(0, B - T) if a in "TS" and n == T else (0, 0) for a, n in zip(axes, value.shape)]
-    return _pad(value, widths), tuple(B if a in "TS" else n for a, n in zip(axes, shape))
+    padded = pad_site(name, value, T, B) if isinstance(value, jax.core.Tracer) else \
+        on_device(pad_site(name, np.asarray(value), T, B, np))
+    return padded, tuple(B if a in "TS" else n for a, n in zip(axes, shape))
 
 
 def _pad(a: Any, widths: Any) -> Any:

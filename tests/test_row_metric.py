@@ -88,6 +88,7 @@ def test_a_new_length_inside_a_bucket_compiles_nothing_new_for_a_row_metric_tabl
         assert np.abs(np.asarray(got[0])).max() > 1e-3  # heads do move the metric
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_row_metric_under_vmap_over_prompts_and_on_a_batched_bound_equals_the_loop(params):
     ids = np.stack([ids_of(12), ids_of(12)[::-1], (ids_of(12) + 5) % 300])
     mask = np.ones_like(ids, bool)
@@ -103,6 +104,7 @@ def test_a_row_metric_under_vmap_over_prompts_and_on_a_batched_bound_equals_the_
     assert abs(float(got) - want) <= 1e-5 * max(1.0, abs(want))
 
 
+@pytest.mark.slow  # make test-slow
 def test_a_row_the_sequence_does_not_have_gives_nan(params):
     seen = {}
 
@@ -205,6 +207,7 @@ def test_the_lens_and_logit_attribution_run_in_the_bucket(params):
             np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=2e-5, err_msg=key)
 
 
+@pytest.mark.slow  # make test-slow
 def test_concrete_ids_inside_a_callers_jit_and_a_patch_of_another_length(params):
     ids = ids_of(11)
     for metric in (METRIC, plain(11)):  # the ids concrete, the params traced by the caller's jit

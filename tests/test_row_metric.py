@@ -234,3 +234,22 @@ def test_row_metrics_of_one_bound_method_are_equal():
     assert I.RowMetric(s.metric, (-1,)) != I.RowMetric(_Scorer().metric, (-1,))
     with pytest.raises(ValueError, match=r"^rows must be a non-empty sequence of ints in \[-2\*\*31, 2\*\*31\)"):
         I.RowMetric(fn, (2**31,))
+
+
+def test_a_patch_value_with_a_layer_axis_of_one_is_the_same_value_at_every_layer(params):
+    """A value ``[1, T, ...]`` patches each layer's head with that one value (as ``patch=`` reads a layer
+    axis of 1): the tables equal those of the value broadcast to ``[L, T, ...]``, for a RowMetric in the
+    bucket and for a plain metric; a value of the wrong shape is refused with the prompt's own shape."""
+    T = 11
+    bound = I.bind(llama, params, CONFIG, ids_of(T))
+    z = I.bind(llama, params, CONFIG, (ids_of(T) + 11) % 300)(capture=("z",)).captured["z"]  # [L, T, N, H]
+    one, every = np.asarray(z[1:2]), np.broadcast_to(np.asarray(z[1:2]), z.shape)
+    for metric, kw in ((METRIC, {}), (plain(T), dict(resume=False))):
+        got, want = I.patching_effects(bound, metric, one, **kw), I.patching_effects(bound, metric, every, **kw)
+        assert got.shape == want.shape == (2, 4)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert np.all(np.abs(np.asarray(want)[0]) > 0)  # layer 0's heads are patched too
+    np.testing.assert_allclose(I.joint_patching_effect(bound, METRIC, one, "all"),
+                               I.joint_patching_effect(bound, METRIC, every, "all"), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"captured z, \(2, 11, 4, 8\)"):  # not the bucket's (2, 16, 4, 8)
+        I.patching_effects(bound, METRIC, np.zeros((2, T, 4, 4), np.float32))

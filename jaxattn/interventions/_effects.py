@@ -236,6 +236,19 @@ def _check_value(name: str, value: Any, sites: tuple[str, ...] = HEAD_SITES) -> 
     return on_device(value)
 
 
+def _every_layer(bound: Bound, name: str, value: Array) -> Array:
+    """``value`` with a layer axis of 1 broadcast to the bound's ``L`` layers (the same replacement in each
+    layer's patch, as ``patch=`` reads it); a concrete value on the host, so nothing is compiled."""
+    shape = _value_shape(bound, name, value)
+    if shape[0] != 1 or bound.n_layers == 1:
+        return value
+    axis = value.ndim - len(shape)  # 1 with a batch axis
+    full = (*value.shape[:axis], bound.n_layers, *value.shape[axis + 1:])
+    if isinstance(value, jax.core.Tracer):
+        return jnp.broadcast_to(value, full)
+    return on_device(np.broadcast_to(np.asarray(value), full))
+
+
 def _where_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
     """The full per-input shape of ``name``, from the value (size-1 axes filled in from a capture's shape)."""
     shape = _value_shape(bound, name, value)
@@ -270,6 +283,10 @@ def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]
         if a in "TS" and n not in (T, 1):
             raise ValueError(f"value must have T = {T} (the bound's tokens) or 1 along its {a} axis (the captured "
                              f"{name} is [{', '.join(axes)}]), received shape {tuple(value.shape)}")
+    captured = jax.eval_shape(lambda a: bound.apply(a, capture=(name,)), bound.args).captured[name].shape
+    if not _broadcasts(tuple(value.shape), tuple(captured)):  # checked here, at the prompt's length
+        raise ValueError(f"value must have the shape of the captured {name}, {tuple(captured)} (or 1 along an "
+                         f"axis), received {tuple(value.shape)}")
     padded = pad_site(name, value, T, B) if isinstance(value, jax.core.Tracer) else \
         on_device(pad_site(name, np.asarray(value), T, B, np))
     return padded, tuple(B if a in "TS" else n for a, n in zip(axes, shape))
@@ -317,7 +334,7 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
     _check_bound(bound), _check_metric(metric)
     if mesh is not None:
         _mesh.check(mesh, data_axis)
-    value = _check_value(name, value, HEAD_SITES + POSITION_SITES)
+    value = _every_layer(bound, name, _check_value(name, value, HEAD_SITES + POSITION_SITES))
     shape = _where_shape(bound, name, value)
     fast = resume and resumable(bound)
     padded = fast and _bucketed(bound, metric)  # a RowMetric's table runs at the bucket's length
@@ -372,7 +389,7 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
       TypeError, ValueError: naming ``bound``, ``metric``, ``value``, ``name`` or ``heads``.
     """
     _check_bound(bound), _check_metric(metric)
-    value = _check_value(name, value)
+    value = _every_layer(bound, name, _check_value(name, value))
     shape = _where_shape(bound, name, value)
     if _bucketed(bound, metric):  # a RowMetric's effect runs at the bucket's length, the value padded alike
         value, shape = _pad_to_bucket(bound, name, value, shape)

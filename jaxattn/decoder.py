@@ -565,7 +565,7 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     flags = dict(want_logits=bool(return_attention_logits), want_qkv=bool(return_qkv),
                  want_hidden=bool(return_hidden_states))
     patch = check_patch(patch, shapes, s.layers)  # against the real length: its errors name the real shapes
-    if real is not None:
+    if real is not None and patch:
         patch = _pad_patch(patch, real, T)
     out = _forward(params, ids, keep, heads, jnp.asarray(scale, jnp.float32), patch,
                    family=family, config=config, capture=sugar_names(asked, **flags))
@@ -599,9 +599,10 @@ def _bucketed(input_ids: Any, attention_mask: Any, longest: int) -> tuple[Any, A
     return np.pad(ids, pad), np.pad(mask, pad), T
 
 
+@functools.partial(jax.jit, static_argnames=("T", "B"))
 def _pad_patch(patch: dict[str, tuple[Array, Array]], T: int, B: int) -> dict[str, tuple[Array, Array]]:
     """A checked patch of a ``T``-token input for the forward at bucket length ``B`` (:func:`pad_site`: no
-    padded row or key is patched)."""
+    padded row or key is patched); one small program for the whole patch."""
     return {name: tuple(pad_site(name, a, T, B) for a in pair) for name, pair in patch.items()}
 
 

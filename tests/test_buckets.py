@@ -184,3 +184,9 @@ def test_an_attention_patch_with_a_key_axis_of_one_weighs_no_padded_key(models_)
     got = module.forward(params, config, ids, patch=patch).logits  # bucketed: 16 rows
     want = jax.jit(lambda p, i: module.forward(p, config, i, patch=patch).logits)(params, ids)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a second length inside the bucket compiles one small program that pads the patch (and no forward);
+    # a broadcast and a pad compiled apart for each array of the patch made it five
+    T2 = 13
+    patch2 = {"attn_weights": (np.full((L, N, T2, 1), 1.0 / T2, np.float32), np.ones((L, 1, 1, 1), bool))}
+    _, n = _compiles(lambda: module.forward(params, config, (np.arange(T2) * 3 + 2) % 290, patch=patch2).logits)
+    assert 1 <= n <= 2

@@ -124,7 +124,7 @@ def test_row_metric_arguments_equality_and_an_encoder():
     assert I.RowMetric(fn, (-1,)) != I.RowMetric(lambda lg, n: fn(lg, n), (-1,)) and I.RowMetric(fn, (1,)) != I.RowMetric(fn, (2,))
     with pytest.raises(TypeError, match=r"^fn must be a function \(logits \[R, V\], next_ids \[R\]\) -> scalar, received int"):
         I.RowMetric(3, (-1,))
-    for rows in ((), "ab", (1.0,), (True,), 3):
+    for rows in ((), "ab", (1.0,), (True,), 3, np.array(3), np.zeros((1, 2), int)):
         with pytest.raises(ValueError, match=r"^rows must be a non-empty sequence of ints in"):
             I.RowMetric(fn, rows)
     config = bert.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

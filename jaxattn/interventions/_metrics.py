@@ -82,7 +82,7 @@ class RowMetric:
         if not callable(fn):
             raise TypeError(f"fn must be a function (logits [R, V], next_ids [R]) -> scalar, received "
                             f"{type(fn).__name__}")
-        if isinstance(rows, (str, bytes)) or not isinstance(rows, (tuple, list, np.ndarray)) or len(rows) == 0 or \
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, (tuple, list, np.ndarray)) or np.ndim(rows) != 1 or len(rows) == 0 or \
                 any(isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or not -2**31 <= r < 2**31
                     for r in rows):
             raise ValueError(f"rows must be a non-empty sequence of ints in [-2**31, 2**31) (real-token indices; "

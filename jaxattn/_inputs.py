@@ -55,6 +55,8 @@ def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = No
             raise ValueError(
                 f"{name} must lie in [{low}, {high_name}={high}), received values in [{values.min()}, {values.max()}]"
             )
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):  # converted on the host: no program per new shape
+        return jax.device_put(np.asarray(x).astype(np.int32))
     return jnp.asarray(x).astype(jnp.int32)
 
 
@@ -68,7 +70,7 @@ def family_ids(family: Any, config: Any, x: Any, name: str = "input_ids") -> Arr
 def attention_mask(mask: Any, T: int) -> Array:
     """The tokenizer's mask ``[T]`` (1/True = real token, 0/False = padding) as bool; ``None``: all real."""
     if mask is None:
-        return jnp.ones((T,), bool)
+        return jax.device_put(np.ones((T,), bool))  # made on the host: no program per new T
     dtype = getattr(mask, "dtype", None)
     if dtype is None:
         mask = np.asarray(mask)
@@ -81,6 +83,8 @@ def attention_mask(mask: Any, T: int) -> Array:
         values = np.unique(np.asarray(mask))
         if not np.all(np.isin(values, (0, 1))):
             raise ValueError(f"attention_mask must hold only 0 and 1, received values {values.tolist()}")
+    if not isinstance(mask, (jax.Array, jax.core.Tracer)):
+        return jax.device_put(np.asarray(mask) != 0)
     return jnp.asarray(mask) != 0
 
 
@@ -88,7 +92,7 @@ def keep_mask(mask: Any, T: int, *, name: str = "attention_mask") -> Array:
     """:func:`attention_mask` as the keep-mask ``[T]`` of a causal model; a concrete mask must mark at least
     one real token (there is nothing to run the model on otherwise)."""
     keep = attention_mask(mask, T)
-    if mask is not None and not isinstance(keep, jax.core.Tracer) and not bool(jnp.any(keep)):
+    if mask is not None and not isinstance(keep, jax.core.Tracer) and not np.any(np.asarray(keep)):
         raise ValueError(f"{name} marks no real token (all {T} entries are 0): there is nothing to run the model on")
     return keep
 
@@ -96,7 +100,7 @@ def keep_mask(mask: Any, T: int, *, name: str = "attention_mask") -> Array:
 def head_mask(mask: Any, L: int, N: int) -> Array:
     """``head_mask [L, N]`` as float32 (any float: 0 ablates a head, 1 keeps it); ``None``: all ones."""
     if mask is None:
-        return jnp.ones((L, N), jnp.float32)
+        return jax.device_put(np.ones((L, N), np.float32))
     dtype = getattr(mask, "dtype", None)
     if dtype is None:
         mask = np.asarray(mask)
@@ -111,6 +115,14 @@ def head_mask(mask: Any, L: int, N: int) -> Array:
 # ----------------------------------------------------------------------------------------------------
 # A batch of sequences, as interventions.bind and the head scores take them: [T] or [B, T].
 # ----------------------------------------------------------------------------------------------------
+
+
+def float32(x: Any) -> Any:
+    """A scalar ``x`` as float32 for a compiled program's argument: a NumPy scalar when it is a Python or
+    NumPy number (nothing compiled), cast with ``jnp`` when it is a JAX array or a tracer."""
+    if isinstance(x, (jax.Array, jax.core.Tracer)):
+        return jnp.asarray(x, jnp.float32)
+    return np.float32(x)
 
 
 def _as_array(x: Any) -> Any:

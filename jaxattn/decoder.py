@@ -44,6 +44,7 @@ from jaxattn._attention import attention_logits, multi_head_attention
 from jaxattn._checks import check_int, check_scale
 from jaxattn._inputs import check_span, sampling
 from jaxattn._inputs import family_ids as _ids
+from jaxattn._inputs import float32 as _float32
 from jaxattn._inputs import head_mask as head_mask_
 from jaxattn._inputs import keep_mask as _keep
 from jaxattn._inputs import layer_index as _layer_index
@@ -512,7 +513,7 @@ def resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any,
         if weights.shape != maps or not jnp.issubdtype(weights.dtype, jnp.floating):
             raise ValueError(f"attentions must be a float array [L, N, T, T] = {maps} (the clean run's maps), "
                              f"received dtype {weights.dtype.name} shape {tuple(weights.shape)}")
-    return _resume(params, x, at, keep, pos, heads, jnp.asarray(scale, jnp.float32), patch, weights.astype(x.dtype),
+    return _resume(params, x, at, keep, pos, heads, _float32(scale), patch, weights.astype(x.dtype),
                    family=family, config=config, rows=rows)
 
 
@@ -567,7 +568,7 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     patch = check_patch(patch, shapes, s.layers)  # against the real length: its errors name the real shapes
     if real is not None and patch:
         patch = _pad_patch(patch, real, T)
-    out = _forward(params, ids, keep, heads, jnp.asarray(scale, jnp.float32), patch,
+    out = _forward(params, ids, keep, heads, _float32(scale), patch,
                    family=family, config=config, capture=sugar_names(asked, **flags))
     if real is None:
         return with_sugar(out, asked, **flags)
@@ -890,8 +891,8 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     heads = head_mask_(head_mask, s.layers, s.heads)
     scale = check_scale(scale, s.scale_dim or s.head_dim)
     greedy, key = sampling(temperature, key)
-    out = _generate(params, ids, keep, heads, jnp.asarray(scale, jnp.float32),
-                    jnp.asarray(0.0 if greedy else temperature, jnp.float32), None if greedy else key, family=family,
+    out = _generate(params, ids, keep, heads, _float32(scale),
+                    _float32(0.0 if greedy else temperature), None if greedy else key, family=family,
                     config=config, max_new_tokens=new, greedy=greedy, return_logits=bool(return_logits))
     if real is None:
         return out

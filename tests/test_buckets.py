@@ -190,3 +190,19 @@ def test_an_attention_patch_with_a_key_axis_of_one_weighs_no_padded_key(models_)
     patch2 = {"attn_weights": (np.full((L, N, T2, 1), 1.0 / T2, np.float32), np.ones((L, 1, 1, 1), bool))}
     _, n = _compiles(lambda: module.forward(params, config, (np.arange(T2) * 3 + 2) % 290, patch=patch2).logits)
     assert 1 <= n <= 2
+
+
+def test_a_first_call_compiles_the_model_program_alone(models_):
+    """The checks and conversions of the inputs (ids, the mask, the head mask, the scale) run on the host:
+    the first forward, log_prob and generate of a config compile their model program and nothing else
+    (each small eager conversion was a program of its own, about 0.1 s of a first call on CPU)."""
+    module, params, config = models_["llama"]
+    config = config._replace(rope_theta=12345.0)  # a config no other test uses: its programs are new
+    ids = (np.arange(9) * 5 + 1) % 290
+    mask = np.arange(9) >= 1
+    _, n = _compiles(lambda: module.forward(params, config, ids, attention_mask=mask, scale=0.3).logits)
+    assert n == 1
+    _, n = _compiles(lambda: module.log_prob(params, config, ids, start=2))
+    assert n == 1
+    _, n = _compiles(lambda: module.generate(params, config, ids[:5], max_new_tokens=3))
+    assert n == 1

@@ -85,6 +85,8 @@ def attention_mask(mask: Any, T: int) -> Array:
             raise ValueError(f"attention_mask must hold only 0 and 1, received values {values.tolist()}")
     if not isinstance(mask, (jax.Array, jax.core.Tracer)):
         return jax.device_put(np.asarray(mask) != 0)
+    if dtype == np.bool_:  # already the keep-mask: no program to compare it
+        return mask
     return jnp.asarray(mask) != 0
 
 

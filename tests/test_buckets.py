@@ -206,3 +206,20 @@ def test_a_first_call_compiles_the_model_program_alone(models_):
     assert n == 1
     _, n = _compiles(lambda: module.generate(params, config, ids[:5], max_new_tokens=3))
     assert n == 1
+
+
+def test_a_first_table_compiles_its_programs_alone(models_):
+    """The tables build their small arrays on the host and assemble in one jitted program: the first
+    resumed ablation table of a config compiles its three programs (the clean prefix, the resumed batches,
+    the assembly; eagerly, the assembly alone was a dozen), the gates' gradients and the lens one each."""
+    from jaxattn import interventions as I
+    module, params, config = models_["llama"]
+    config = config._replace(rope_theta=54321.0)  # a config no other test uses: its programs are new
+    bound = I.bind(module, params, config, (np.arange(9) * 5 + 1) % 290)
+    _, n = _compiles(lambda: I.ablation_effects(bound, lambda out: out.logits[-1, 3] - out.logits[-1, 5]))
+    assert 1 <= n <= 3
+    metric = I.RowMetric(lambda logits, nxt: logits[0, 3] - logits[0, 5], (-1,))
+    _, n = _compiles(lambda: I.gate_gradients(bound, metric))
+    assert n == 1
+    _, n = _compiles(lambda: I.logit_lens(bound, positions=(-1,)))
+    assert n == 1

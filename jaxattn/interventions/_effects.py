@@ -189,7 +189,7 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
     L, N = bound.n_layers, bound.n_heads
     _check_chunk(chunk, L * N)
     if resume and resumable(bound):
-        return resumed_effects(bound, metric, kind="gate", G=N, extra=jnp.asarray(value, _float()), chunk=chunk,
+        return resumed_effects(bound, metric, kind="gate", G=N, extra=jax.device_put(np.asarray(value, _float())), chunk=chunk,
                                shape=(L, N), mesh=mesh, data_axis=data_axis)
     masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
     return _run_map(_table_args(bound, metric), _mask_fn(bound.apply, metric), masks, chunk, mesh, data_axis).reshape(L, N)
@@ -432,7 +432,7 @@ def gate_gradients(bound: Bound, metric: Metric, *, mesh: Any = None) -> Array:
     axis to split over its data axis.
     """
     _check_bound(bound), _check_metric(metric)
-    ones = jnp.ones((bound.n_layers, bound.n_heads), _float())
+    ones = jax.device_put(np.ones((bound.n_layers, bound.n_heads), _float()))  # made on the host: nothing compiled
     args = _table_args(bound, metric)
     if mesh is not None:
         _mesh.check(mesh, None)
@@ -491,8 +491,8 @@ def _layer_gradients(bound: Bound, metric: Metric, name: str, chunk: int | None,
     padded = _bucketed(bound, metric)
     args = _table_args(bound, metric)
     clean = bound.apply(args, capture=(name,)).captured[name]  # [(B,) L, ...]
-    layers = jnp.arange(L + (-L % size))  # whole chunks only; the extra layers repeat the last one
-    grads = _layer_program(bound.apply, metric, name, L, batched, size)(args, clean, jnp.minimum(layers, L - 1))
+    layers = np.minimum(np.arange(L + (-L % size), dtype=np.int32), L - 1)  # whole chunks; extras repeat the last
+    grads = _layer_program(bound.apply, metric, name, L, batched, size)(args, clean, jax.device_put(layers))
     grads = grads[:L]  # [L, (B,) ...]
     return clean, (jnp.moveaxis(grads, 0, 1) if batched else grads), _cut_to_bound(bound, name) if padded else (lambda a: a)
 
@@ -562,10 +562,14 @@ def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str 
         raise ValueError(f"value must have the shape of the captured {name}, {tuple(clean.shape)} (or 1 along an "
                          f"axis), received {tuple(value.shape)}")
 
-    def table(value, clean, grad):
-        return _reduce_heads((jnp.broadcast_to(value, clean.shape) - clean) * grad, name, bound.batch is not None)
-
+    table = functools.partial(_attribution_table, name=name, batched=bound.batch is not None)
     return table(value, clean, grad) if mesh is None else _mesh.run(table, mesh, value, clean, grad, replicate=True)
+
+
+@functools.partial(jax.jit, static_argnames=("name", "batched"))
+def _attribution_table(value: Array, clean: Array, grad: Array, *, name: str, batched: bool) -> Array:
+    """``Σ (value - clean) · grad`` per (layer, head): one small program."""
+    return _reduce_heads((jnp.broadcast_to(value, clean.shape) - clean) * grad, name, batched)
 
 
 def attention_gradient(bound: Bound, metric: Metric, *, chunk: int | None = 8, mesh: Any = None,

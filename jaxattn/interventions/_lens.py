@@ -117,8 +117,8 @@ def logit_lens(bound: Bound, *, positions: Any, mesh: Any = None) -> Array:
     program = _lens_program(bound.apply, module.final_norm, module.unembed, bound.config, bound.batch is not None)
     if mesh is not None:
         _mesh.check(mesh, None)
-        return _mesh.run(program, mesh, _args(bound), jnp.asarray(pos), replicate=True)
-    return program(_args(bound), jnp.asarray(pos))
+        return _mesh.run(program, mesh, _args(bound), jax.device_put(np.asarray(pos)), replicate=True)
+    return program(_args(bound), jax.device_put(np.asarray(pos)))
 
 
 _DLA_CAPTURE = ("attn_out", "mlp_out", "resid_post", "resid_pre", "z")

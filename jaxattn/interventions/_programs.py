@@ -370,15 +370,19 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
             extra = (value, extra[1]) if kind == "head" else value
     program = _resumed_program(bound.resume, _unembed(bound, rows, metric), bound.config, bound.batch is not None, metric,
                                rows, kind, name, tuple(shape), pk is not None)
-    fixed, xs = (args, extra, resid_pre, maps, pk), (jnp.asarray(layers), jnp.asarray(items))
+    fixed, xs = (args, extra, resid_pre, maps, pk), (jax.device_put(layers), jax.device_put(items))  # nothing compiled
     values = program(*fixed, *xs) if mesh is None else _mesh.split(program, fixed, xs, mesh, data_axis)  # [n, C]
-
-    def assemble(values):
-        effects = values[:, 1:] - values[:, :1]  # [n, C - 1], each batch against its own clean run
-        table = jnp.zeros((L, G), effects.dtype)
-        for b in range(per):  # slot j of batch b holds intervention b + j·per
-            picked = np.arange(b, G, per)
-            table = table.at[:, picked].set(effects[b::per, :picked.size])
-        return table
-
+    assemble = functools.partial(_assemble, L=L, G=G, per=per)
     return assemble(values) if mesh is None else _mesh.run(assemble, mesh, values, replicate=True)
+
+
+@functools.partial(jax.jit, static_argnames=("L", "G", "per"))
+def _assemble(values: Array, *, L: int, G: int, per: int) -> Array:
+    """The ``[L, G]`` table from the batches' metric values ``[n, C]`` (column 0 each batch's clean run): one
+    small program (written eagerly, its dozen operations were a program each)."""
+    effects = values[:, 1:] - values[:, :1]  # [n, C - 1], each batch against its own clean run
+    table = jnp.zeros((L, G), effects.dtype)
+    for b in range(per):  # slot j of batch b holds intervention b + j·per
+        picked = np.arange(b, G, per)
+        table = table.at[:, picked].set(effects[b::per, :picked.size])
+    return table

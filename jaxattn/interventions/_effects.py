@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._sites import CAPTURE_NAMES, pad_site
+from jaxattn._sites import CAPTURE_NAMES, pad_site, site_shapes
 from jaxattn.interventions import _mesh
 from jaxattn.interventions._model import Bound, on_device
 from jaxattn.interventions._programs import check_chunk as _check_chunk
@@ -189,7 +189,7 @@ def ablation_effects(bound: Bound, metric: Metric, *, chunk: int | None = 16, va
     L, N = bound.n_layers, bound.n_heads
     _check_chunk(chunk, L * N)
     if resume and resumable(bound):
-        return resumed_effects(bound, metric, kind="gate", G=N, extra=jax.device_put(np.asarray(value, _float())), chunk=chunk,
+        return resumed_effects(bound, metric, kind="gate", G=N, extra=on_device(np.asarray(value, _float())), chunk=chunk,
                                shape=(L, N), mesh=mesh, data_axis=data_axis)
     masks = jnp.concatenate([jnp.ones((1, L, N), _float()), head_masks(L, N, value=value)])
     return _run_map(_table_args(bound, metric), _mask_fn(bound.apply, metric), masks, chunk, mesh, data_axis).reshape(L, N)
@@ -283,9 +283,10 @@ def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]
         if a in "TS" and n not in (T, 1):
             raise ValueError(f"value must have T = {T} (the bound's tokens) or 1 along its {a} axis (the captured "
                              f"{name} is [{', '.join(axes)}]), received shape {tuple(value.shape)}")
-    captured = jax.eval_shape(lambda a: bound.apply(a, capture=(name,)), bound.args).captured[name].shape
-    if not _broadcasts(tuple(value.shape), tuple(captured)):  # checked here, at the prompt's length
-        raise ValueError(f"value must have the shape of the captured {name}, {tuple(captured)} (or 1 along an "
+    s = bound.spec.sizes(bound.config)
+    captured = (s.layers, *site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)[name])
+    if not _broadcasts(tuple(value.shape), captured):  # checked here, at the prompt's length
+        raise ValueError(f"value must have the shape of the captured {name}, {captured} (or 1 along an "
                          f"axis), received {tuple(value.shape)}")
     padded = pad_site(name, value, T, B) if isinstance(value, jax.core.Tracer) else \
         on_device(pad_site(name, np.asarray(value), T, B, np))
@@ -432,7 +433,7 @@ def gate_gradients(bound: Bound, metric: Metric, *, mesh: Any = None) -> Array:
     axis to split over its data axis.
     """
     _check_bound(bound), _check_metric(metric)
-    ones = jax.device_put(np.ones((bound.n_layers, bound.n_heads), _float()))  # made on the host: nothing compiled
+    ones = on_device(np.ones((bound.n_layers, bound.n_heads), _float()))  # made on the host: nothing compiled
     args = _table_args(bound, metric)
     if mesh is not None:
         _mesh.check(mesh, None)
@@ -492,7 +493,7 @@ def _layer_gradients(bound: Bound, metric: Metric, name: str, chunk: int | None,
     args = _table_args(bound, metric)
     clean = bound.apply(args, capture=(name,)).captured[name]  # [(B,) L, ...]
     layers = np.minimum(np.arange(L + (-L % size), dtype=np.int32), L - 1)  # whole chunks; extras repeat the last
-    grads = _layer_program(bound.apply, metric, name, L, batched, size)(args, clean, jax.device_put(layers))
+    grads = _layer_program(bound.apply, metric, name, L, batched, size)(args, clean, on_device(layers))
     grads = grads[:L]  # [L, (B,) ...]
     return clean, (jnp.moveaxis(grads, 0, 1) if batched else grads), _cut_to_bound(bound, name) if padded else (lambda a: a)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn.interventions import _mesh
-from jaxattn.interventions._model import Bound
+from jaxattn.interventions._model import Bound, on_device
 
 Array = jax.Array
 
@@ -117,8 +117,8 @@ def logit_lens(bound: Bound, *, positions: Any, mesh: Any = None) -> Array:
     program = _lens_program(bound.apply, module.final_norm, module.unembed, bound.config, bound.batch is not None)
     if mesh is not None:
         _mesh.check(mesh, None)
-        return _mesh.run(program, mesh, _args(bound), jax.device_put(np.asarray(pos)), replicate=True)
-    return program(_args(bound), jax.device_put(np.asarray(pos)))
+        return _mesh.run(program, mesh, _args(bound), on_device(pos), replicate=True)
+    return program(_args(bound), on_device(pos))
 
 
 _DLA_CAPTURE = ("attn_out", "mlp_out", "resid_post", "resid_pre", "z")

@@ -32,7 +32,7 @@ import numpy as np
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.interventions import _mesh
 from jaxattn.interventions._metrics import LogitMetric, RowMetric
-from jaxattn.interventions._model import Bound
+from jaxattn.interventions._model import Bound, on_device
 from jaxattn.interventions._packing import (
     Packing,
     pack_maps,
@@ -370,7 +370,7 @@ def resumed_effects(bound: Bound, metric: Metric, *, kind: str, G: int, extra: A
             extra = (value, extra[1]) if kind == "head" else value
     program = _resumed_program(bound.resume, _unembed(bound, rows, metric), bound.config, bound.batch is not None, metric,
                                rows, kind, name, tuple(shape), pk is not None)
-    fixed, xs = (args, extra, resid_pre, maps, pk), (jax.device_put(layers), jax.device_put(items))  # nothing compiled
+    fixed, xs = (args, extra, resid_pre, maps, pk), (on_device(layers), on_device(items))  # nothing compiled
     values = program(*fixed, *xs) if mesh is None else _mesh.split(program, fixed, xs, mesh, data_axis)  # [n, C]
     assemble = functools.partial(_assemble, L=L, G=G, per=per)
     return assemble(values) if mesh is None else _mesh.run(assemble, mesh, values, replicate=True)

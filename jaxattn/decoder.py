@@ -749,48 +749,52 @@ def _cache_blocks(family: Family, config: Any, params: Any, x: Array, rot: Any, 
     windowed, index, _ = _cache_plan(family, config)
     S = None if cache.full_k is None else cache.full_k.shape[1]
     Wr = None if cache.ring_k is None else cache.ring_k.shape[1]  # the window, or every slot when fewer
-    ring_at, ring_pos = (None, None) if cache.ring_pos is None else _ring_write(cache.ring_pos, rows_pos, write)
 
-    def body(carry, xs):
-        x, parts = carry
+    def body(x, xs):
         p, d, head, is_ring, i = xs
 
         def attend(q, k, v, d, sites):
             window, cap = d.get("window"), d.get("logit_cap")
             own_w = _windowed(own, rows_pos, rows_pos, window)  # [R] or [R, R]
 
-            def full(parts):
-                c = parts
-                keys, values = (jnp.concatenate([a[i].astype(q.dtype), b]) for a, b in ((c.full_k, k), (c.full_v, v)))
+            def full(_):
+                keys, values = (jnp.concatenate([a[i].astype(q.dtype), b]) for a, b in ((cache.full_k, k), (cache.full_v, v)))
                 mask = _windowed(seen, rows_pos, key_pos, window)
                 mask = jnp.concatenate([jnp.broadcast_to(mask, own_w.shape[:-1] + mask.shape[-1:]), own_w], axis=-1)
-                z, _ = _attend(q, keys, values, mask, scale, S, cap)  # [R, N, H]
-                new = (jax.lax.dynamic_update_index_in_dim(a, jax.lax.dynamic_update_slice_in_dim(
-                    a[i], b.astype(a.dtype), at, 0), i, 0) for a, b in ((c.full_k, k), (c.full_v, v)))
-                return z, c._replace(**dict(zip(("full_k", "full_v"), new)))
+                return _attend(q, keys, values, mask, scale, S, cap)[0]  # [R, N, H]
 
-            def ring(parts):
-                c = parts
-                keys, values = (jnp.concatenate([a[i].astype(q.dtype), b]) for a, b in ((c.ring_k, k), (c.ring_v, v)))
+            def ring(_):
+                keys, values = (jnp.concatenate([a[i].astype(q.dtype), b]) for a, b in ((cache.ring_k, k), (cache.ring_v, v)))
                 held = (cache.ring_pos >= 0)[None, :] & (rows_pos[:, None] - cache.ring_pos[None, :] < window)  # [R, Wr]
                 mask = jnp.concatenate([held, jnp.broadcast_to(own_w, held.shape[:1] + own_w.shape[-1:])], axis=-1)
-                z, _ = _attend(q, keys, values, mask, scale, Wr, cap)  # [R, N, H]
-                new = (jax.lax.dynamic_update_index_in_dim(a, a[i].at[jnp.where(ring_at >= 0, ring_at, Wr)].set(
-                    b.astype(a.dtype), mode="drop"), i, 0) for a, b in ((c.ring_k, k), (c.ring_v, v)))
-                return z, c._replace(**dict(zip(("ring_k", "ring_v"), new)))
+                return _attend(q, keys, values, mask, scale, Wr, cap)[0]  # [R, N, H]
 
             if cache.ring_k is None:
-                return full(parts)
-            if cache.full_k is None:
-                return ring(parts)
-            return jax.lax.cond(is_ring, ring, full, parts)
+                z = full(None)
+            elif cache.full_k is None:
+                z = ring(None)
+            else:
+                z = jax.lax.cond(is_ring, ring, full, None)
+            return z, (k, v)  # the rows' own keys and values, written after the scan
 
-        x, parts = _block(family, config, p, d, head, x, rot, attend, LayerSites((), {}))
-        return (x, parts), None
+        return _block(family, config, p, d, head, x, rot, attend, LayerSites((), {}))
 
     xs = (family.blocks(params), layer_data(family, config), heads, jnp.asarray(windowed), jnp.asarray(index))
-    (x, parts), _ = jax.lax.scan(body, (x, cache), xs)
-    return x, parts._replace(ring_pos=ring_pos)
+    # the layers only read the cache; their rows' keys and values go in after the scan, one update per cache
+    # array (XLA copies a cache carried through the scan and updated in it whole, in every layer)
+    x, (ks, vs) = jax.lax.scan(body, x, xs)  # [R, D], [L, R, K, H] twice
+    kinds = {"full": np.flatnonzero(~windowed), "ring": np.flatnonzero(windowed)}  # each cache's layers
+    new = {n: {kind: a if len(layers) == len(windowed) else a[layers] for kind, layers in kinds.items()}
+           for n, a in (("k", ks), ("v", vs))}
+    if cache.full_k is not None:  # every row into slots at..at+R-1
+        cache = cache._replace(**{f"full_{n}": jax.lax.dynamic_update_slice(
+            getattr(cache, f"full_{n}"), new[n]["full"].astype(cache.full_k.dtype), (0, at, 0, 0)) for n in "kv"})
+    if cache.ring_pos is not None:  # the rows ``write`` marks, each at its position in the ring
+        ring_at, ring_pos = _ring_write(cache.ring_pos, rows_pos, write)
+        slot = jnp.where(ring_at >= 0, ring_at, Wr)
+        cache = cache._replace(ring_pos=ring_pos, **{f"ring_{n}": getattr(cache, f"ring_{n}").at[:, slot].set(
+            new[n]["ring"].astype(cache.ring_k.dtype), mode="drop") for n in "kv"})
+    return x, cache
 
 
 @functools.partial(jax.jit, static_argnames=("family", "config", "max_new_tokens", "greedy", "return_logits"))

@@ -12,6 +12,11 @@ forward's first call <= Flax's, generate's first call <= 2x the forward's.
 
     python experiments/bench_llama.py --phases         # where each first call goes (and nothing else)
     python experiments/bench_llama.py --gradient --baseline DIR   # the gradient's first call and steady time
+    python experiments/bench_llama.py --generate --baseline DIR   # generate's steady time
+
+--generate times ``generate``'s steady calls (15 new tokens after prompts of --generate-T tokens), the
+median of --repeats calls after a first, in fresh processes alternating with the same in --baseline DIR
+(another checkout, as for --gradient) when given. It writes nothing.
 
 --gradient times ``jax.jit(jax.grad(log_prob))`` over all params at T=128 (--grad-T): its first call against
 the forward's first call at the same T (target <= 2x), each in fresh processes, alternating; and its
@@ -121,6 +126,13 @@ def _first_call(what: str, T: int, seed: int, repeats: int = 5) -> None:
     config = config._replace(rope_theta=10000.0)
     jax.block_until_ready(params)
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, T).astype(np.int32)
+    if what == "steady-generate":  # first call untimed, then repeats
+        gen = lambda: llama.generate(params, config, ids, max_new_tokens=15)  # noqa: E731
+        jax.block_until_ready(gen())
+        steady = [_timed_split(gen) for _ in range(repeats)]
+        print(json.dumps({"what": what, "T": T, "steady_wall_s": [r["wall"] for r in steady],
+                          "steady_cpu_s": [r["cpu"] for r in steady]}))
+        return
     if what in ("grad", "steady-grad"):
         grad = jax.jit(jax.grad(lambda p, i: llama.log_prob(p, config, i)))
         first = _timed_split(lambda: grad(params, ids))
@@ -215,6 +227,24 @@ def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None
               f"{'met' if r <= 1.10 else 'NOT met'})")
 
 
+def _steady_generate(T: int, rounds: int, repeats: int, seed: int, baseline: str | None) -> None:
+    """``generate``'s steady time (15 new tokens after a ``T``-token prompt), against ``baseline``'s."""
+    runs = {"ours": [], "baseline": []}
+    for _ in range(rounds):  # alternating, each a fresh process
+        runs["ours"].append(_child("steady-generate", T, seed, repeats=repeats))
+        if baseline is not None:
+            runs["baseline"].append(_child("steady-generate", T, seed, root=baseline, repeats=repeats))
+    per = {k: [statistics.median(x["steady_wall_s"]) for x in v] for k, v in runs.items() if v}
+    cpu = {k: [statistics.median(x["steady_cpu_s"]) for x in v] for k, v in runs.items() if v}
+    for k in per:
+        print(f"steady generate, {T}-token prompt, 15 new tokens ({k}): median of each process's {repeats} calls, "
+              f"over {rounds} processes: wall {_spread(per[k])}; CPU {_spread(cpu[k])}")
+    if "baseline" in per:
+        r = statistics.median(per["ours"]) / statistics.median(per["baseline"])
+        print(f"steady generate / baseline's ({baseline}): {r:.3f} (CPU "
+              f"{statistics.median(cpu['ours']) / statistics.median(cpu['baseline']):.3f})")
+
+
 def _spread(xs: list[float]) -> str:
     return f"median {statistics.median(xs):.2f} s (min {min(xs):.2f}, max {max(xs):.2f})"
 
@@ -223,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--first-repeats", type=int, default=3, help="fresh processes per first-call timing (0: skip)")
     parser.add_argument("--child", choices=("forward", "flax", "generate", "phases-forward", "phases-flax", "grad",
-                                            "steady-grad"),
+                                            "steady-grad", "steady-generate"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--phases", action="store_true", help="only split each forward's first call into its phases")
     parser.add_argument("--gradient", action="store_true", help="only the gradient's first call and steady time")
     parser.add_argument("--grad-T", type=int, default=128, help="tokens of the gradient's input")
+    parser.add_argument("--generate", action="store_true",
+                        help="only generate's steady time against --baseline's (prompts of --generate-T tokens)")
+    parser.add_argument("--generate-T", type=int, nargs="*", default=[5, 40], help="prompt lengths for --generate")
     parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn's steady gradient is the baseline")
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
@@ -240,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gradient:
         _gradient(args.grad_T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline)
+        return 0
+    if args.generate:
+        for T in args.generate_T:
+            _steady_generate(T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline)
         return 0
     if args.phases:
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}

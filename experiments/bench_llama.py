@@ -215,16 +215,7 @@ def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None
     r = statistics.median(fg) / statistics.median(ff)
     print(f"gradient's first call / forward's: {r:.2f} (CPU {statistics.median(cg) / statistics.median(cf):.2f}; "
           f"target <= 2.0: {'met' if r <= 2.0 else 'NOT met'})")
-    per = {k: [statistics.median(x["steady_wall_s"]) for x in v] for k, v in steady.items() if v}
-    cpu = {k: [statistics.median(x["steady_cpu_s"]) for x in v] for k, v in steady.items() if v}
-    for k in per:
-        print(f"steady gradient ({k}): median of each process's {repeats} calls, over {rounds} processes: wall "
-              f"{_spread(per[k])}; CPU {_spread(cpu[k])}")
-    if "baseline" in per:
-        r = statistics.median(per["ours"]) / statistics.median(per["baseline"])
-        print(f"steady gradient / baseline's ({baseline}): {r:.3f} (CPU "
-              f"{statistics.median(cpu['ours']) / statistics.median(cpu['baseline']):.3f}; target <= 1.10: "
-              f"{'met' if r <= 1.10 else 'NOT met'})")
+    _report_steady("steady gradient", steady, repeats, rounds, baseline, target=1.10)
 
 
 def _steady_generate(T: int, rounds: int, repeats: int, seed: int, baseline: str | None) -> None:
@@ -234,15 +225,23 @@ def _steady_generate(T: int, rounds: int, repeats: int, seed: int, baseline: str
         runs["ours"].append(_child("steady-generate", T, seed, repeats=repeats))
         if baseline is not None:
             runs["baseline"].append(_child("steady-generate", T, seed, root=baseline, repeats=repeats))
+    _report_steady(f"steady generate, {T}-token prompt, 15 new tokens", runs, repeats, rounds, baseline)
+
+
+def _report_steady(label: str, runs: dict, repeats: int, rounds: int, baseline: str | None,
+                   target: float | None = None) -> None:
+    """Print each side's steady time (the median of each process's calls, spread over processes) and, with
+    a baseline, the ratio of the medians (against ``target`` when there is one)."""
     per = {k: [statistics.median(x["steady_wall_s"]) for x in v] for k, v in runs.items() if v}
     cpu = {k: [statistics.median(x["steady_cpu_s"]) for x in v] for k, v in runs.items() if v}
     for k in per:
-        print(f"steady generate, {T}-token prompt, 15 new tokens ({k}): median of each process's {repeats} calls, "
-              f"over {rounds} processes: wall {_spread(per[k])}; CPU {_spread(cpu[k])}")
+        print(f"{label} ({k}): median of each process's {repeats} calls, over {rounds} processes: wall "
+              f"{_spread(per[k])}; CPU {_spread(cpu[k])}")
     if "baseline" in per:
         r = statistics.median(per["ours"]) / statistics.median(per["baseline"])
-        print(f"steady generate / baseline's ({baseline}): {r:.3f} (CPU "
-              f"{statistics.median(cpu['ours']) / statistics.median(cpu['baseline']):.3f})")
+        verdict = "" if target is None else f"; target <= {target:.2f}: {'met' if r <= target else 'NOT met'}"
+        print(f"{label} / baseline's ({baseline}): {r:.3f} (CPU "
+              f"{statistics.median(cpu['ours']) / statistics.median(cpu['baseline']):.3f}{verdict})")
 
 
 def _spread(xs: list[float]) -> str:

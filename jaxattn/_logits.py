@@ -87,7 +87,8 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
     ``[T, S]`` mask adds a loop over the keys that hold a bad entry, 32 at a time (a ``[T, 32] @ [32, C]``
     product each): nothing when every value is finite, and no ``[T, S]`` buffer. ``window``: ``(left,
     right, offset)``, key ``j`` visible to query ``i`` iff ``i + offset - left <= j <= i + offset + right``
-    (as well): counted from prefix sums of ``bad`` over the keys, O((T + S)·C).
+    (as well): an any over each query's range of keys from log2(range) doublings of an any over shifted
+    rows (a sparse table), O((T + S)·C·log(range)) and only when some value is bad.
     """
     t, s = (1, 1) if mask is None else mask.shape
     if t > 1 and s > 1:  # a general mask
@@ -111,23 +112,32 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
         return jax.lax.fori_loop(0, (n_bad + B - 1) // B, chunk, jnp.zeros((T, bad.shape[1]), bool))
     if mask is not None and s > 1:  # [1, S]: the same keys for every query
         bad = jnp.logical_and(bad, mask.reshape(S, 1))  # [S, C]
-    if window is not None:  # keys [lo_i, hi_i] visible to query i: a difference of prefix sums of bad
+    if window is not None:  # keys [i + lo, i + hi] visible to query i
         left, right, offset = window  # Python ints
-        hi = offset + right if causal is None else min(offset + right, causal)  # hi_i = i + hi, lo_i = i + offset - left
-        # an associative scan: XLA's CPU backend runs jnp.cumsum's reduce-window ~6x slower at S = 16k
-        prefix = jax.lax.associative_scan(jnp.add, bad.astype(jnp.int32), axis=0)  # [S, C]
-        counts = jnp.concatenate([jnp.zeros((1, bad.shape[1]), jnp.int32), prefix])  # [S+1, C], counts[j] = Σ_{s<j} bad
-
-        def at(shift):  # counts[clip(i + shift, 0, S)] for i < T: a static slice of the edge-padded counts
-            before, after = max(0, -shift), max(0, T - 1 + shift - S)
-            edged = jnp.pad(counts, ((before, after), (0, 0)), mode="edge")  # [before + S + 1 + after, C]
-            return jax.lax.slice_in_dim(edged, shift + before, shift + before + T)  # [T, C]
-
-        # any bad key in [lo_i, hi_i] iff counts[hi_i + 1] > counts[lo_i] (counts never decrease, so an
-        # empty range, lo_i > hi_i, gives False); counted only when some value is bad (under vmap the cond
-        # becomes a select and both run)
+        lo = offset - left
+        hi = offset + right if causal is None else min(offset + right, causal)
+        n = hi - lo + 1  # keys in each query's range (before clipping to the keys)
         none = jnp.zeros_like(bad, shape=(T, bad.shape[1]))  # [T, C] False
-        hit = jax.lax.cond(jnp.any(bad), lambda: at(hi + 1) > at(offset - left), lambda: none)  # [T, C]
+
+        def any_in_range():
+            # padded by False so that every query's range lies inside: key s is row s + front
+            front, back = max(0, -lo), max(0, T - 1 + hi - (S - 1))
+            y = jnp.pad(bad, ((front, back), (0, 0)))  # [M, C]
+            M, w = y.shape[0], 1 << (n.bit_length() - 1)  # w: the largest power of 2 <= n
+
+            def double(d, y):  # any over [s, s + d) -> any over [s, s + 2d)
+                return y | jax.lax.dynamic_slice_in_dim(jnp.pad(y, ((0, M), (0, 0))), d, M)
+
+            # y[s] = any bad in rows [s, s + w) (a sparse table's level); a range of n >= w rows is the
+            # union of its first w rows and its last w
+            y = jax.lax.fori_loop(0, n.bit_length() - 1, lambda i, y: double(2 ** i, y), y)  # [M, C]
+            first = jax.lax.slice_in_dim(y, front + lo, front + lo + T)  # [T, C]
+            last = jax.lax.slice_in_dim(y, front + hi - w + 1, front + hi - w + 1 + T)  # [T, C]
+            return first | last
+
+        # computed only when some value is bad, inside the cond, so that it costs nothing otherwise (under
+        # vmap the cond becomes a select and both run); a range of no key (n <= 0) is never hit
+        hit = none if n <= 0 else jax.lax.cond(jnp.any(bad), any_in_range, lambda: none)  # [T, C]
     elif causal is not None:  # key j visible to query i iff j <= i + causal: compare with a column's first bad key
         none = T + S + abs(causal)  # past every query: a column without a bad key is never hit
         first = jnp.min(jnp.where(bad, jnp.arange(S)[:, None], none), axis=0, initial=none)  # [C]

@@ -365,8 +365,8 @@ def _tile_forward(q, k, v, mask, bias, scale, plan: _Plan, pre: bool) -> tuple[A
 # [bq, L] product and one softmax per block instead of an online softmax over small tiles, and the few
 # masked logits of the band's two corners are the only waste (a fifth of them for a causal window of 4
 # blocks). GROUP blocks run side by side (vmapped) in each step of a scan, so the products are batched
-# and the loop short. The backward goes block by block too; each block's key gradients [L, H] are added
-# into the keys' by whole blocks of bq (the slices of neighbouring blocks overlap by L - bq keys).
+# and the loop short. The backward goes by key blocks, over the mirror image of these bands (each key
+# block's queries in one slice, see _band_backward).
 
 _GROUP = 8  # query blocks per step of the band's scan
 
@@ -394,7 +394,8 @@ def _band_keep(plan: _Plan, i: Any) -> Array:
 
 
 def _band_keys(x: Array, plan: _Plan) -> Array:
-    """``x [Sp, F]`` with zero rows before key 0 and past the last, as far as the bands reach."""
+    """``x [Sp, F]`` (the keys', or the queries' for a :func:`_band_mirror`) with zero rows before key 0
+    and past the last, as far as the bands reach."""
     L, G, ng, Tg = _band_geometry(plan)
     before, after = plan.band
     n = before + Tg + after  # the keys the bands reach, from key -before
@@ -408,26 +409,14 @@ def _band_slices(x: Array, i: Array, plan: _Plan) -> Array:
     return jax.vmap(lambda i: jax.lax.dynamic_slice_in_dim(x, i * plan.bq, L))(i)  # [G, L, F]
 
 
-def _band_step_add(parts: Array, plan: _Plan) -> Array:
-    """One step's bands' key gradients ``[G, L, F]`` added up by blocks of bq: ``[G + C - 1, bq, F]``."""
-    L, G, _, _ = _band_geometry(plan)
-    C = L // plan.bq
-    chunks = parts.reshape(G, C, plan.bq, parts.shape[-1])
-    total = jnp.zeros((G + C - 1, *chunks.shape[2:]), parts.dtype)
-    for c in range(C):  # band j's c-th block of keys is the step's block j + c
-        total = total.at[c:c + G].add(chunks[:, c])
-    return total
-
-
-def _band_fold(steps: Array, plan: _Plan, S: int) -> Array:
-    """Every step's ``[ng, G + C - 1, bq, F]`` added up into the keys': ``[S, F]`` (padded key count)."""
-    L, G, ng, Tg = _band_geometry(plan)
-    n = steps.shape[1]
-    total = jnp.zeros((ng * G + n - G, *steps.shape[2:]), steps.dtype)
-    for c in range(n):  # step g's block c is block g·G + c from key -before
-        total = total.at[c:c + ng * G:G].add(steps[:, c])
-    total = total.reshape(total.shape[0] * plan.bq, steps.shape[-1])[plan.band[0]:]  # [Tg + after, F] from key 0
-    return _pad_rows(total[:S], S)
+def _band_mirror(plan: _Plan, Sp: int) -> _Plan:
+    """The bands of the transposed problem, for the backward's key-major order: key block ``j``'s queries
+    ``[j·bq - after, j·bq + bq + before)`` in one slice (``Sp``: the padded key count). Its rows are the
+    keys and its band's keys the queries, so :func:`_band_keep` gives ``[bq, L]`` over (key, query)."""
+    right = min(plan.window[1], 0) if plan.causal else plan.window[1]
+    before, after = plan.band
+    return dataclasses.replace(plan, T=plan.S, S=plan.T, nq=-(-Sp // plan.bq), causal=False,
+                               window=(right, plan.window[0]), band=(after, before))
 
 
 def _band_rows(x: Array, plan: _Plan) -> Array:
@@ -476,41 +465,62 @@ def _band_forward(q, k, v, scale, plan: _Plan, pre: bool) -> tuple[Array, Array]
 
 
 def _band_backward(q_s, k, v, d_out, D, lse, scale, plan: _Plan, pre: bool) -> tuple[Array, Array, Array]:
-    """``(dq, dk, dv)`` as :func:`_backward`'s tiles give them (dq unscaled), block by block over bands."""
-    acc_dtype = scale.dtype
-    L, G, ng, Tg = _band_geometry(plan)
-    Sp = k.shape[0]
+    """``(dq, dk, dv)`` as :func:`_backward`'s tiles give them (dq unscaled), key block by key block.
 
-    def block(i, qb, dob, lse_b, D_b, kb, vb):  # [bq, H], [bq, V], [bq], [bq], [L, H], [L, V]
-        # the band transposed, [L, bq], so that the products are plain row-major matmuls (as in _backward)
-        s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [L, bq]
+    Each key block's queries are one slice (:func:`_band_mirror`), so that a key block's dk and dv are one
+    product each over its L queries (the longest products of the backward, and nothing to add up), and
+    the queries' dq, whose slices overlap, is added into a carried buffer by whole query blocks. ``k``
+    and ``v`` come as the caller has them: each block zeroes its own non-finite entries. Nothing is
+    stacked per step but dk and dv themselves, and no cleaned copy of k and v exists: the program's
+    memory stays small (on XLA's CPU backend, a temporary buffer above glibc's 32 MiB mmap threshold is
+    fresh memory, page-faulted anew, on every call).
+    """
+    acc_dtype = scale.dtype
+    Sp, Tp, H = k.shape[0], q_s.shape[0], q_s.shape[1]
+    mirror = _band_mirror(plan, Sp)
+    L, G, ng, Tg = _band_geometry(mirror)
+    C = L // plan.bq  # query blocks in a key block's slice
+
+    def block(j, kb, vb, qb, dob, lse_b, D_b):  # [bq, H], [bq, V], [L, H], [L, V], [L], [L]
+        kb, vb = (jnp.where(jnp.isfinite(x), x, 0) for x in (kb, vb))  # as _backward_operands does
+        s = jnp.einsum("SH,TH->ST", kb, qb, preferred_element_type=acc_dtype)  # [bq, L]
         if not pre:
             s = s * scale
         if plan.cap is not None:
             u = s / plan.cap
             s, d_cap = plan.cap * jnp.tanh(u), sech2(u)
-        p = jnp.where(_band_keep(plan, i).T, jnp.exp(s - lse_b[None, :]), 0.0)  # [L, bq], the forward's weights
-        dv = jnp.einsum("ST,TV->SV", p, dob)  # [L, V]
-        dp = jnp.einsum("SV,TV->ST", vb.astype(acc_dtype), dob)  # [L, bq]
-        ds = p * (dp - D_b[None, :])  # [L, bq]
+        # keys past S get no weight (their dq part would be 0 times an overflow), nor do the slice's rows
+        # outside the queries
+        real = j * plan.bq + jnp.arange(plan.bq) < plan.S  # [bq]
+        keep = jnp.logical_and(_band_keep(mirror, j), real[:, None])  # [bq, L]
+        p = jnp.where(keep, jnp.exp(s - lse_b[None, :]), 0.0)  # [bq, L], the forward's weights
+        dv = jnp.einsum("ST,TV->SV", p, dob)  # [bq, V]
+        dp = jnp.einsum("SV,TV->ST", vb.astype(acc_dtype), dob)  # [bq, L]
+        ds = p * (dp - D_b[None, :])  # [bq, L]
         if plan.cap is not None:
             ds = ds * d_cap
-        dk = jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [L, H]
-        ds_t = jax.lax.optimization_barrier(ds.T)  # [bq, L]: one copy (see _backward)
-        dq = jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [bq, H]
+        dk = jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bq, H]
+        ds_t = jax.lax.optimization_barrier(ds.T)  # [L, bq]: one copy (see _backward)
+        dq = jnp.einsum("TS,SH->TH", ds_t, kb, preferred_element_type=acc_dtype)  # [L, H]
         return dq, dk, dv
 
-    k, v = _band_keys(k, plan), _band_keys(v, plan)
+    rows = tuple(_band_keys(x, mirror) for x in (q_s, d_out, jnp.stack([lse, D], axis=1)))  # from query -after
 
-    def step(_, xs):
-        i, rows = _tied(xs[0], xs[1:])  # see _tied
-        dq, dk, dv = jax.vmap(block)(i, *rows, _band_slices(k, i, plan), _band_slices(v, i, plan))
-        return None, (dq, _band_step_add(dk, plan), _band_step_add(dv, plan))
+    def step(dq, xs):  # dq [ng·G + C - 1, bq, H]: query blocks from query -after
+        j, (kg, vg) = _tied(xs[0], xs[1:])  # see _tied
+        qb, dob, ld = (_band_slices(x, j, mirror) for x in rows)  # [G, L, ...]
+        parts, dk, dv = jax.vmap(block)(j, kg, vg, qb, dob, ld[..., 0], ld[..., 1])  # [G, L, H], [G, bq, ..]
+        parts = parts.reshape(G, C, plan.bq, H)
+        total = jax.lax.dynamic_slice_in_dim(dq, j[0], G + C - 1)  # the step's query blocks
+        for c in range(C):  # key block j's c-th query block is the step's block (j - j[0]) + c
+            total = total.at[c:c + G].add(parts[:, c])
+        return jax.lax.dynamic_update_slice_in_dim(dq, total, j[0], 0), (dk, dv)
 
-    i = jnp.arange(ng * G).reshape(ng, G)
-    xs = (i, _band_rows(q_s, plan), _band_rows(d_out, plan), _band_rows(lse, plan), _band_rows(D, plan))
-    _, (dq, dk, dv) = jax.lax.scan(step, None, xs)  # [ng, G, bq, H], [ng, G + C - 1, bq, H], [.., V]
-    return dq.reshape(Tg, -1)[:q_s.shape[0]], _band_fold(dk, plan, Sp), _band_fold(dv, plan, Sp)
+    j = jnp.arange(ng * G).reshape(ng, G)
+    dq = jnp.zeros((ng * G + C - 1, plan.bq, H), acc_dtype)
+    dq, (dk, dv) = jax.lax.scan(step, dq, (j, _band_rows(k, mirror), _band_rows(v, mirror)))
+    dq = dq.reshape(-1, H)[mirror.band[0]:][:Tp]  # from query 0
+    return _pad_rows(dq, Tp), dk.reshape(Tg, -1)[:Sp], dv.reshape(Tg, -1)[:Sp]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -533,11 +543,12 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=No
     acc_dtype = scale.dtype
     bq, bk = plan.bq, plan.bk
     H, V = q.shape[1], v.shape[1]
+    k_in, v_in = k, v  # the bands zero their non-finite entries per block (see _band_backward)
     q, k, v, d_out, D, lse = _backward_operands(q, k, v, out, lse, d_out, d_lse, acc_dtype)
     pre = q.dtype == acc_dtype  # as in _forward: bf16/fp16 tiles scale their float32 product instead
     q_s = _scaled(q, scale) if pre else q  # [Tp, H]
     if plan.band is not None:
-        dq, dk, dv = _band_backward(q_s, k, v, d_out, D, lse, scale, plan, pre)  # [Tp, H], [Sp, H], [Sp, V]
+        dq, dk, dv = _band_backward(q_s, k_in, v_in, d_out, D, lse, scale, plan, pre)  # [Tp, H], [Sp, H], [Sp, V]
         return _backward_end(q, dq, dk, dv, scale, pre, None)
     _, (n_masked_b, n_free_b) = _loop_counts(plan)
     dq_rows = _dq_rows(bq, bias)

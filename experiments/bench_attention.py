@@ -20,8 +20,10 @@ blockwise with a window of W keys (``local_window_size=(W - 1, 0)``, blocks of `
 full causal blockwise (blocks of ``--block-q``/``--block-k``) at ``--window-T``, forward and forward+backward;
 causal against non-causal blockwise at ``--causal-T``; each the median of ``--rounds`` interleaved
 rounds with the spread and the CPU time, the ratios from the medians and as the median of each round's
-own ratio; and the windowed forward+backward's peak resident memory at ``--window-memory-T`` in a
-process of its own.
+own ratio; beside them each compiled program's temporary buffer and the minor page faults per timed
+call (on XLA's CPU backend a temporary above glibc's 32 MiB mmap threshold is fresh memory, faulted in
+anew, on every call); and the windowed forward+backward's peak resident memory at ``--window-memory-T``
+in a process of its own.
 """
 
 from __future__ import annotations
@@ -250,17 +252,22 @@ def _time_pair(cfg: dict, kinds: tuple[str, str], rounds: int, seed: int) -> dic
     """Both programs compiled, then timed in ``rounds`` interleaved rounds: wall and CPU seconds of each,
     and the ratio ``kinds[0] / kinds[1]`` from the medians and per round."""
     q, k, v = _inputs(cfg, seed)
-    programs, compile_s = {}, {}
+    programs, compile_s, temp = {}, {}, {}
     for kind in kinds:
         t = time.perf_counter()
         programs[kind] = _window_program(kind, cfg).lower(q, k, v).compile()
         compile_s[kind] = time.perf_counter() - t
+        stats = programs[kind].memory_analysis()
+        temp[kind] = None if stats is None else int(stats.temp_size_in_bytes)
         _call(programs[kind], (q, k, v))  # warm-up
     wall = {kind: [] for kind in kinds}
     cpu = {kind: [] for kind in kinds}
+    faults = {kind: 0 for kind in kinds}  # minor page faults during the timed calls (the process's count)
     for _ in range(rounds):
         for kind in kinds:
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             w, c = _call(programs[kind], (q, k, v))
+            faults[kind] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
             wall[kind].append(w)
             cpu[kind].append(c)
     a, b = kinds
@@ -271,6 +278,7 @@ def _time_pair(cfg: dict, kinds: tuple[str, str], rounds: int, seed: int) -> dic
         ratio_of_medians=float(np.median(wall[a]) / np.median(wall[b])),
         cpu_ratio_of_medians=float(np.median(cpu[a]) / np.median(cpu[b])),
         paired_ratio=_spread(paired),
+        temp_bytes=temp, page_faults_per_call={kind: faults[kind] / rounds for kind in kinds},
     )
 
 
@@ -281,10 +289,12 @@ def _render_windows(report: dict) -> str:
         "",
         f"`{meta['command']}` on {meta['machine']}, jax {meta['jax']} ({meta['backend']}, {meta['dtype']}); "
         f"N = 1, H = 64; each time the median of {meta['rounds']} interleaved rounds (min-max), CPU seconds "
-        f"beside wall seconds; `paired` = the median of each round's own ratio (min-max).",
+        f"beside wall seconds; `paired` = the median of each round's own ratio (min-max); `temp, faults`: each "
+        f"compiled program's temporary buffer (XLA's memory analysis) and the process's minor page faults "
+        f"per timed call.",
         "",
-        "| comparison | mode | T | numerator: wall (min-max), CPU | denominator: wall (min-max), CPU | ratio of medians (CPU) | paired | target |",
-        "|---|---|---|---|---|---|---|---|",
+        "| comparison | mode | T | numerator: wall (min-max), CPU | denominator: wall (min-max), CPU | ratio of medians (CPU) | paired | temp, faults | target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for rec in report["pairs"]:
         a, b = rec["kinds"]
@@ -294,8 +304,10 @@ def _render_windows(report: dict) -> str:
         target = "<= 0.1" if a == "window" else "<= 0.6"
         name = f"window W={cfg['W']} (blocks {cfg['window_block']}) / causal" if a == "window" else "causal / non-causal"
         p = rec["paired_ratio"]
+        mib = lambda x: "?" if x is None else f"{x / 2**20:.1f} MiB"
+        mem = "; ".join(f"{mib(rec['temp_bytes'][kind])}, {rec['page_faults_per_call'][kind]:.0f}" for kind in (a, b))
         lines.append(f"| {name} | {cfg['mode']} | {cfg['T']} | {cell(a)} | {cell(b)} | {rec['ratio_of_medians']:.3f} "
-                     f"({rec['cpu_ratio_of_medians']:.3f}) | {p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f}) | {target} |")
+                     f"({rec['cpu_ratio_of_medians']:.3f}) | {p['median']:.3f} ({p['min']:.3f}-{p['max']:.3f}) | {mem} | {target} |")
     mem = report.get("memory")
     if mem:
         got = mem.get("peak_rss_bytes")

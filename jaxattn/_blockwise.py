@@ -283,6 +283,7 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | Non
     # logits are NaN (a masked one is replaced by the fill, a kept one makes the row NaN, as in the dense
     # core); v is summed with its non-finite entries zeroed (a masked key's weight is 0, and 0 · NaN would
     # be NaN), and the outputs that keep one are set to NaN at the end (``hit``).
+    k_in, v_in = k, v  # the bands clean theirs per slice (see _band_forward)
     q = jnp.where(jnp.isfinite(q), q, jnp.nan)  # [Tp, H]
     k = jnp.where(jnp.isfinite(k), k, jnp.nan)  # [Sp, H]
     v_bad = ~jnp.isfinite(v)  # [Sp, V]
@@ -294,7 +295,7 @@ def _forward(q: Array, k: Array, v: Array, mask: Array | None, bias: Array | Non
     if pre:
         q = _scaled(q, scale)  # [Tp, H]
     if plan.band is not None:
-        out, lse = _band_forward(q, k, v, scale, plan, pre)  # [Tp, V], [Tp]
+        out, lse = _band_forward(q, k_in, v_in, scale, plan, pre)  # [Tp, V], [Tp]
     else:
         out, lse = _tile_forward(q, k, v, mask, bias, scale, plan, pre)  # [Tp, V], [Tp]
     window = None if plan.window is None else (*plan.window, 0)
@@ -379,15 +380,22 @@ def _band_geometry(plan: _Plan) -> tuple[int, int, int, int]:
     return before + plan.bq + after, G, ng, ng * G * plan.bq
 
 
-def _band_keep(plan: _Plan, i: Any) -> Array:
+def _band_keep(plan: _Plan, i: Any, start: Any = None) -> Array:
     """Query block ``i``'s keep-mask over its band: ``[bq, L]`` bool (the window, causal, real keys).
 
-    Row ``r``, column ``c`` is key ``i·bq - before + c``: the window and causality depend on ``c - r``
-    alone (one static mask for every block), the keys before 0 and past S on the block (one [L] compare)."""
+    Row ``r``, column ``c`` is key ``start + c``. Without ``start`` it is ``i·bq - before`` (a padded
+    layout, :func:`_band_keys`): the window and causality depend on ``c - r`` alone (one static mask for
+    every block), the keys before 0 and past S on the block (one [L] compare). With it (a slice clamped
+    to the keys, :func:`_band_forward`), the comparisons run on the band's own offsets."""
     before, after = plan.band
     L = before + plan.bq + after
-    offset = np.arange(L)[None, :] - np.arange(plan.bq)[:, None] - before  # [bq, L]: key - query
     right = min(plan.window[1], 0) if plan.causal else plan.window[1]
+    if start is not None:
+        key = start + jnp.arange(L)  # [L]
+        offset = key[None, :] - (i * plan.bq + jnp.arange(plan.bq))[:, None]  # [bq, L]: key - query
+        keep = (offset >= -plan.window[0]) & (offset <= right)  # [bq, L]
+        return jnp.logical_and(keep, (key < plan.S)[None, :])  # [bq, L]
+    offset = np.arange(L)[None, :] - np.arange(plan.bq)[:, None] - before  # [bq, L]: key - query
     static = (offset >= -plan.window[0]) & (offset <= right)  # [bq, L]
     key = i * plan.bq - before + jnp.arange(L)  # [L]
     return jnp.logical_and(static, ((key >= 0) & (key < plan.S))[None, :])  # [bq, L]
@@ -425,24 +433,27 @@ def _band_rows(x: Array, plan: _Plan) -> Array:
     return _pad_rows(x, Tg).reshape(ng, G, plan.bq, *x.shape[1:])
 
 
-def _band_logits(plan: _Plan, i, qb, kb, scale, pre):
-    """Block ``i``'s ``[bq, L]`` logits (scaled, not yet capped) and its keep-mask."""
-    acc_dtype = scale.dtype
-    s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, L]
-    if not pre:
-        s = s * scale
-    return s, _band_keep(plan, i)
-
-
 def _band_forward(q, k, v, scale, plan: _Plan, pre: bool) -> tuple[Array, Array]:
-    """``(out [Tp, V], lse [Tp])`` by bands: one softmax over each block's band (no online rescaling)."""
+    """``(out [Tp, V], lse [Tp])`` by bands: one softmax over each block's band (no online rescaling).
+
+    ``k`` and ``v`` come as the caller has them: each band is a slice of the keys themselves, clamped to
+    them at the ends (its keep-mask says which keys it holds), and zeroes or NaNs its own non-finite
+    entries, so that no padded or cleaned copy of the keys exists (see :func:`_band_backward` on memory).
+    """
     acc_dtype = scale.dtype
     fill = jnp.finfo(acc_dtype).min
     L, G, ng, Tg = _band_geometry(plan)
+    k, v = _pad_rows(k, max(L, k.shape[0])), _pad_rows(v, max(L, v.shape[0]))  # a band no longer than the keys
+    last = k.shape[0] - L  # the last start a slice of L keys has
 
-    def block(i, qb, kb, vb):  # [bq, H], [L, H], [L, V]
-        s, keep = _band_logits(plan, i, qb, kb, scale, pre)
-        s = jnp.where(keep, soft_cap(s, plan.cap), fill)  # [bq, L]
+    def block(i, qb, start):  # [bq, H], []
+        kb, vb = (jax.lax.dynamic_slice_in_dim(x, start, L) for x in (k, v))  # [L, H], [L, V]
+        kb = jnp.where(jnp.isfinite(kb), kb, jnp.nan)  # as _forward does
+        vb = jnp.where(jnp.isfinite(vb), vb, 0)
+        s = jnp.einsum("TH,SH->TS", qb, kb, preferred_element_type=acc_dtype)  # [bq, L]
+        if not pre:
+            s = s * scale
+        s = jnp.where(_band_keep(plan, i, start), soft_cap(s, plan.cap), fill)  # [bq, L]
         m = jnp.maximum(jnp.max(s, axis=1), fill)  # [bq]: at least the fill, as the tiles' running maximum
         p = jnp.exp(s - m[:, None])  # [bq, L]: a masked entry's exp(fill - m) is 0 unless the row is empty
         # a row with no kept key, or whose kept logits are all -inf (its maximum is the fill), gives 0 and
@@ -452,11 +463,10 @@ def _band_forward(q, k, v, scale, plan: _Plan, pre: bool) -> tuple[Array, Array]
         out = jnp.einsum("TS,SV->TV", p, vb.astype(acc_dtype)) / l1[:, None]  # [bq, V]
         return jnp.where(empty[:, None], 0.0, out), jnp.where(empty, -jnp.inf, m + jnp.log(l1))
 
-    k, v = _band_keys(k, plan), _band_keys(v, plan)
-
     def step(_, xs):
         i, qg = _tied(*xs)  # see _tied
-        return None, jax.vmap(block)(i, qg, _band_slices(k, i, plan), _band_slices(v, i, plan))
+        start = jnp.clip(i * plan.bq - plan.band[0], 0, last)  # [G]
+        return None, jax.vmap(block)(i, qg, start)
 
     i = jnp.arange(ng * G).reshape(ng, G)
     _, (out, lse) = jax.lax.scan(step, None, (i, _band_rows(q, plan)))

@@ -402,8 +402,8 @@ def _band_keep(plan: _Plan, i: Any, start: Any = None) -> Array:
 
 
 def _band_keys(x: Array, plan: _Plan) -> Array:
-    """``x [Sp, F]`` (the keys', or the queries' for a :func:`_band_mirror`) with zero rows before key 0
-    and past the last, as far as the bands reach."""
+    """``x [Sp, F]``, the rows a band slices (the queries', for the backward's :func:`_band_mirror`), with
+    zero rows before row 0 and past the last, as far as the bands reach."""
     L, G, ng, Tg = _band_geometry(plan)
     before, after = plan.band
     n = before + Tg + after  # the keys the bands reach, from key -before

@@ -121,3 +121,26 @@ def test_bands_at_the_edges_equal_the_tiles_values_of_zero_width_and_rows_whose_
         out, lse = _run(q1, k1, jnp.ones((8, 3), jnp.float32), (0, 2), False, None, 1, band)
         np.testing.assert_array_equal(np.asarray(out), np.zeros((1, 3), np.float32))
         assert np.isneginf(np.asarray(lse)).all()
+
+
+def test_the_bands_keep_their_temporary_memory_under_the_size_glibc_maps_afresh_on_every_call():
+    """XLA's CPU backend allocates a program's temporary buffer on every call; above glibc's mmap threshold
+    (32 MiB at most) that is fresh memory, page-faulted in each time. The bands make no padded or cleaned
+    copy of k and v and stack nothing per step but dk and dv, so their forward+backward at T = 16,384
+    stays under it, and their forward needs less than the causal kernel's (docs/blockwise.md)."""
+    T = 16384
+    x = jax.ShapeDtypeStruct((T, 1, 64), jnp.float32)
+
+    def temp(grad, **kw):
+        def f(q, k, v):
+            return jaxattn.multi_head_blockwise_attention(q, k, v, **kw)[0]
+
+        program = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), argnums=(0, 1, 2)) if grad else f
+        stats = jax.jit(program).lower(x, x, x).compile().memory_analysis()
+        if stats is None:
+            pytest.skip("this backend gives no memory analysis")
+        return stats.temp_size_in_bytes
+
+    window = dict(is_causal=True, local_window_size=(511, 0), block_q=128, block_k=128)
+    assert temp(True, **window) < 32 * 2**20
+    assert temp(False, **window) < temp(False, is_causal=True, block_q=512, block_k=512)

@@ -16,8 +16,14 @@
 #   * bench_mesh.py: a random 1B-parameter Llama's batched forward and a head-ablation table on a mesh of
 #     every GPU (llama.shard, the batch and the table's heads split over "data") against one GPU, median
 #     times and speed-ups in mesh.txt and bench_mesh.json; with one GPU it says so and skips the comparison.
-# It needs only jax (with CUDA) and numpy, which the device image has: jaxattn is used from the tree.
+#   * tests: JAX's own dot_product_attention tests (tests/test_jax_nn_conformance.py, every case, slow
+#     ones too: bias, sequence lengths and local windows passed to cuDNN) and tests/test_backends.py, on
+#     the GPU under XLA's default configuration (the cuDNN cases skip on a CPU).
+# It needs jax (with CUDA), numpy and pytest; bench_mesh.py imports jaxattn.llama, which needs
+# jaxattn[models] (gguf among them). jaxattn is used from the tree.
 #   bash experiments/device_check.sh OUT
+# SHORT=1 fits about 8 minutes: devices, tests, the benchmark against cuDNN, conformance --quick and
+# the GPT-2-shape benchmark with 1 s per configuration; no sweep, no mesh.
 # SMOKE=1 checks the script itself on a CPU in about 2 minutes: the steps that can run there (devices,
 # conformance --quick with xla, blockwise and cudnn, which reports cudnn unsupported; the benchmark table
 # with xla and blockwise at T = 512, 1024; the mesh step on 4 host devices with a tiny model), at toy
@@ -43,17 +49,31 @@ else
   gpu=(--gpu) long_T=(4096 8192 16384 32768) heads=16 conformance=()
   vs=(--impls cudnn pallas blockwise)
 fi
+seconds=2
+limit() { if [ "${SHORT:-0}" = 1 ]; then echo "$2"; else echo "$1"; fi; }  # limit FULL SHORT
+[ "${SHORT:-0}" = 1 ] && seconds=1 conformance=(--quick)
 step devices 60 python -c "import jax; print(jax.__version__, jax.devices())"
+[ "${SMOKE:-0}" = 1 ] && slow=() || slow=(tests/test_jax_nn_conformance.py)  # every case of JAX's own tests
+JAXATTN_TEST_XLA=defaults XLA_PYTHON_CLIENT_PREALLOCATE=false step tests "$(limit 200 150)" bash -c \
+  'python -m pytest -p no:cacheprovider -q -rs -n 4 tests/test_backends.py tests/test_jax_nn_conformance.py &&
+   if [ $# -gt 0 ]; then python -m pytest -p no:cacheprovider -q -rs -n 4 -m slow "$@"; fi' tests ${slow[@]+"${slow[@]}"}
 if [ "${SMOKE:-0}" != 1 ]; then
-  step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # best of 3: both loops and the program
-  step bench_attention 200 python experiments/bench_attention.py --gpu --no-memory --seconds-per-config 2 \
+  step vs_cudnn "$(limit 300 150)" python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
+    --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config "$seconds" \
+    --max-rounds 5 --out "$out/vs_cudnn"
+  step conformance "$(limit 400 90)" python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
+  [ "${SHORT:-0}" = 1 ] || step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # best of 3
+  step bench_attention "$(limit 200 100)" python experiments/bench_attention.py --gpu --no-memory --seconds-per-config "$seconds" \
     --max-rounds 5 --long-T 8192 32768 --out "$out"
+else
+  step conformance 400 python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
+  step vs_cudnn 300 python experiments/bench_attention.py "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
+    --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config 2 --max-rounds 5 \
+    --out "$out/vs_cudnn"
 fi
-step conformance 400 python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
-step vs_cudnn 300 python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
-  --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config 2 --max-rounds 5 \
-  --out "$out/vs_cudnn"
-if [ "${SMOKE:-0}" = 1 ]; then
+if [ "${SHORT:-0}" = 1 ]; then
+  :
+elif [ "${SMOKE:-0}" = 1 ]; then
   XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4" step mesh 300 python experiments/bench_mesh.py \
     --model tiny --batch 4 --T 32 --table-T 8 --repeats 3 --json "$out/bench_mesh.json"
 else

@@ -5,7 +5,7 @@ XLA configurations, named by ``JAXATTN_TEST_XLA``.
   The tests run hundreds of tiny programs, so compiling them costs far more than running them: with
   ``jax_disable_most_optimizations`` XLA skips its expensive LLVM passes (backend optimisation level 0),
   which cuts the suite's compile time by about a quarter, and ``--xla_cpu_use_fusion_emitters=false``
-  (added to ``XLA_FLAGS`` unless it names the flag) compiles the same fused HLO with the older emitters,
+  (added to ``XLA_FLAGS`` unless it names the flag, on jaxlib before 0.11, which removed it) compiles the same fused HLO with the older emitters,
   faster (a Qwen3 test that compiles 54 programs: 9.1-10.0 s against 13.2-16.9 s). XLA's HLO passes
   (fusion, algebraic rewrites) still run, but the machine code is NOT what users run: it can move a
   float result in its last bits, and the two code generators differ in how ``max``, ``exp`` and clamps
@@ -27,6 +27,16 @@ import os
 import shutil
 import tempfile
 
+
+
+def _older_emitters_exist() -> bool:
+    """Whether this jaxlib's XLA still has ``--xla_cpu_use_fusion_emitters`` (it went in jaxlib 0.11)."""
+    from importlib.metadata import version
+
+    major, minor = (int(part) for part in version("jaxlib").split(".")[:2])
+    return (major, minor) < (0, 11)
+
+
 _XLA = os.environ.setdefault("JAXATTN_TEST_XLA", "fast")
 if _XLA not in ("fast", "defaults"):
     raise ValueError(f"JAXATTN_TEST_XLA must be 'fast' or 'defaults', received {_XLA!r}")
@@ -36,7 +46,8 @@ if _XLA == "defaults":
         raise ValueError(f"JAXATTN_TEST_XLA=defaults, but XLA_FLAGS sets the CPU emitters: {os.environ['XLA_FLAGS']!r}")
 else:
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-    if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    # jaxlib 0.11 removed the flag, and XLA aborts the process on a flag it does not know.
+    if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and _older_emitters_exist():
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without xdist): the workers inherit it
     os.environ["JAXATTN_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jaxattn-tests-cache-")

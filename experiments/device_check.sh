@@ -55,8 +55,8 @@ limit() { if [ "${SHORT:-0}" = 1 ]; then echo "$2"; else echo "$1"; fi; }  # lim
 step devices 60 python -c "import jax; print(jax.__version__, jax.devices())"
 [ "${SMOKE:-0}" = 1 ] && slow=() || slow=(tests/test_jax_nn_conformance.py)  # every case of JAX's own tests
 JAXATTN_TEST_XLA=defaults XLA_PYTHON_CLIENT_PREALLOCATE=false step tests "$(limit 200 150)" bash -c \
-  'python -m pytest -p no:cacheprovider -q -rs -n 4 tests/test_backends.py tests/test_jax_nn_conformance.py &&
-   if [ $# -gt 0 ]; then python -m pytest -p no:cacheprovider -q -rs -n 4 -m slow "$@"; fi' tests ${slow[@]+"${slow[@]}"}
+  'python -m pytest -p no:cacheprovider -p no:benchmark -q -rs -n 4 tests/test_backends.py tests/test_jax_nn_conformance.py &&
+   if [ $# -gt 0 ]; then python -m pytest -p no:cacheprovider -p no:benchmark -q -rs -n 4 -m slow "$@"; fi' tests ${slow[@]+"${slow[@]}"}
 if [ "${SMOKE:-0}" != 1 ]; then
   step vs_cudnn "$(limit 300 150)" python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
     --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config "$seconds" \

@@ -222,6 +222,23 @@ def test_a_wrong_result_fails_the_check(monkeypatch):
     assert max(e for name, e in record["errors"].items() if name != "dq") == 0.0
 
 
+def test_what_jaxs_cudnn_wrapper_refuses_as_it_traces_is_reported_unsupported(monkeypatch):
+    """cuDNN's checks run as jax traces the call (its backward takes a mask only with even lengths): such a
+    case is unsupported, with jax's reason; the same exception from any other implementation propagates."""
+
+    def refuse(implementation, *rest):
+        raise NotImplementedError("Unsupported sequence length Q 13, KV 29.")
+
+    monkeypatch.setattr(_conformance, "_run_one", refuse)
+    monkeypatch.setattr(_conformance, "unsupported", lambda *args, **kwargs: None)  # as on a GPU
+    case = Case(13, 29, 2, 2, 8, 8, "general", "bfloat16")
+    (record,) = _check([case], ["cudnn"])
+    assert record["status"] == "unsupported"
+    assert record["reason"] == "jax's cuDNN wrapper: Unsupported sequence length Q 13, KV 29."
+    with pytest.raises(NotImplementedError, match="Unsupported sequence length"):
+        _check([case], ["xla"])
+
+
 @pytest.mark.slow  # the whole grid: 96 cases through every implementation, about 10 minutes on 2 CPU cores
 def test_the_whole_grid_conforms():
     records = check_conformance()

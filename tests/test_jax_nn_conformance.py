@@ -235,8 +235,11 @@ def test_dot_product_attention_local_window_size_without_mask(impl):
     output_small_window = sdpa(Q, K, V, mask=None, local_window_size=(1, 1))
     assert not jnp.allclose(output_large_window, output_small_window), (
         "Attention output should differ with different local_window_size, even without a mask.")
-    # ADDED: and each equals jax.nn's
-    _close(output_small_window, jax.nn.dot_product_attention(Q, K, V, local_window_size=(1, 1)), atol=1e-5, rtol=1e-5)
+    # ADDED: and each equals jax.nn's, both with float32 products in float32 (a GPU's default may be TF32)
+    with jax.default_matmul_precision("highest"):
+        small = sdpa(Q, K, V, mask=None, local_window_size=(1, 1))
+        want = jax.nn.dot_product_attention(Q, K, V, local_window_size=(1, 1))
+    _close(small, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow  # make test-slow: it compiles every implementation in every dtype

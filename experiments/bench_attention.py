@@ -82,8 +82,9 @@ def _implementations(causal: bool, block_q: int, block_k: int):
         )[0],
         "dense": lambda q, k, v: jaxattn.multi_head_attention(q, k, v, is_causal=causal)[0],
         "naive": naive,
+        # jaxattn's own tiled kernel, named (None would pick cuDNN for bf16 on an NVIDIA GPU)
         "blockwise": lambda q, k, v: jaxattn.multi_head_blockwise_attention(
-            q, k, v, is_causal=causal, block_q=block_q, block_k=block_k
+            q, k, v, is_causal=causal, block_q=block_q, block_k=block_k, implementation="blockwise"
         )[0],
         # the Pallas GPU kernel (jax.experimental.pallas.ops.gpu.attention.mha) through jaxattn's switch
         "pallas": lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=causal, implementation="pallas")[0],

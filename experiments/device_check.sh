@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one command of about 10 minutes; results in $1 (devices.txt,
-# bench_sweep.txt, bench_attention.txt/.json/.md, conformance.txt/.md/.json, vs_cudnn/bench_attention.*,
+# tests.txt, bench_sweep.txt, bench_attention.txt/.json/.md, conformance.txt/.md/.json, vs_cudnn/bench_attention.*,
 # status.txt).
 #   * bench_sweep.py: the speed-up of the one jit(vmap) sweep over a Python loop, waiting for each
 #     result and asynchronous;
@@ -22,8 +22,9 @@
 # It needs jax (with CUDA), numpy and pytest; bench_mesh.py imports jaxattn.llama, which needs
 # jaxattn[models] (gguf among them). jaxattn is used from the tree.
 #   bash experiments/device_check.sh OUT
-# SHORT=1 fits about 8 minutes: devices, tests, the benchmark against cuDNN, conformance --quick and
-# the GPT-2-shape benchmark with 1 s per configuration; no sweep, no mesh.
+# SHORT=1: devices, tests, the benchmark against cuDNN, conformance --quick and the GPT-2-shape
+# benchmark with 1 s per configuration; no sweep, no mesh (202 s on an H200 with jax 0.11.2; results
+# in docs/gpu_h200.md).
 # SMOKE=1 checks the script itself on a CPU in about 2 minutes: the steps that can run there (devices,
 # conformance --quick with xla, blockwise and cudnn, which reports cudnn unsupported; the benchmark table
 # with xla and blockwise at T = 512, 1024; the mesh step on 4 host devices with a tiny model), at toy

@@ -20,15 +20,19 @@ TOL = {
 }
 
 
-def assert_close(actual, expected, dtype="float32", err_msg=""):
-    """``max|actual - expected| <= rtol * max|expected| + atol``, with shapes equal."""
+def assert_close(actual, expected, dtype="float32", err_msg="", magnitude=0.0):
+    """``max|actual - expected| <= rtol * max(max|expected|, magnitude) + atol``, with shapes equal.
+
+    ``magnitude``: the scale of the terms ``expected`` was summed from, where it can be smaller than
+    they are (one of several gradients, all normwise by the largest: dq is exactly zero when each query
+    keeps one key, while its float32 value is the rounding of ``p · (dp - D)`` with dp of dv's size)."""
     rtol, atol = TOL[dtype if isinstance(dtype, str) else np.dtype(dtype).name]
     a, b = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     assert a.shape == b.shape, f"{err_msg}: shape {a.shape} != expected {b.shape}"
     if a.size == 0:
         return
     err = float(np.max(np.abs(a - b)))
-    bound = rtol * float(np.max(np.abs(b))) + atol
+    bound = rtol * max(float(np.max(np.abs(b))), magnitude) + atol
     assert err <= bound, f"{err_msg}: max abs error {err:.3e} > {bound:.3e} (rtol {rtol} x max|expected| + {atol})"
 
 

@@ -58,19 +58,14 @@ step devices 60 python -c "import jax; print(jax.__version__, jax.devices())"
 JAXATTN_TEST_XLA=defaults XLA_PYTHON_CLIENT_PREALLOCATE=false step tests "$(limit 200 150)" bash -c \
   'python -m pytest -p no:cacheprovider -p no:benchmark -q -rs -n 4 tests/test_backends.py tests/test_jax_nn_conformance.py &&
    if [ $# -gt 0 ]; then python -m pytest -p no:cacheprovider -p no:benchmark -q -rs -n 4 -m slow "$@"; fi' tests ${slow[@]+"${slow[@]}"}
+step vs_cudnn "$(limit 300 150)" python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 \
+  --modes fwd+bwd --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory \
+  --seconds-per-config "$seconds" --max-rounds 5 --out "$out/vs_cudnn"
+step conformance "$(limit 400 90)" python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
 if [ "${SMOKE:-0}" != 1 ]; then
-  step vs_cudnn "$(limit 300 150)" python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
-    --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config "$seconds" \
-    --max-rounds 5 --out "$out/vs_cudnn"
-  step conformance "$(limit 400 90)" python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
   [ "${SHORT:-0}" = 1 ] || step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # best of 3
   step bench_attention "$(limit 200 100)" python experiments/bench_attention.py --gpu --no-memory --seconds-per-config "$seconds" \
     --max-rounds 5 --long-T 8192 32768 --out "$out"
-else
-  step conformance 400 python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
-  step vs_cudnn 300 python experiments/bench_attention.py "${vs[@]}" --skip-gpt2 --modes fwd+bwd \
-    --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory --seconds-per-config 2 --max-rounds 5 \
-    --out "$out/vs_cudnn"
 fi
 if [ "${SHORT:-0}" = 1 ]; then
   :

@@ -239,9 +239,7 @@ def _check(cases, implementations=None, *, interpret=None, block_q=16, block_k=1
                 record = dict(case=dataclasses.asdict(case), label=case.label, implementation=name)
                 reason = unsupported(name, *shapes, m, scale, is_causal, platform=platform,
                                      interpret=interpret and name == "pallas")
-                if reason is not None:
-                    record = dict(record, status="unsupported", reason=reason)
-                else:
+                if reason is None:
                     try:
                         got = _run_one(name, case, q, k, v, mask, is_causal, w_out, w_lse, interpret, block_q,
                                        block_k)
@@ -250,10 +248,10 @@ def _check(cases, implementations=None, *, interpret=None, block_q=16, block_k=1
                             raise
                         # jax's cuDNN wrapper checks the call as it traces it (its backward takes a mask or
                         # bias only with even lengths, say): what it refuses, it refuses before XLA runs
-                        records.append(dict(record, status="unsupported", reason=f"jax's cuDNN wrapper: {refusal}"))
-                        if progress is not None:
-                            progress(records[-1])
-                        continue
+                        reason = f"jax's cuDNN wrapper: {refusal}"
+                if reason is not None:
+                    record = dict(record, status="unsupported", reason=reason)
+                else:
                     errors = {quantity: _error(g, w) for quantity, g, w in zip(QUANTITIES, got, want)}
                     tol = TOLERANCE[_effective_dtype(name, case.dtype)]
                     status = "pass" if all(e <= tol for e in errors.values()) else "fail"

@@ -5,10 +5,10 @@ XLA configurations, named by ``JAXATTN_TEST_XLA``.
   The tests run hundreds of tiny programs, so compiling them costs far more than running them: with
   ``jax_disable_most_optimizations`` XLA skips its expensive LLVM passes (backend optimisation level 0),
   which cuts the suite's compile time by about a quarter, and ``--xla_cpu_use_fusion_emitters=false``
-  (added to ``XLA_FLAGS`` unless it names the flag, on jaxlib before 0.11, which removed it) compiles the same fused HLO with the older emitters,
-  faster (a Qwen3 test that compiles 54 programs: 9.1-10.0 s against 13.2-16.9 s). XLA's HLO passes
-  (fusion, algebraic rewrites) still run, but the machine code is NOT what users run: it can move a
-  float result in its last bits, and the two code generators differ in how ``max``, ``exp`` and clamps
+  (added to ``XLA_FLAGS`` unless it names the flag, on jaxlib before 0.11, which removed it) compiles
+  the same fused HLO with the older emitters, faster (a Qwen3 test that compiles 54 programs: 9.1-10.0 s
+  against 13.2-16.9 s). XLA's HLO passes (fusion, algebraic rewrites) still run, but the machine code
+  is NOT what users run: it can move a float result in its last bits, and the two code generators differ in how ``max``, ``exp`` and clamps
   treat NaN (a softmax that left NaN to travel through its row maximum lost a NaN row under the defaults
   and kept it here). So this configuration alone proves nothing about the defaults' numerics.
 - ``defaults`` (``make test-defaults``, a step of its own in CI): XLA exactly as users run it: no flag
@@ -26,7 +26,6 @@ compiled once. Nothing is kept between runs, so every run compiles what it tests
 import os
 import shutil
 import tempfile
-
 
 
 def _older_emitters_exist() -> bool:

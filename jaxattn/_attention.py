@@ -108,15 +108,19 @@ def _softmax_rows(logits: Array, keep: Array | None) -> tuple[Array, Array]:
 
 @_softmax_rows.defjvp
 def _softmax_rows_jvp(primals, tangents):
-    """``dp = p0 ⊙ (dl − Σ_s p0_s dl_s)``: zero at masked keys (p0 = 0 there), in fully masked rows and in NaN
-    rows (their p0 is 0), so a NaN row's NaN never reaches a gradient through ``0 · NaN``."""
+    """``dp = p0 ⊙ (dl − Σ_s p0_s dl_s)``: zero at masked keys (p0 = 0 there), in fully masked rows, and in NaN
+    rows, where it is set to zero by a ``where`` (their p0 is 0, but their logits' tangent may be NaN, and
+    ``0 · NaN`` is NaN). In reverse mode that ``where`` also keeps XLA's CPU backend from fusing the
+    product that brings the weights' cotangent (``dout vᵀ``) into this backward: fused, the two ran slower
+    than apart."""
     logits, keep = primals
     d_logits = tangents[0]
     p0, nan_row = _softmax_rows(logits, keep)  # [T, S] finite, [T, 1]
     if keep is not None:
         d_logits = jnp.where(keep, d_logits, 0.0)  # a NaN tangent at a masked key must not leak (0·NaN)
     mean = jnp.sum(p0 * d_logits, axis=-1, keepdims=True)  # [T, 1]
-    return (p0, nan_row), (p0 * (d_logits - mean), np.zeros(nan_row.shape, jax.dtypes.float0))
+    dp = jnp.where(nan_row, 0.0, p0 * (d_logits - mean))  # [T, S]
+    return (p0, nan_row), (dp, np.zeros(nan_row.shape, jax.dtypes.float0))
 
 
 def _masked_softmax(logits: Array, keep: Array | None) -> Array:

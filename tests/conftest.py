@@ -19,6 +19,10 @@ XLA configurations, named by ``JAXATTN_TEST_XLA``.
 
 Subprocesses the tests start inherit the configuration through the environment.
 
+On a GPU, float32 products run in float32 (``jax_default_matmul_precision="highest"``): a GPU's default
+may round them to TF32 (about 3 decimal digits), and the tests compare float32 results with a float64
+oracle at 1e-5.
+
 The two test processes (``pytest -n 2``) share one compilation cache for the run, in a fresh temporary
 folder removed at the end: a program that tests in both compile (the same sweep, the same tiny model) is
 compiled once. Nothing is kept between runs, so every run compiles what it tests.
@@ -56,6 +60,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+if jax.default_backend() == "gpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", ""))
 if os.environ.get("JAXATTN_TEST_COMPILATION_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["JAXATTN_TEST_COMPILATION_CACHE"])

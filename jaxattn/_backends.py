@@ -125,6 +125,9 @@ def choose_implementation(implementation: str | None, q: Array, k: Array, v: Arr
     docs/blockwise.md). The rule reads only static facts (platform, dtypes, shapes, whether a mask is
     given), so one call always takes the same path.
 
+    In float16, where ``scale·q`` passes 65504, Pallas's lse and gradient came out wrong on an H200 (lse
+    twice the right one, dk inf; docs/gpu_h200.md); ``"blockwise"`` scales its float32 product instead.
+
     On an NVIDIA GPU the ``"blockwise"`` kernel is slow: 16-44x cuDNN's time on an H200 at T = 8k-32k with
     16 heads and 512-row blocks, 7-12x with blocks of 2048 (docs/gpu_h200.md). There, for float32 inputs
     or a mask, ``"xla"`` is the faster choice wherever its ``[N, T, S]`` logits fit in memory.

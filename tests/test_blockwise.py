@@ -1,5 +1,7 @@
 """blockwise_attention: equal to the dense core on outputs and gradients, O(T + S) memory, causal skipping."""
 
+import functools
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -377,16 +379,18 @@ def test_half_precision_extreme_scales_match_dense_and_float64(dtype, scale, q_s
 
 
 def test_half_precision_tiny_and_huge_scales_in_float16():
+    # the tiled kernel itself (on a GPU, implementation=None would give these float16 calls to Pallas)
+    block_attention = functools.partial(jaxattn.blockwise_attention, implementation="blockwise")
     q = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16)) * 1e4, jnp.float16)
     v = jnp.asarray(np.eye(4, 2), jnp.float16)
     dense = jaxattn.attention(q, q, v, scale=1e-8)[0]
-    block = jaxattn.blockwise_attention(q, q, v, scale=1e-8)[0]
+    block = block_attention(q, q, v, scale=1e-8)[0]
     np.testing.assert_array_equal(block, dense)
     assert float(block[0, 0]) > 0.99  # not the uniform 0.25 of a scale rounded to 0
     q2, k2 = jnp.full((2, 4), 300.0, jnp.float16), jnp.ones((3, 4), jnp.float16)
-    out = jaxattn.blockwise_attention(q2, k2, k2[:, :2], scale=1000.0)[0]  # scale·q = 3e5 overflows fp16
+    out = block_attention(q2, k2, k2[:, :2], scale=1000.0)[0]  # scale·q = 3e5 overflows fp16
     np.testing.assert_array_equal(out, np.ones((2, 2)))
-    grads = jax.grad(lambda q, k: jaxattn.blockwise_attention(q, k, k[:, :2], scale=1000.0)[0].astype(jnp.float32).sum(), (0, 1))(q2, k2)
+    grads = jax.grad(lambda q, k: block_attention(q, k, k[:, :2], scale=1000.0)[0].astype(jnp.float32).sum(), (0, 1))(q2, k2)
     assert all(np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads)
 
 

@@ -302,7 +302,9 @@ def attention(
       columns of the row stay finite);
     - a non-finite entry of ``k[s]`` kept by row ``t``, or of ``q[t]`` (if row ``t`` keeps any key), makes
       row ``t``'s weights and output NaN; so does a NaN or +Inf ``bias[t, s]`` at a kept position, while a
-      kept ``-inf`` bias is a weight of 0 (the key is masked for that row).
+      kept ``-inf`` bias is a weight of 0. Only ``mask`` masks: a non-finite ``v[s]`` still reaches a row
+      that gives key ``s`` a ``-inf`` bias (the first rule). With ``logit_cap`` the cap comes first, so an
+      infinite bias becomes a logit of ``±c``: a weight, not a 0 or a NaN row.
 
     Gradients do not flow through those NaN outputs (their cotangent is dropped), so the gradients of a
     loss over the outputs that are finite are finite, and equal those with the masked entries set to 0.
@@ -530,6 +532,12 @@ def _layer_inputs(
                 f"params['{name}'] has {width} output columns, which {heads} heads do not divide "
                 f"(expected a multiple of {heads}); check num_heads/num_kv_heads"
             )
+    for name, w in (("b_Q", "W_Q"), ("b_K", "W_K"), ("b_V", "W_V"), ("b_O", "W_O")):
+        b = params.get(name)
+        cols = tuple(jnp.shape(params[w])[-1:])
+        if b is not None and tuple(jnp.shape(b)) != cols:
+            raise ValueError(f"params['{name}'] must have shape {list(cols)} (the columns of params['{w}']), "
+                             f"received {tuple(jnp.shape(b))}")
     return h, c, N, K
 
 

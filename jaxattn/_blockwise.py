@@ -838,7 +838,8 @@ def blockwise_attention(
     :func:`jaxattn.attention` for why); the scale is differentiable and may be traced.
 
     The attention weights are not returned (that would be the ``[T, S]`` buffer); any row of them is
-    recovered exactly by :func:`weights_from_lse` from ``lse``: ``A[i, j] = exp(scale·q_i·k_j - lse_i)``.
+    recovered exactly by :func:`weights_from_lse` from ``lse`` (given the same mask, window, cap and bias):
+    ``A[i, j] = exp(cap(scale·q_i·k_j + bias_ij) - lse_i)``.
 
     bf16/fp16 inputs: the tiles' matmuls take the input dtype with float32 accumulation, and each tile's
     float32 product is multiplied by the scale in float32 (as :func:`jaxattn.attention` does; the scale
@@ -1148,10 +1149,11 @@ def weights_from_lse(
     scale: Real[ArrayLike, ""] | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     logit_cap: Real[ArrayLike, ""] | None = None,
+    bias: Float[ArrayLike, "#T #S"] | None = None,
 ) -> Float[Array, "R S"]:
     """Rows of the attention map, recovered exactly from the log-sum-exp ``blockwise_attention`` returns.
 
-    ``A[i, j] = exp(scale · q_i · k_j - lse_i)`` where key ``j`` is kept, else 0: the softmax without
+    ``A[i, j] = exp(cap(scale · q_i · k_j + bias_ij) - lse_i)`` where key ``j`` is kept, else 0: the softmax without
     a second pass over the keys, from the same logits function :func:`jaxattn.attention` uses. Costs
     O(R·S) for R rows, so a probe can inspect a few rows of a map whose ``[T, S]`` buffer is too big.
 
@@ -1162,13 +1164,15 @@ def weights_from_lse(
       rows: optional integer array ``[R]`` of query indices in ``[0, T)``; ``None`` means all T rows.
         A concrete index outside ``[0, T)`` raises ``ValueError``; a traced one (under ``jit``) gives a
         row of NaN.
-      mask, is_causal, scale, local_window_size, logit_cap: as given to :func:`blockwise_attention`.
+      mask, is_causal, scale, local_window_size, logit_cap, bias: as given to :func:`blockwise_attention`
+        (the same values, or the rows come out of a different map: nothing can check that).
 
     Returns:
       ``[R, S]`` in the accumulation dtype (float32 or float64); each row sums to 1, or is all zeros if
       the row has no kept key.
     """
-    q, k, _, mask, _, scale = check_attention_inputs(q, k, None, mask, None, scale, broadcast_mask=False)
+    q, k, _, mask, bias, scale = check_attention_inputs(q, k, None, mask, bias, scale, broadcast_mask=False,
+                                                        broadcast_bias=False)
     window, cap = check_window(local_window_size), check_logit_cap(logit_cap)
     lse = as_float_array(lse, "lse")
     T, S = q.shape[0], k.shape[0]
@@ -1185,7 +1189,10 @@ def weights_from_lse(
             bad = np.asarray(rows)[(np.asarray(rows) < 0) | (np.asarray(rows) >= T)]
             if bad.size:
                 raise ValueError(f"rows must be query indices in [0, T={T}), received {bad.tolist()}")
-    logits = scaled_logits(q[rows], k, None, scale, cap)  # [R, S]
+    if bias is not None:  # [t, s] with t, s each 1 or full: the rows' part, [R or 1, S or 1]
+        bias = bias.reshape((1,) * (2 - bias.ndim) + bias.shape)
+        bias = bias[rows] if bias.shape[0] > 1 else bias
+    logits = scaled_logits(q[rows], k, bias, scale, cap)  # [R, S]
     keep = jnp.ones(logits.shape, bool)  # [R, S]
     if is_causal:
         keep = jnp.arange(S)[None, :] <= rows[:, None]  # [R, S]

@@ -105,6 +105,22 @@ def test_lse_is_the_row_logsumexp_and_recovers_the_weights():
     _close(recover(q, k, lse, rows), weights[rows])
 
 
+@pytest.mark.parametrize("bias_shape", [(11, 14), (14,), (11, 1)])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_weights_from_lse_recovers_the_rows_of_a_biased_capped_map(bias_shape, cap):
+    T, S = 11, 14
+    q, k, v = _qkv(5, T, S)
+    bias = np.random.default_rng(6).standard_normal(bias_shape).astype(np.float32)
+    out, lse = jaxattn.blockwise_attention(q, k, v, bias=bias, is_causal=True, logit_cap=cap, block_q=4, block_k=4)
+    weights = np.asarray(jaxattn.attention_weights(q, k, bias=bias, is_causal=True, logit_cap=cap))
+    rows = np.array([0, 5, 10])
+    got = jaxattn.weights_from_lse(q, k, lse, rows=rows, bias=bias, is_causal=True, logit_cap=cap)
+    _close(got, weights[rows])
+    np.testing.assert_allclose(np.sum(got, axis=1), 1.0, atol=1e-5)
+    # without the bias the same lse gives rows that are not the map's: they do not sum to 1
+    assert np.max(np.abs(np.sum(jaxattn.weights_from_lse(q, k, lse, rows=rows, is_causal=True, logit_cap=cap), axis=1) - 1)) > 1e-2
+
+
 def test_gradient_through_lse_and_scale_matches_dense():
     T, S = 9, 10
     q, k, v = _qkv(4, T, S)

@@ -141,11 +141,15 @@ def as_key(key: Any, name: str = "key") -> jax.Array:
         if not -2**63 <= int(key) < 2**63:
             raise ValueError(f"{name} as an int seed must fit in 64 bits, received {key!r}")
         return jax.random.key(int(key))
-    key = jnp.asarray(key)
-    if not (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape[-1:] == (2,))):
+    try:
+        key = jnp.asarray(key)
+    except TypeError:
+        raise TypeError(f"{name} must be a jax.random key or an int seed, received {key!r}") from None
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not ((typed and key.shape == ()) or (key.dtype == jnp.uint32 and key.shape == (2,))):
         raise TypeError(
-            f"{name} must be a jax.random key or an int seed, received an array of dtype {key.dtype} "
-            f"and shape {tuple(key.shape)}"
+            f"{name} must be ONE jax.random key (a key array of shape () or a raw uint32[2]) or an int seed, "
+            f"received an array of dtype {key.dtype} and shape {tuple(key.shape)}"
         )
     return key
 

@@ -38,7 +38,7 @@ def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = No
     """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
-        x = np.asarray(x)
+        x = _as_numpy(x, name)
         dtype = x.dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must be integer token ids [T], received dtype {np.dtype(dtype).name}")
@@ -50,11 +50,10 @@ def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = No
     if max_length is not None and not 1 <= shape[0] <= max_length:
         raise ValueError(f"{name} must hold 1 to {max_name}={max_length} tokens, received T={shape[0]}")
     if not isinstance(x, jax.core.Tracer) and shape[0] > 0:
-        values = np.asarray(x).astype(np.int64)
-        if values.min() < low or values.max() >= high:
-            raise ValueError(
-                f"{name} must lie in [{low}, {high_name}={high}), received values in [{values.min()}, {values.max()}]"
-            )
+        values = np.asarray(x)
+        lo, hi = int(values.min()), int(values.max())  # Python ints: no wrap of a large uint64
+        if lo < low or hi >= high:
+            raise ValueError(f"{name} must lie in [{low}, {high_name}={high}), received values in [{lo}, {hi}]")
     if not isinstance(x, (jax.Array, jax.core.Tracer)):  # converted on the host: no program per new shape
         return jax.device_put(np.asarray(x).astype(np.int32))
     return jnp.asarray(x).astype(jnp.int32)
@@ -73,7 +72,7 @@ def attention_mask(mask: Any, T: int) -> Array:
         return jax.device_put(np.ones((T,), bool))  # made on the host: no program per new T
     dtype = getattr(mask, "dtype", None)
     if dtype is None:
-        mask = np.asarray(mask)
+        mask = _as_numpy(mask, "attention_mask")
         dtype = mask.dtype
     if not (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
         raise TypeError(f"attention_mask must have an integer or boolean dtype (1 = token, 0 = padding), received dtype {np.dtype(dtype).name}")
@@ -105,7 +104,7 @@ def head_mask(mask: Any, L: int, N: int) -> Array:
         return jax.device_put(np.ones((L, N), np.float32))
     dtype = getattr(mask, "dtype", None)
     if dtype is None:
-        mask = np.asarray(mask)
+        mask = _as_numpy(mask, "head_mask")
         dtype = mask.dtype
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
         raise TypeError(f"head_mask must be a real array [L, N], received dtype {np.dtype(dtype).name}")
@@ -167,8 +166,11 @@ def check_span(start: Any, end: Any, T: int) -> Any:
     """``end`` (``None``: ``T``) once ``start``/``end`` are ints (or traced) with ``0 <= start <= end <= T``."""
     end = T if end is None else end
     for name, value in (("start", start), ("end", end)):
-        if isinstance(value, bool) or not (isinstance(value, jax.core.Tracer) or np.issubdtype(np.asarray(value).dtype, np.integer)):
+        dtype = value.dtype if isinstance(value, jax.core.Tracer) else np.asarray(value).dtype
+        if isinstance(value, bool) or not np.issubdtype(dtype, np.integer):
             raise TypeError(f"{name} must be an int, received {value!r}")
+        if np.ndim(value) != 0:
+            raise ValueError(f"{name} must be a scalar (vmap over spans for several), received shape {np.shape(value)}")
     if not isinstance(start, jax.core.Tracer) and not isinstance(end, jax.core.Tracer) and not 0 <= int(start) <= int(end) <= T:
         raise ValueError(f"the span must satisfy 0 <= start <= end <= T={T}, received start={start!r}, end={end!r}")
     return end

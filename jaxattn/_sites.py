@@ -27,7 +27,7 @@ CAPTURE_NAMES: dict[str, tuple[str, str]] = {
     "q": ("T N H", "queries after the projection (and after RoPE where the model has it)"),
     "k": ("T K H", "keys after the projection (and after RoPE where the model has it)"),
     "v": ("T K H", "values after the projection"),
-    "attn_logits": ("N T S", "scale · q kᵀ (+ bias), before the masks"),
+    "attn_logits": ("N T S", "scale · q kᵀ (+ bias), soft-capped where the model caps: the softmax's input, before the masks"),
     "attn_weights": ("N T S", "the softmax weights (the same array as the output's attentions)"),
     "z": ("T N H", "each head's output, before head_mask and the output projection"),
     "attn_out": ("T D", "the attention sublayer's contribution to the residual stream"),

@@ -229,6 +229,8 @@ def check_params(params: Any, config: BertConfig) -> None:
     The pooler (``pooler/dense``) is optional. Only shapes and dtypes are read, so it also runs on
     traced params (under ``jit``, ``grad``, ``vmap``).
     """
+    if not isinstance(config, BertConfig):
+        raise TypeError(f"config must be a BertConfig, received {type(config).__name__}")
     if not isinstance(params, dict) or "encoder" not in params or "embeddings" not in params:
         raise ValueError("params must be a dict with 'embeddings' and 'encoder' entries (Hugging Face Flax BERT layout)")
     check_depth(params, ("encoder", "layer"), config.num_hidden_layers, field="num_hidden_layers",

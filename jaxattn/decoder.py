@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxattn import _sharding
 from jaxattn._attention import attention_logits, multi_head_attention
-from jaxattn._checks import check_int, check_scale
+from jaxattn._checks import check_flag, check_int, check_scale
 from jaxattn._inputs import check_span, sampling
 from jaxattn._inputs import family_ids as _ids
 from jaxattn._inputs import float32 as _float32
@@ -301,7 +301,11 @@ def layer_data(family: Family, config: Any) -> dict[str, Array]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _embed(family: Family, config: Any, params: Any, ids: Array, pos: Array) -> Array:
+def _embed(family: Family, config: Any, params: Any, ids: Array, pos: Array, keep: Array) -> Array:
+    """The family's embedding of ``ids [T]``; a padded (``keep`` False) position's id is never read: one
+    outside ``[0, vocab)`` (which a traced id can be) embeds as id 0 there, not as the NaN a real position's
+    gets, so it reaches neither a real position's output nor a gradient (``0 · NaN`` in a weight's)."""
+    ids = jnp.where(keep | ((ids >= 0) & (ids < family.sizes(config).vocab)), ids, 0)  # [T]
     return _sharding.auto(lambda params, ids, pos: family.embed(params, config, ids, pos))(params, ids, pos)
 
 
@@ -451,7 +455,7 @@ def _head(family: Family, config: Any, params: Any, x: Array, weights: Array | N
 def _forward(params, ids, keep, heads, scale, patch, *, family: Family, config, capture, maps=True) -> ModelOutput:
     T = ids.shape[0]
     pos = positions(keep)  # [T], real tokens counted from 0 (as Hugging Face's generate does for padding)
-    x = _embed(family, config, params, ids, pos)  # [T, D]
+    x = _embed(family, config, params, ids, pos, keep)  # [T, D]
     run = _run(family, config, keep, pos, T, scale)
     x, weights, captured = _scan_blocks(family, config, params, x, run, heads, capture, patch, maps)
     return _head(family, config, params, x, weights, captured)
@@ -555,7 +559,7 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     s = check_config(family, config)
     family.check_params(params, config)
     # concrete ids run at their bucket's length (a patch padded alike), the outputs cut back to T below
-    input_ids, attention_mask, real = _bucketed(input_ids, attention_mask, s.max_length)
+    input_ids, attention_mask, real = _bucketed(input_ids, attention_mask, s.max_length, s.vocab)
     ids = _ids(family, config, input_ids)
     T = ids.shape[0]
     keep = _keep(attention_mask, T)
@@ -563,8 +567,9 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     scale = check_scale(scale, s.scale_dim or s.head_dim)
     shapes = site_shapes(T=real or T, S=real or T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)
     asked = check_capture(capture)
-    flags = dict(want_logits=bool(return_attention_logits), want_qkv=bool(return_qkv),
-                 want_hidden=bool(return_hidden_states))
+    flags = dict(want_logits=check_flag(return_attention_logits, "return_attention_logits"),
+                 want_qkv=check_flag(return_qkv, "return_qkv"),
+                 want_hidden=check_flag(return_hidden_states, "return_hidden_states"))
     patch = check_patch(patch, shapes, s.layers)  # against the real length: its errors name the real shapes
     if real is not None and patch:
         patch = _pad_patch(patch, real, T)
@@ -577,27 +582,41 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     return _cut(out, asked, tuple(sorted(flags.items())), real)
 
 
-def _bucketed(input_ids: Any, attention_mask: Any, longest: int) -> tuple[Any, Any, int | None]:
+def _bucketed(input_ids: Any, attention_mask: Any, longest: int, vocab: int) -> tuple[Any, Any, int | None]:
     """``(ids, mask, T)``: concrete ids ``[T]`` (and their mask) right-padded, on the host, to
     :func:`jaxattn.models.bucket_length`, the padding masked, so every length of a bucket runs one compiled
     program; ``T`` None when they run as they are: traced ids (the caller's ``jit`` fixes the shape), ids
-    split over several devices, or anything the checks will refuse (they then name the real shape)."""
+    split over several devices, or anything the checks will refuse (ids outside ``[0, vocab)``, a mask of
+    other values than 0 and 1 or without a real token: the checks then name what the caller passed)."""
     if isinstance(input_ids, jax.core.Tracer) or isinstance(attention_mask, jax.core.Tracer):
         return input_ids, attention_mask, None
     if any(isinstance(a, jax.Array) and len(a.sharding.device_set) > 1 for a in (input_ids, attention_mask)):
         return input_ids, attention_mask, None
-    ids = np.asarray(input_ids)
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not 1 <= ids.shape[0] <= longest:
+    ids = _as_array(input_ids)
+    if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not 1 <= ids.shape[0] <= longest:
+        return input_ids, attention_mask, None
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         return input_ids, attention_mask, None
     T = ids.shape[0]
-    mask = np.ones(T, bool) if attention_mask is None else np.asarray(attention_mask)
-    if mask.shape != (T,) or not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_):
+    mask = np.ones(T, bool) if attention_mask is None else _as_array(attention_mask)
+    if mask is None or mask.shape != (T,) or not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_):
+        return input_ids, attention_mask, None
+    if not np.all((mask == 0) | (mask == 1)) or not np.any(mask):
         return input_ids, attention_mask, None
     B = bucket_length(T, longest)
     if B == T:
         return input_ids, attention_mask, None
     pad = (0, B - T)
     return np.pad(ids, pad), np.pad(mask, pad), T
+
+
+def _as_array(x: Any) -> np.ndarray | None:
+    """``x`` as a NumPy array, or None where NumPy cannot make one array of it (a ragged list: the checks
+    then name the argument)."""
+    try:
+        return np.asarray(x)
+    except ValueError:
+        return None
 
 
 @functools.partial(jax.jit, static_argnames=("T", "B"))
@@ -658,7 +677,7 @@ def log_prob(family: Family, params: Any, config: Any, input_ids: Any, *, attent
     warn_if_params_closed_over(params, input_ids, f"{family.name}.log_prob")
     s = check_config(family, config)
     family.check_params(params, config)
-    input_ids, attention_mask, real = _bucketed(input_ids, attention_mask, s.max_length)  # one program a bucket
+    input_ids, attention_mask, real = _bucketed(input_ids, attention_mask, s.max_length, s.vocab)  # one program a bucket
     ids = _ids(family, config, input_ids)
     end = check_span(start, end, ids.shape[0] if real is None else real)
     keep = _keep(attention_mask, ids.shape[0])
@@ -821,7 +840,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     keys = None if greedy else jax.random.split(key, new)
     run = _run(family, config, keep, pos, T, scale)
     k0 = jax.eval_shape(lambda: family.qkv(_at(family.blocks(params), 0), config,
-                                           _embed(family, config, params, prompt, pos), run.rot,
+                                           _embed(family, config, params, prompt, pos, keep), run.rot,
                                            _at(layer_data(family, config), 0))[1])  # [T, K, H]
     windowed, _, Wr = _cache_plan(family, config)
     Wr = min(Wr, slots)
@@ -841,7 +860,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
         write = jnp.where(reading, keep, jnp.arange(R) == 0) if short else own  # [R]: the real rows, into a ring
         seen = _windowed(seen, rows_pos, key_pos, s.window)  # [slots], or [R, slots] under a shared window
         own = _windowed(own, rows_pos, rows_pos, s.window)  # [R] or [R, R]
-        h = _embed(family, config, params, ids, rows_pos)  # [R, D]
+        h = _embed(family, config, params, ids, rows_pos, write)  # [R, D]
         rot = _rotation(family, config, rows_pos, slots)
         h, cache = _cache_blocks(family, config, params, h, rot, rows_pos, key_pos, seen, own, at, write, cache,
                                  scale, heads)  # [R, D]
@@ -853,7 +872,7 @@ def _generate(params, prompt, keep, heads, scale, temperature, key, *, family: F
     if short:  # the scan's first step reads the prompt
         first, steps = prompt[0], jnp.arange(new)  # prompt[0]: a placeholder, never read
     else:  # the prompt in one pass of the forward's loop: its keys and values fill the cache's first T slots
-        x = _embed(family, config, params, prompt, pos)  # [T, D]
+        x = _embed(family, config, params, prompt, pos, keep)  # [T, D]
         x, _, kept = _scan_blocks(family, config, params, x, run, heads, ("k", "v"), {}, maps=False)  # [T, D]
         if len(full):  # full layers: every prompt row in the first T slots
             cache = cache._replace(**{f"full_{n}": jax.lax.dynamic_update_slice(
@@ -880,13 +899,15 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     s = check_config(family, config)
     family.check_params(params, config)
     new = check_int(max_new_tokens, "max_new_tokens")
+    return_logits = check_flag(return_logits, "return_logits")
     prompt = prompt_ids
     # a concrete prompt longer than PROMPT_ROWS runs at its bucket's length (padded on the right, masked), so
     # a new prompt length inside a bucket compiles nothing; the padding is taken out of the ids returned. A
     # shorter one runs as it is: every step carries its rows, so padding them would cost every step.
     real = None
-    if np.ndim(prompt_ids) != 1 or np.shape(prompt_ids)[0] > PROMPT_ROWS:
-        prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new)
+    shape = np.shape(prompt_ids) if hasattr(prompt_ids, "shape") else getattr(_as_array(prompt_ids), "shape", None)
+    if shape is not None and (len(shape) != 1 or shape[0] > PROMPT_ROWS):  # None: ragged, refused by _ids
+        prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new, s.vocab)
     ids = _ids(family, config, prompt_ids, "prompt_ids")
     if ids.shape[0] + new > s.max_length:  # a bucket never passes it: it is at most max_length - new
         raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds "
@@ -897,7 +918,7 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     greedy, key = sampling(temperature, key)
     out = _generate(params, ids, keep, heads, _float32(scale),
                     _float32(0.0 if greedy else temperature), None if greedy else key, family=family,
-                    config=config, max_new_tokens=new, greedy=greedy, return_logits=bool(return_logits))
+                    config=config, max_new_tokens=new, greedy=greedy, return_logits=return_logits)
     if real is None:
         return out
     padded = out[0] if return_logits else out  # [bucket + new]: the prompt, its padding, the new tokens
@@ -939,8 +960,9 @@ FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attent
       config: the model's :class:`{config}`.
       input_ids: integer token ids ``[T]``, ``1 <= T <= {max_name}``. A batch is ``jax.vmap`` of this.
         An id outside ``[0, vocab_size)`` raises ``ValueError`` when the ids are concrete; under
-        ``jit``/``vmap`` (traced ids) its position's embedding is NaN, so its logits and those of every
-        later position are NaN (never another token's).
+        ``jit``/``vmap`` (traced ids) a real position's embedding is NaN, so its logits and those of every
+        later position are NaN (never another token's); at a padded position it is never read (id 0 is
+        embedded there), so a pad id out of range keeps the real positions and every gradient finite.
       attention_mask: ``[T]``, 1 (or True) for a real token, 0 for padding; ``None``: all real; a concrete
         mask with no real token is refused. Padded keys get weight 0 and positions count real tokens
         only (as Hugging Face's ``generate``), so a left- or right-padded sequence gives at its real

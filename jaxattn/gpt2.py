@@ -593,6 +593,7 @@ shard, param_shardings, _layout = _sharding.public_api(
 def check_params(params: Any, config: GPT2Config) -> None:
     """Raise ``ValueError`` naming the key whose shape (Flax GPT-2 names, kernels ``(out, in)``, blocks stacked
     ``[L, ...]``) does not match ``config``, or that is missing; shapes and dtypes only, so traced params (``jit``, ``grad``) pass."""
+    decoder.check_config(_FAMILY, config)
     decoder.check_stacked(params, _LAYERS, config.n_layer, field="n_layer",
                            layout="Flax GPT-2 names, blocks stacked")  # before the table of every weight
     decoder.check_tree(params, param_shapes(config), root="transformer", kernel_layout="(out, in)",

@@ -187,3 +187,17 @@ def test_loaders_give_float32_by_default_and_the_dtype_asked_for(tmp_path):
         gpt2.load(directory, dtype=jnp.int32)
     with pytest.raises(ValueError, match="float64 needs 64-bit JAX"):
         bert.load(dtype=jnp.float64)
+
+
+@pytest.mark.parametrize("module, expected", [("gpt2", "GPT2Config"), ("bert", "BertConfig"), ("llama", "LlamaConfig")])
+def test_check_params_names_a_config_of_another_model(module, expected):
+    import importlib
+
+    from jaxattn import llama
+
+    other = (llama.LlamaConfig.make(vocab_size=11, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8)
+             if module != "llama" else importlib.import_module("jaxattn.gpt2").GPT2Config(
+                 vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2, n_inner=8))
+    with pytest.raises(TypeError, match=rf"config must be a {expected}, received {type(other).__name__}"):
+        importlib.import_module(f"jaxattn.{module}").check_params({}, other)

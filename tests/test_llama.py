@@ -475,6 +475,56 @@ def test_forward_rejects_bad_input(small, kwargs, error, match):
         llama.forward(params, config, kwargs.pop("input_ids"), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "call, error, match",
+    [  # each message names what the caller passed, not the bucket the ids would run at
+        (lambda p, c: llama.forward(p, c, np.array([5, 400])), ValueError, r"received values in \[5, 400\]"),
+        (lambda p, c: llama.forward(p, c, np.array([2**63 + 5], np.uint64)), ValueError,
+         r"received values in \[9223372036854775813, 9223372036854775813\]"),
+        (lambda p, c: llama.forward(p, c, np.arange(5), attention_mask=np.zeros(5, int)), ValueError,
+         r"all 5 entries are 0"),
+        (lambda p, c: llama.generate(p, c, np.arange(10), attention_mask=np.zeros(10, int), max_new_tokens=2),
+         ValueError, r"all 10 entries are 0"),
+        (lambda p, c: llama.log_prob(p, c, np.arange(5), attention_mask=np.array([1, 1, 2, 1, 1])), ValueError,
+         r"must hold only 0 and 1, received values \[1, 2\]"),
+        (lambda p, c: llama.forward(p, c, [[1, 2], [3]]), TypeError, r"input_ids must be an array \(rectangular"),
+        (lambda p, c: llama.generate(p, c, [[1, 2], [3]], max_new_tokens=2), TypeError, r"prompt_ids must be an array"),
+        (lambda p, c: llama.forward(p, c, [1, 2, 3], head_mask=[[1, 1, 1, 1], [1]]), TypeError, r"head_mask must be an array"),
+        (lambda p, c: llama.log_prob(p, c, np.arange(5), start=np.array([1, 2])), ValueError, r"start must be a scalar"),
+        (lambda p, c: jax.jit(lambda s: llama.log_prob(p, c, np.arange(5), start=s))(jnp.array(1.5)), TypeError,
+         r"start must be an int"),
+        (lambda p, c: llama.generate(p, c, np.arange(3), max_new_tokens=2, temperature=1.0,
+                                     key=jax.random.split(jax.random.key(0), 2)), TypeError, r"key must be ONE jax.random key"),
+        (lambda p, c: llama.generate(p, c, np.arange(3), max_new_tokens=2, temperature=1.0, key="abc"), TypeError,
+         r"key must be a jax.random key or an int seed, received 'abc'"),
+        (lambda p, c: llama.generate(p, c, np.arange(3), max_new_tokens=2, return_logits="no"), TypeError,
+         r"return_logits must be a Python bool"),
+        (lambda p, c: llama.forward(p, c, np.arange(3), return_qkv="no"), TypeError, r"return_qkv must be a Python bool"),
+    ],
+)
+def test_bad_input_is_named_as_given(small, call, error, match):
+    config, params = small
+    with pytest.raises(error, match=match):
+        call(params, config)
+
+
+def test_an_out_of_range_pad_id_is_never_read(small):
+    """Under jit an out-of-range id at a PADDED position embeds as id 0: the value and every gradient equal
+    those with pad id 0 (a NaN embedding there made every weight's gradient NaN through 0 · NaN); at a real
+    position it still gives NaN logits from there on."""
+    config, params = small
+    ids = jnp.asarray(np.r_[ids_of(config, T=4, seed=3), [0, 0]].astype(np.int32))
+    mask = jnp.array([1, 1, 1, 1, 0, 0])
+    grad = jax.jit(jax.value_and_grad(lambda p, i, m: llama.log_prob(p, config, i, attention_mask=m)))
+    value, g = grad(params, ids.at[4:].set(-1), mask)
+    value0, g0 = grad(params, ids, mask)
+    assert float(value) == float(value0)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    logits = jax.jit(lambda p, i: llama.forward(p, config, i).logits)(params, ids.at[2].set(config.vocab_size))
+    assert np.all(np.isfinite(logits[:2])) and np.all(np.isnan(logits[2:]))
+
+
 def test_config_and_params_are_checked(small):
     config, params = small
     with pytest.raises(ValueError, match=r"num_key_value_heads=3 must divide num_attention_heads=4"):

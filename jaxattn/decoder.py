@@ -136,12 +136,16 @@ class Family(NamedTuple):
 def rms_norm(x: Array, weight: Array, *, eps: float, plus_one: bool = False, stream: Array | None = None) -> Array:
     """``w · x / sqrt(mean(s²) + eps)`` over the last axis of ``x [..., D]`` (``weight [D]``), the statistic in
     float32 from ``s = stream`` (``x`` itself when None: ``stream`` freezes it at another tensor's, as a
-    linearised norm needs); ``plus_one`` scales by ``1 + w`` (Gemma's convention). The normalised ``x`` is
-    cast back to ``x``'s dtype before the scale, as Hugging Face's Llama does."""
+    linearised norm needs); ``plus_one`` scales by ``1 + w`` (Gemma's convention). As Hugging Face rounds
+    them: Llama's normalised ``x`` is cast back to ``x``'s dtype before the scale; Gemma's is scaled by
+    ``1 + w`` in float32 and then cast (the two differ in bfloat16, not in float32)."""
     x32, s32 = x.astype(jnp.float32), (x if stream is None else stream).astype(jnp.float32)
     var = jnp.mean(s32 * s32, axis=-1, keepdims=True)  # [..., 1]
-    w = (1 + weight if plus_one else weight).reshape((1,) * (x.ndim - 1) + weight.shape)  # [..., D]
-    return w * (x32 / jnp.sqrt(var + eps)).astype(x.dtype)  # [..., D]
+    normed = x32 / jnp.sqrt(var + eps)  # [..., D] float32
+    shape = (1,) * (x.ndim - 1) + weight.shape
+    if plus_one:
+        return (normed * (1 + weight.astype(jnp.float32)).reshape(shape)).astype(x.dtype)  # [..., D]
+    return weight.reshape(shape) * normed.astype(x.dtype)  # [..., D]
 
 
 def rope_frequencies(head_dim: int, base: float, *, factor: float = 1.0) -> np.ndarray:

@@ -433,3 +433,22 @@ def test_a_model_that_declares_no_protocol_is_refused_by_name():
     for module in (gpt2, llama, bert):
         assert models.spec(module) is module.SPEC and module.SPEC.causal == module.CAUSAL
     assert llama.SPEC.resume is llama.resume and bert.SPEC.resume is None
+
+
+def test_rms_norm_rounds_as_hugging_face_in_bfloat16():
+    """Llama casts the normalised x to the input dtype and then scales by w; Gemma scales by 1 + w in
+    float32 and then casts (``GemmaRMSNorm``): in bfloat16 the two orders round differently."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((6, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(64) * 0.3, jnp.bfloat16)
+    x32 = np.asarray(x, np.float32)
+    normed = x32 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    gemma = jnp.asarray(normed * (1 + np.asarray(w, np.float32)), jnp.bfloat16)
+    llama_ = np.asarray(w, np.float32) * np.asarray(jnp.asarray(normed, jnp.bfloat16), np.float32)
+    got_gemma = decoder.rms_norm(x, w, eps=1e-6, plus_one=True)
+    got_llama = decoder.rms_norm(x, w, eps=1e-6)
+    assert got_gemma.dtype == jnp.bfloat16 and got_llama.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got_gemma, np.float32), np.asarray(gemma, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_llama, np.float32), np.asarray(jnp.asarray(llama_, jnp.bfloat16), np.float32))
+    cast_first = np.asarray(jnp.asarray((1 + np.asarray(w, np.float32)) * np.asarray(jnp.asarray(normed, jnp.bfloat16), np.float32), jnp.bfloat16), np.float32)
+    assert np.any(cast_first != np.asarray(gemma, np.float32))  # the orders differ here, so the test tells them apart

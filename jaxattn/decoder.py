@@ -1072,7 +1072,8 @@ RESUME_DOC = """{title} forward resumed at block ``layer`` from the residual str
     Args:
       params, config: as in :func:`forward`.
       resid_pre: ``[T, D]``, the residual stream entering block ``layer`` (``captured["resid_pre"][layer]``),
-        in the dtype :func:`forward` carries it (the params'); another dtype is refused (``TypeError``).
+        in the dtype :func:`forward` carries it (the params'); another dtype is refused (``TypeError``),
+        after JAX's own conversion of the input (without 64-bit JAX a NumPy float64 array is float32).
       layer: the first block run, an int in ``[0, L)`` or a traced int32 scalar.
       attention_mask: ``[T]``, as in :func:`forward`: the mask of the run ``resid_pre`` comes from. Or a
         boolean ``[T, T]``, the keys each query sees (causality still applies, in the order of the rows),

@@ -211,7 +211,9 @@ def check_flag(value: Any, name: str) -> bool:
 
 def check_logit_cap(cap: Any, name: str = "logit_cap") -> Any:
     """``None`` (no cap), or the soft cap ``c`` of ``c · tanh(logits / c)``: a concrete value must be real,
-    finite and > 0 (returned as a float); a traced scalar is passed through unchecked (sweeps under jit)."""
+    finite and > 0, and a normal float32 (about 1.2e-38 to 3.4e38: the logits are at least float32, and
+    ``logits / c`` with a ``c`` beyond that range is inf or NaN), returned as a float; a traced scalar is
+    passed through unchecked (sweeps under jit)."""
     if cap is None:
         return None
     if isinstance(cap, jax.core.Tracer):
@@ -223,7 +225,17 @@ def check_logit_cap(cap: Any, name: str = "logit_cap") -> Any:
     value = float(np.asarray(cap))
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be finite and > 0 (the c of c·tanh(logits/c)), received {value!r}")
+    check_float32_normal(value, name)
     return value
+
+
+def check_float32_normal(value: float, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``value > 0`` is a normal float32 (what a divisor of float32
+    logits must be: outside it the quotient overflows or the value itself rounds to inf or 0)."""
+    info = np.finfo(np.float32)
+    if not float(info.tiny) <= value <= float(info.max):
+        raise ValueError(f"{name} must lie in float32's normal range [{float(info.tiny):.3g}, {float(info.max):.3g}] "
+                         f"(it divides float32 logits), received {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -201,3 +201,28 @@ def test_check_params_names_a_config_of_another_model(module, expected):
                  vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2, n_inner=8))
     with pytest.raises(TypeError, match=rf"config must be a {expected}, received {type(other).__name__}"):
         importlib.import_module(f"jaxattn.{module}").check_params({}, other)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: probes.softmax_jacobian(np.zeros((1, 3), np.float32), logit_cap=1e39), ValueError,
+         r"logit_cap must lie in float32's normal range"),
+        (lambda: probes.softmax_jacobian_norms(np.zeros((1, 3), np.float32), logit_cap=1e-46), ValueError,
+         r"logit_cap must lie in float32's normal range"),
+        (lambda: probes.saturation_sweep(0, head_dims=(8,), num_trials=1, num_queries=2, num_keys=3, value_dim=2,
+                                         remedies=[("temperature", 1e-40)]), ValueError, r"tau must lie in float32's normal range"),
+        (lambda: probes.logit_spread_bound(np.ones((3, 4), np.float32), np.ones((4, 2), np.float32),
+                                           np.ones((4, 2), np.float32), scale=-1.0), ValueError, r"scale must be finite and > 0"),
+        (lambda: probes.two_level_entropy(1.0, 2, 3), ValueError, r"k must be a whole number with 1 <= k <= n_keys"),
+        (lambda: probes.entropy_floor(0.5, 16, max_keys=2), ValueError, r"n_keys must be <= max_keys=2"),
+        (lambda: probes.max_weight_ceiling(-1.0, 4), ValueError, r"spread must be >= 0"),
+        (lambda: probes.head_entropy(np.full((2, 3), 1 / 3, np.float32), normalized="False"), TypeError,
+         r"normalized must be a Python bool"),
+        (lambda: probes.dot_product_variance(0, 8), TypeError, r"head_dims must be a sequence of positive ints"),
+        (lambda: probes.underflow_gap("foo"), TypeError, r"dtype must be a floating dtype .* received 'foo'"),
+    ],
+)
+def test_probe_arguments_are_refused_by_name(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

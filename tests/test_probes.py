@@ -699,3 +699,39 @@ def test_dot_product_variance_memory_does_not_grow_with_samples():
     tiny = probes.dot_product_variance(1, (5, 7), num_samples=3)  # a ragged last block, cut to n
     assert np.all(np.isfinite(tiny["std_error"])) and tiny["variance"].shape == (2,)
     np.testing.assert_array_equal(np.asarray(_sweep._dots(jax.random.key(1), (5, 7), 3)).shape, (2, 3))
+
+
+def test_a_nan_row_has_nan_jacobian_norms_not_zero():
+    """Exactly 0 is what the sweep and head_saturation count as saturated, so a NaN row (a kept NaN or a
+    +inf logit) must not give it: NaN in, NaN out, with and without a cap."""
+    x = np.array([[0.0, np.nan, 2.0], [0.0, np.inf, 2.0], [0.0, 1.0, 200.0]], np.float32)
+    for name, value in probes.softmax_jacobian_norms(x).items():
+        assert np.all(np.isnan(np.asarray(value)[:2])), name
+    for name, value in probes.softmax_jacobian_norms(x, logit_cap=2.0).items():  # the cap makes +inf a finite 2
+        assert np.isnan(np.asarray(value)[0]) and np.all(np.isfinite(np.asarray(value)[1:])), name
+    assert float(probes.softmax_jacobian_norms(x)["frobenius"][2]) == 0.0  # a saturated row: exactly 0
+
+
+def test_head_saturation_of_a_head_with_a_nan_row_is_nan():
+    x = np.array([[[[0, 1, 2], [0, np.nan, 2], [0, 5, 1]], [[0, 1, 2], [0, 3, 2], [0, 5, 1]]]], np.float32)  # [1, 2, 3, 3]
+    out = probes.head_saturation(x, np.ones((3, 3), bool))
+    np.testing.assert_array_equal(out["rows"], [[3.0, 3.0]])
+    for name in ("entropy_mean", "jacobian_median", "max_weight_median", "saturated_fraction", "zero_jacobian_fraction",
+                 "spread_median"):
+        value = np.asarray(out[name])
+        assert np.isnan(value[0, 0]) and np.isfinite(value[0, 1]), name
+    keep = np.ones((3, 3), bool)
+    keep[1, 1] = False  # the NaN masked: head 0 now equals a NaN-free head
+    masked = probes.head_saturation(x, keep)
+    assert np.isfinite(np.asarray(masked["entropy_mean"])).all()
+
+
+def test_gap_survival_keeps_its_relative_accuracy_in_the_tail():
+    from scipy import integrate, stats
+
+    S = 16
+    for x in (0.5, 5.0, 15.0, 30.0):
+        c = x * (S - 1) / S  # where the integrand peaks
+        ref = integrate.quad(lambda t: S * stats.norm.pdf(t) * stats.norm.cdf(t - x) ** (S - 1), c - 15, c + 15,
+                             points=[c], limit=500, epsabs=0, epsrel=1e-12)[0]
+        np.testing.assert_allclose(float(probes.gap_survival(x, S)), ref, rtol=1e-9)

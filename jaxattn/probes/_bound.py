@@ -40,11 +40,34 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_int, check_logit_cap, check_rank
+from jaxattn._checks import as_bool_array, as_float_array, check_flag, check_int, check_logit_cap, check_rank, check_scale
 from jaxattn._typing import ArrayLike, Bool, Float, Real
 
 Array = jax.Array
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """``x`` as float64 NumPy when concrete; None when traced (under ``jit``/``vmap``: it cannot be checked)."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x, np.float64)
+
+
+def _check_spread_keys(spread: Any, n_keys: Any, k: Any = None, max_keys: int | None = None) -> None:
+    """``ValueError`` for a concrete ``spread < 0``, ``n_keys`` not a whole number >= 1 (or above
+    ``max_keys``), ``k`` outside ``1 <= k <= n_keys``; NaN passes (NaN in, NaN out)."""
+    b, n, kk = _concrete(spread), _concrete(n_keys), None if k is None else _concrete(k)
+    if b is not None and np.any(b < 0):
+        raise ValueError(f"spread must be >= 0 (the largest logit minus the smallest), received {np.min(b)!r}")
+    if n is not None and np.any((n < 1) | (n != np.round(n))):
+        raise ValueError(f"n_keys must be whole numbers >= 1, received {n_keys!r}")
+    if n is not None and max_keys is not None and np.any(n > max_keys):
+        raise ValueError(f"n_keys must be <= max_keys={max_keys} (the k searched are 1 .. max_keys - 1), "
+                         f"received {n_keys!r}")
+    if kk is not None and n is not None:
+        kb, nb = np.broadcast_arrays(kk, n)
+        if np.any((kb < 1) | (kb > nb) | (kb != np.round(kb))):
+            raise ValueError(f"k must be a whole number with 1 <= k <= n_keys, received k={k!r}, n_keys={n_keys!r}")
 
 
 def two_level_entropy(spread: Real[ArrayLike, "..."], n_keys: Any, k: Any) -> Float[Array, "..."]:
@@ -53,7 +76,9 @@ def two_level_entropy(spread: Real[ArrayLike, "..."], n_keys: Any, k: Any) -> Fl
     ``log(k e^β + n - k) - k β e^β / (k e^β + n - k)``, computed as ``log k + log1p(r / k) + β r / z`` with
     ``r = (n-k) e^{-β}``, ``z = k + r``: no overflow for large β and no cancellation (every term ≥ 0), so
     the small entropies of large β keep their float32 digits. ``k = 1`` is the form Zhai et al. state.
+    Concrete values must satisfy ``β >= 0`` and ``1 <= k <= n`` (``ValueError``; traced ones cannot be checked).
     """
+    _check_spread_keys(spread, n_keys, k)
     beta = jnp.asarray(spread, jnp.float32)
     n = jnp.asarray(n_keys, jnp.float32)
     k = jnp.asarray(k, jnp.float32)
@@ -74,6 +99,7 @@ def entropy_floor(spread: Real[ArrayLike, "..."], n_keys: Any, *, max_keys: int)
       max_keys: the largest ``n_keys`` (static: the k searched are ``1 .. max_keys - 1``).
     """
     max_keys = check_int(max_keys, "max_keys")
+    _check_spread_keys(spread, n_keys, max_keys=max_keys)
     return _floor(jnp.asarray(spread, jnp.float32), jnp.asarray(n_keys, jnp.float32), max_keys)
 
 
@@ -92,7 +118,9 @@ def max_weight_ceiling(spread: Real[ArrayLike, "..."], n_keys: Any) -> Float[Arr
     """The largest weight a softmax over ``n_keys`` logits whose largest minus smallest is ≤ ``spread`` can
     give: one logit β above the other n - 1, ``e^β / (e^β + n - 1)``, computed as ``1 / (1 + (n - 1) e^{-β})``
     (float32; 1 for a row with one key). The weight of the top logit rises with the gap to each other logit,
-    so it is largest when every other logit is β below it."""
+    so it is largest when every other logit is β below it. Concrete values must satisfy ``β >= 0`` and
+    ``n >= 1`` (``ValueError``)."""
+    _check_spread_keys(spread, n_keys)
     beta = jnp.asarray(spread, jnp.float32)
     n = jnp.asarray(n_keys, jnp.float32)
     return 1.0 / (1.0 + (n - 1.0) * jnp.exp(-beta))
@@ -197,7 +225,7 @@ def logit_spread_bound(
         raise ValueError(f"x must be [T, D] with D = {wk.shape[0]} (the rows of w_k), received {tuple(x.shape)}")
     rotary = check_flag(rotary, "rotary")
     T, H = x.shape[0], wk.shape[1]
-    s = jnp.float32(1.0 / H**0.5) if scale is None else jnp.asarray(scale, jnp.float32)
+    s = jnp.asarray(check_scale(scale, H), jnp.float32)
     keep = _keep_mask(mask, T)
     return _spread(x, wq, wk, _bias(b_k, "b_k", H), s, keep, rotary, b_q is not None)
 

@@ -150,7 +150,8 @@ def head_saturation(
       ``single_key_rows`` (excluded rows with one kept key), ``spread_median``, ``spread_quantiles``,
       ``entropy_mean``, ``jacobian_median``, ``max_weight_median``, ``saturated_fraction`` (of the counted
       rows) and ``zero_jacobian_fraction`` (counted rows whose Jacobian norm is exactly 0 in float32). A head
-      with no counted row has NaN statistics and 0 rows.
+      with no counted row has NaN statistics and 0 rows; a head with a counted row whose kept logits hold a
+      NaN (or +inf) has NaN statistics, its rows still counted (NaN in, NaN out: never the other rows' values).
 
     Raises:
       TypeError, ValueError: naming ``logits``, ``mask``, ``threshold`` or ``quantiles``, before anything is
@@ -221,9 +222,10 @@ def _head_saturation(x: Array, keep: Array, threshold: float, levels: tuple[floa
 
     spreads = rows_last(spread)
     single = jnp.moveaxis(n_keys == 1, 0, 2).reshape(c.shape)
-    return {
-        "rows": rows,
-        "single_key_rows": jnp.sum(single, axis=-1).astype(jnp.float32),
+    # a counted row whose softmax is NaN (a kept NaN or +inf logit) makes its head's statistics NaN; the
+    # nan-reductions below skip NaN, which marks the excluded rows
+    bad = jnp.any(jnp.moveaxis(counted & jnp.isnan(h), 0, 2).reshape(c.shape), axis=-1)  # [L, N]
+    stats = {
         "spread_median": jnp.nanquantile(spreads, 0.5, axis=-1),
         "spread_quantiles": jnp.nanquantile(spreads, jnp.asarray(levels, jnp.float32), axis=-1),
         "entropy_mean": mean(h),
@@ -232,3 +234,5 @@ def _head_saturation(x: Array, keep: Array, threshold: float, levels: tuple[floa
         "saturated_fraction": frac(top >= threshold),
         "zero_jacobian_fraction": frac(jac == 0),
     }
+    return {"rows": rows, "single_key_rows": jnp.sum(single, axis=-1).astype(jnp.float32),
+            **{name: jnp.where(bad, jnp.nan, a) for name, a in stats.items()}}

@@ -152,7 +152,7 @@ def _jacobian_norms(p: Array, slope: Array | None = None) -> dict[str, Array]:
         frob_sq_scaled = (p_max**2) * ((c_max / a_safe[..., 0]) ** 2 + sum_u2) + jnp.sum(
             u * u * (c * c + others_sq), axis=-1
         )
-        frob = jnp.where(a[..., 0] > 0, a[..., 0] * jnp.sqrt(frob_sq_scaled), 0.0)
+        frob = jnp.where(a[..., 0] > 0, a[..., 0] * jnp.sqrt(frob_sq_scaled), a[..., 0] * 0.0)  # 0, or a NaN row's NaN
         return {"frobenius": frob, "nuclear": jnp.sum(p * c, axis=-1)}
     # Column s of J diag(σ) is σ_s times column s of J: each column's squared norm times σ_s². The slopes
     # are taken relative to the row's largest, σ_top, so that σ² does not underflow where σ itself does
@@ -164,5 +164,5 @@ def _jacobian_norms(p: Array, slope: Array | None = None) -> dict[str, Array]:
     frob_sq_scaled = s2_max * (p_max**2) * ((c_max / a_safe[..., 0]) ** 2 + sum_u2) + jnp.sum(
         s2 * u * u * (c * c + others_sq), axis=-1
     )
-    frob = jnp.where(a[..., 0] > 0, a[..., 0] * top[..., 0] * jnp.sqrt(frob_sq_scaled), 0.0)
+    frob = jnp.where(a[..., 0] > 0, a[..., 0] * top[..., 0] * jnp.sqrt(frob_sq_scaled), a[..., 0] * 0.0)  # 0, or NaN
     return {"frobenius": frob, "trace": jnp.sum(p * c * slope, axis=-1)}

@@ -59,7 +59,9 @@ def gap_survival(x: Any, num_keys: int) -> np.ndarray:
     """``P(D > x)`` for ``D`` the gap between the two largest of ``num_keys`` i.i.d. N(0, 1) values.
 
     ``P(D > x) = S ∫ φ(t) Φ(t - x)^{S-1} dt`` (the largest is at ``t``, all others below ``t - x``),
-    by the trapezoid rule in float64.
+    by the trapezoid rule in float64 on a grid of step 1e-3 over ±12 around the integrand's peak, which
+    moves to about ``t = x (S - 1) / S`` as the gap grows: so the tail keeps its relative accuracy (at
+    ``S = 16``, ``x = 30``: about 4e-194, where a grid fixed around 0 gives 0).
 
     Args:
       x: gaps ``[...]``, finite and >= 0 (``ValueError`` otherwise: ``P(D > x)`` is 1 for x < 0).
@@ -70,7 +72,7 @@ def gap_survival(x: Any, num_keys: int) -> np.ndarray:
     """
     S = check_int(num_keys, "num_keys", 2)
     x = _check_gaps(x, "x")
-    t = _GRID
+    t = x[..., None] * ((S - 1) / S) + _GRID  # [..., G], centred on each gap's peak
     integrand = _normal_pdf(t) * _normal_cdf(t - x[..., None]) ** (S - 1)
     return S * np.trapezoid(integrand, t, axis=-1)
 
@@ -107,7 +109,10 @@ def underflow_gap(dtype: Any) -> float:
     Returns:
       the gap in nats, a float.
     """
-    dtype = jnp.dtype(dtype)
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be a floating dtype (float16, bfloat16, float32 or float64), received {dtype!r}") from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype (float16, bfloat16, float32 or float64), received {dtype.name}")
     if dtype == jnp.float16:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._checks import check_logit_cap
+from jaxattn._checks import check_float32_normal, check_logit_cap
 
 Array = jax.Array
 
@@ -97,6 +97,7 @@ def _positive(value: Any, what: str) -> float:
     value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{what} must be finite and > 0, received {value!r}")
+    check_float32_normal(value, what)
     return value
 
 

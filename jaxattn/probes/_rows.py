@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxattn._checks import as_bool_array, as_float_array, check_broadcastable, softmax_dtype
+from jaxattn._checks import as_bool_array, as_float_array, check_broadcastable, check_flag, softmax_dtype
 from jaxattn._typing import ArrayLike, Bool, Float
 
 Array = jax.Array
@@ -229,6 +229,7 @@ def head_entropy(
     p, ulp = _weights(weights, axes="[..., T, S]")
     if p.ndim < 2:
         raise ValueError(f"weights must have at least 2 dimensions [..., T, S], received shape {tuple(p.shape)}")
+    normalized = check_flag(normalized, "normalized")
     stats = _stats(p, _keep(mask, p.shape), ulp, ("normalized_entropy" if normalized else "entropy", "num_keys"))
     h, n = stats.values()
     rows = (n > 0).astype(h.dtype)

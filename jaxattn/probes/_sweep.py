@@ -33,6 +33,8 @@ DEFAULT_HEAD_DIMS = tuple(2**i for i in range(3, 13))  # 8, 16, ..., 4096
 
 
 def _check_head_dims(head_dims: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(head_dims, (int, np.integer, str, bool)) or not hasattr(head_dims, "__iter__"):
+        raise TypeError(f"head_dims must be a sequence of positive ints (e.g. (8, 64)), received {head_dims!r}")
     dims = tuple(head_dims)
     if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
         raise ValueError(f"head_dims must be a non-empty sequence of positive ints, received {head_dims!r}")
@@ -491,6 +493,8 @@ def summarize_sweep(result: dict[str, Any], quantiles: Sequence[float] = (0.1, 0
       ``spectral_norm_q``, ``spectral_norm_k`` are their means over trials ``[M, P]`` (NaN but σReparam).
     """
     qs = np.asarray(quantiles, np.float64)
+    if qs.ndim != 1 or not np.all((qs >= 0) & (qs <= 1)):
+        raise ValueError(f"quantiles must be a sequence of levels in [0, 1], received {quantiles!r}")
     summary: dict[str, Any] = {"head_dims": np.asarray(result["head_dims"]), "quantiles": qs}
     summary.update({k: result[k] for k in ("num_trials", "num_queries", "num_keys", "value_dim", "dtype", "logit_cap") if k in result})
     with_remedies = "remedies" in result

@@ -43,6 +43,7 @@ from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -71,7 +72,7 @@ from jaxattn.models import QKWeights, Sizes
 
 __all__ = [
     "BUNDLED_FILE", "BUNDLED_NAME", "BUNDLED_PACKAGE", "CAUSAL", "GEMMA3_INSTALL_HINT", "GEMMA3_NAME", "GEMMA3_PACKAGE", "SPEC", "INSTALL_HINT", "LAYOUTS", "LlamaConfig", "MODEL_TYPES",
-    "SCHEMAS", "WEIGHT_FILES", "attention_input", "bundled_path", "check_params", "config_dict", "final_norm",
+    "SCHEMAS", "WEIGHT_FILES", "attention_input", "attn_out_linear", "bundled_path", "check_params", "config_dict", "final_norm",
     "final_norm_linear", "forward", "gemma3_path", "generate", "head_projections", "init_params", "load", "load_gguf",
     "load_tokenizer", "log_prob",
     "param_shapes", "param_shardings", "params_from_arrays", "params_from_flax", "params_from_torch", "qk_weights",
@@ -1025,6 +1026,18 @@ def head_projections(params: dict, config: LlamaConfig) -> Array:
     return params["model"]["layers"]["self_attn"]["o_proj"]["kernel"].reshape(L, N, H, D)
 
 
+def attn_out_linear(params: dict, config: LlamaConfig, z: Array, v: Array) -> Array:
+    """Each layer's part ``v [L, ..., D]`` of its attention's raw output as it joins the stream: itself, or,
+    under Gemma 2 and 3's post-attention norm, through that norm with its root mean square frozen at the
+    raw output ``Σ_n z[l, n] @ W[l, n]`` of ``z [L, N, H]`` (linear in ``v``; the parts of the raw output
+    add up to the normalised one). A sandwich-normed model has no output-projection bias."""
+    if not config.variant.sandwich:
+        return v
+    raw = jnp.einsum("lnh,lnhd->ld", z.astype(jnp.float32), head_projections(params, config).astype(jnp.float32))
+    weight = params["model"]["layers"]["post_attention_layernorm"]["weight"]  # [L, D]
+    return jax.vmap(lambda w, r, x: _rms_norm(x, w, config, stream=jnp.broadcast_to(r, x.shape)))(weight, raw, v)
+
+
 def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
     """Every head's ``W_Q [L, N, D, H]``, ``b_q``, ``W_K [L, K, D, H]``, ``b_k`` on its input (before RoPE)."""
     L, N, K, H, D = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
@@ -1043,7 +1056,7 @@ def qk_weights(params: dict, config: LlamaConfig) -> QKWeights:
 SPEC = models.ModelSpec(
     name="jaxattn.llama", causal=CAUSAL, forward=forward, sizes=sizes, final_norm=final_norm, unembed=unembed,
     final_norm_linear=final_norm_linear, attention_input=attention_input, head_projections=head_projections,
-    qk_weights=qk_weights, resume=resume, log_prob=log_prob,
+    qk_weights=qk_weights, resume=resume, log_prob=log_prob, attn_out_linear=attn_out_linear,
 )  # the model protocol, declared (jaxattn.models.ModelSpec)
 
 

@@ -80,6 +80,10 @@ class ModelSpec(NamedTuple):
         block ``layer`` on; ``None``: the tables run whole forwards.
       log_prob: ``(params, config, ids [T], *, attention_mask, start, end, scale) -> scalar``; causal
         language models only.
+      attn_out_linear: ``(params, config, z [L, N, H], v [L, ..., D]) -> [L, ..., D]``: each layer's part
+        ``v`` of its attention's raw output (``Σ_n z[n] @ W[n]``) as it joins the stream, for a model that
+        normalises that output (Gemma 2 and 3's post-attention norm, linearised at the raw output of
+        ``z``); ``None``: the raw output joins the stream as it is.
     """
 
     name: str
@@ -94,6 +98,7 @@ class ModelSpec(NamedTuple):
     qk_weights: Callable[..., Any] | None = None
     resume: Callable[..., Any] | None = None
     log_prob: Callable[..., Any] | None = None
+    attn_out_linear: Callable[..., Any] | None = None
 
 
 def spec(model: Any) -> ModelSpec:

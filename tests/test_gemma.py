@@ -262,3 +262,22 @@ def test_a_multimodal_gemma3_checkpoint_loads_its_text_part(tok, tmp_path):
     (d / "config.json").write_text(json.dumps({**whole, "text_config": {**short, "num_hidden_layers": 10**9}}))
     with pytest.raises(CheckpointError, match=r"field 'num_hidden_layers' = 1000000000, but .* holds the tensors of 3"):
         llama.load(d)
+
+
+def test_logit_attribution_adds_up_through_the_sandwich_norms(case):
+    """Each head's output reaches the stream through the post-attention norm (frozen at the layer's raw
+    output): the shares add up to the clean logit difference (Gemma 3) or to the difference before the final
+    soft cap (Gemma 2, whose capped logits are not linear in the stream)."""
+    _, _, params, config, _ = case
+    ids = np.arange(3, 3 + 9, dtype=np.int32)
+    a, b = 5, 17
+    parts = interventions.logit_attribution(interventions.bind(llama, params, config, ids), (a, b))
+    logits = np.asarray(llama.forward(params, config, ids).logits[-1], np.float64)
+    cap = config.final_logit_softcapping
+    want = logits[a] - logits[b] if cap is None else cap * (np.arctanh(logits[a] / cap) - np.arctanh(logits[b] / cap))
+    shares = sum(float(np.sum(v)) for k, v in parts.items() if k != "total")
+    assert abs(want) > 0.05  # a difference worth attributing
+    assert float(parts["total"]) == pytest.approx(want, abs=2e-4)
+    assert shares == pytest.approx(float(parts["total"]), abs=2e-4)
+    # each layer's heads add up to its attention's contribution to the stream, which the norm changed
+    assert float(np.abs(np.asarray(parts["heads"])).min()) > 0

@@ -126,8 +126,8 @@ _DLA_CAPTURE = ("attn_out", "mlp_out", "resid_post", "resid_pre", "z")
 
 @functools.lru_cache(maxsize=64)
 def _dla_program(apply: Callable[..., Any], final_norm: Callable[..., Any], final_norm_linear: Callable[..., Any],
-                 unembed: Callable[..., Any], head_projections: Callable[..., Any], config: Any, L: int, D: int,
-                 batched: bool) -> Callable[..., dict[str, Array]]:
+                 unembed: Callable[..., Any], head_projections: Callable[..., Any], attn_out_linear: Any,
+                 config: Any, L: int, D: int, batched: bool) -> Callable[..., dict[str, Array]]:
     def one(params, c, bias, logits, w, pos, a, b):
         """One sequence: its captured tensors ``c`` ([L, T, ...]) and output-projection biases ``[L, T, D]``."""
         f32 = jnp.float32
@@ -143,17 +143,25 @@ def _dla_program(apply: Callable[..., Any], final_norm: Callable[..., Any], fina
         (u,) = pull(r)  # [D]: a component v of the stream adds u · v through the frozen norm
         dot = lambda v: jnp.sum(v.astype(f32) * u[(None,) * (v.ndim - 1)], axis=-1)  # noqa: E731
         z = c["z"][:, pos].astype(f32)  # [L, N, H]
-        wu = jnp.einsum("lnhd,d->lnh", w.astype(f32), u)  # [L, N, H]
+        if attn_out_linear is None:  # the heads' outputs join the stream as they are
+            heads = jnp.einsum("lnh,lnh->ln", z, jnp.einsum("lnhd,d->lnh", w.astype(f32), u))  # [L, N]
+        else:  # through the layer's post-attention norm, frozen at the raw output of z
+            each = jnp.einsum("lnh,lnhd->lnd", z, w.astype(f32))  # [L, N, D]
+            heads = dot(attn_out_linear(params, config, z, each))  # [L, N]
         norm_bias = final_norm(params, config, zero)  # [D], the norm's bias (0 for RMSNorm)
         unembed_bias = diff(zero)  # the unembedding's own constant term (0 without a bias)
+        # the logit difference the shares decompose: the unembedding's linear part at the final norm's
+        # output, which is logit[a] - logit[b] for an affine unembedding, and the difference before the cap
+        # for one that soft-caps the logits (Gemma 2)
+        total = jnp.sum(r * final_norm(params, config, x0).astype(f32)) + unembed_bias
         parts = {
             "embed": dot(c["resid_pre"][0, pos]),
-            "heads": jnp.einsum("lnh,lnh->ln", z, wu),
+            "heads": heads,
             "mlps": dot(c["mlp_out"][:, pos]),
             "attn_bias": dot(bias[:, pos]),
             "final_norm_bias": jnp.sum(r * norm_bias.astype(f32)),
             "unembed_bias": unembed_bias,
-            "total": (logits[pos, a] - logits[pos, b]).astype(f32),
+            "total": total,
         }
         present = {"attn_bias": jnp.any(bias != 0), "final_norm_bias": jnp.any(norm_bias != 0),
                    "unembed_bias": jnp.any(unembed(params, config, zero) != 0)}
@@ -184,7 +192,11 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any 
     (LayerNorm's mean and standard deviation, RMSNorm's root mean square) are those of ``x``, frozen
     (the protocol's ``final_norm_linear``), so it is linear in the stream plus its constant bias, and each
     part's share is the logit difference of that part alone through the frozen norm and the unembedding.
-    The shares add up to ``total``, the clean ``logit[a] - logit[b]``, up to float rounding.
+    Where a model normalises its attention's output before it joins the stream (Gemma 2 and 3's
+    post-attention norm), each head's output goes through that norm frozen at the layer's raw output
+    (the protocol's ``attn_out_linear``). The shares add up to ``total``, the clean ``logit[a] - logit[b]``,
+    up to float rounding; for a model whose unembedding soft-caps its logits (Gemma 2), which is not
+    linear, ``total`` is that difference before the cap.
 
     Args:
       bound: a causal language model on its inputs (:func:`bind`), run clean (no head mask, no patch).
@@ -219,8 +231,8 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any 
     if not -T <= position < T:
         raise ValueError(f"position must lie in [-T, T) = [-{T}, {T}) (the bound's input columns), received {position}")
     program = _dla_program(bound.apply, module.final_norm, module.final_norm_linear, module.unembed,
-                           module.head_projections, bound.config, int(sizes.layers), int(sizes.width),
-                           bound.batch is not None)
+                           module.head_projections, module.attn_out_linear, bound.config, int(sizes.layers),
+                           int(sizes.width), bound.batch is not None)
     inputs = (_args(bound), jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
     if mesh is not None:
         _mesh.check(mesh, None)

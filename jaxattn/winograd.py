@@ -470,7 +470,9 @@ def split_pairs(n_pairs: int, *, seed: int = 0) -> np.ndarray:
 def best_head(attention: Any, answers: Any, pair_ids: Any, *, seed: int = 0) -> list[dict[str, Any]]:
     """The single best head, selected on one half of the pairs and scored on the other, both ways round.
 
-    Pairs, not sentences, are split (a seeded permutation), so a pair's two sentences are on one side.
+    Pairs, not sentences, are split (a seeded permutation of the pairs present, in the order of their
+    ids), so a pair's two sentences are on one side; any subset of pairs splits into halves of
+    ``n // 2`` and ``n - n // 2`` pairs.
 
     Returns:
       two dicts (select on half A, evaluate on half B; then the reverse): ``head (l, n)``,
@@ -484,7 +486,8 @@ def best_head(attention: Any, answers: Any, pair_ids: Any, *, seed: int = 0) -> 
                          f"{pred.shape[0]}, {answers.shape}, {pair_ids.shape}")
     if pair_ids.size == 0 or not np.issubdtype(pair_ids.dtype, np.integer) or pair_ids.min() < 0:
         raise ValueError(f"pair_ids must be ints >= 0, one per sentence, received {pair_ids!r}")
-    half = split_pairs(int(pair_ids.max()) + 1, seed=seed)[pair_ids]  # [S]
+    present = np.unique(pair_ids)  # the pairs there are, sorted
+    half = split_pairs(present.size, seed=seed)[np.searchsorted(present, pair_ids)]  # [S]
     if half.all() or not half.any():
         raise ValueError(f"pair_ids must name at least 2 pairs with sentences on both halves of the split (one "
                          f"to select the head on, one to score it), received pairs {sorted(set(pair_ids.tolist()))}")

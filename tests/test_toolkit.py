@@ -568,3 +568,20 @@ def test_joint_patching_of_one_head_is_its_table_entry_and_of_all_heads_is_one_p
         interventions.joint_patching_effect(m.bound, metric, value, [(0, 4)])
     with pytest.raises(ValueError, match=r"heads must be 'all' or a non-empty list"):
         interventions.joint_patching_effect(m.bound, metric, value, "some")
+    with pytest.raises(ValueError, match=r"heads must be 'all' or a non-empty list"):  # NumPy would make it (1, 1)
+        interventions.joint_patching_effect(m.bound, metric, value, [(True, 1)])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(input_ids=np.r_[IDS, 10**6]), r"input_ids must lie in \[0, vocab_size=\d+\), received values in \[\d+, 1000000\]"),
+    (dict(input_ids=IDS.astype(np.int64) + (np.arange(IDS.size) == 3) * 2**32), r"received values in \[\d+, 4294967\d+\]"),
+    (dict(input_ids=IDS, attention_mask=np.full(IDS.size, 2)), r"attention_mask must hold only 0 and 1, received values \[2\]"),
+    (dict(input_ids=np.stack([IDS, IDS]), attention_mask=np.stack([np.ones(IDS.size, int), np.zeros(IDS.size, int)])),
+     r"attention_mask marks no real token in sequence\(s\) \[1\]"),
+])
+def test_bind_checks_the_values_the_tables_cannot(kwargs, match):
+    """The tables run the forward traced, where ids and masks cannot be checked: bind checks concrete ones
+    (an out-of-vocab id gave tables of NaN, an id past int32 silently became another token)."""
+    m = _run("llama")
+    with pytest.raises(ValueError, match=match):
+        interventions.bind(llama, m.params, m.config, kwargs.pop("input_ids"), **kwargs)

@@ -173,3 +173,16 @@ def test_bad_data_names_the_pair_and_field():
         interventions.parse_pairs(bad)
     with pytest.raises(ValueError, match="attention must have shape"):
         interventions.max_attention_predictions(np.zeros((4, 2, 3)))
+
+
+def test_best_head_splits_the_pairs_present_whatever_their_ids():
+    """A subset of pairs whose ids do not start at 0 splits into halves of its own pairs (it split
+    range(max id + 1), so most subsets of late pairs were refused or unbalanced)."""
+    rng = np.random.default_rng(0)
+    attention, answers = rng.random((40, 2, 3, 2)), np.tile([0, 1], 20)
+    late = np.repeat(np.arange(100, 120), 2)  # 20 pairs, ids 100..119
+    folds = interventions.best_head(attention, answers, late)
+    assert [f["total"] for f in folds] == [20, 20]  # 10 pairs a side
+    assert folds == interventions.best_head(attention, answers, late - 100)  # the same split as ids 0..19
+    two = interventions.best_head(attention[:4], answers[:4], [126, 126, 127, 127])
+    assert [f["total"] for f in two] == [2, 2]

@@ -400,7 +400,11 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
         picked = list(range(every.shape[0]))
     else:
         pairs = np.asarray(heads)
-        if pairs.ndim != 2 or pairs.shape[1:] != (2,) or pairs.shape[0] == 0 or not np.issubdtype(pairs.dtype, np.integer):
+        # NumPy makes (True, 1) an int pair: a bool anywhere is refused, as elsewhere in this module
+        has_bool = pairs.dtype == np.bool_ or (isinstance(heads, (list, tuple)) and any(
+            isinstance(x, (bool, np.bool_)) for pair in heads for x in np.ravel(np.asarray(pair, object))))
+        if (pairs.ndim != 2 or pairs.shape[1:] != (2,) or pairs.shape[0] == 0 or not np.issubdtype(pairs.dtype, np.integer)
+                or has_bool):
             raise ValueError(f"heads must be 'all' or a non-empty list of (layer, head) int pairs, received {heads!r}")
         if np.any(pairs < 0) or np.any(pairs[:, 0] >= shape[0]) or np.any(pairs[:, 1] >= G):
             raise ValueError(f"heads must be (layer, head) pairs with layer < {shape[0]} and head < {G}, received "

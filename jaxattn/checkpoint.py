@@ -37,6 +37,7 @@ __all__ = [
     "check_layer_count",
     "check_config_fields",
     "check_layer_names",
+    "check_saveable_tokenizer",
     "check_shapes",
     "flatten",
     "stack_layers",
@@ -832,6 +833,16 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
 # ----------------------------------------------------------------------------------------------------
 # Tokenizers (the `tokenizers` package; no transformers)
 # ----------------------------------------------------------------------------------------------------
+
+
+def check_saveable_tokenizer(tokenizer: Any) -> None:
+    """``TypeError`` unless ``tokenizer`` is None or a :class:`TextTokenizer` (whose ``tokenizer.json`` a
+    model's ``save`` writes), raised before anything is written. A SentencePiece tokenizer read from a
+    GGUF (Gemma 3's) has no ``tokenizer.json``."""
+    if tokenizer is not None and not isinstance(tokenizer, TextTokenizer):
+        raise TypeError(f"tokenizer must be a jaxattn.checkpoint.TextTokenizer (save writes its tokenizer.json) or None, "
+                        f"received {type(tokenizer).__name__}: a SentencePiece tokenizer from a GGUF has no "
+                        f"tokenizer.json; pass tokenizer=None to save the weights and config only")
 
 
 class TextTokenizer:

@@ -45,8 +45,8 @@ from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
-    check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve, stack_layers, unflatten,
-    unstack_layers)
+    check_saveable_tokenizer, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
+    stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn import models
 from jaxattn.models import ModelOutput, QKWeights, Sizes
@@ -297,7 +297,7 @@ def _from_safetensors(path: str | Path, config: GPT2Config, place: Any) -> dict:
         t, transposed = table[flax_key]
         a = np.asarray(arrays[t], np.float32)
         a = np.ascontiguousarray(a.T) if transposed else a
-        check_finite({flax_key: a}, path)
+        check_finite({t: a}, path)  # the file's name for it
         return a
 
     return unflatten(decoder.place_stacked(list(table), convert, place, _LAYERS, workers=1))
@@ -612,13 +612,19 @@ def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: Tex
     ``config.json``; the weights as ``model.safetensors`` (PyTorch ``GPT2LMHeadModel`` names, Conv1D
     kernels ``(in, out)``) or ``flax_model.msgpack`` (``FlaxGPT2LMHeadModel``, kernels ``(out, in)``),
     in the params' dtype; and, if given, ``tokenizer.json``. Each file is written atomically, and
-    ``load(save(...))`` returns the same params.
+    ``load(save(...))`` returns the same params. A folder that already holds ``model.safetensors`` is
+    refused for ``format="msgpack"`` (``ValueError``, before anything is written): :func:`load` reads
+    that file first, so the new weights would not be the ones loaded.
     """
     if format not in ("safetensors", "msgpack"):
         raise ValueError(f"format must be 'safetensors' or 'msgpack', received {format!r}")
     decoder.check_config(_FAMILY, config)
     check_params(params, config)
+    check_saveable_tokenizer(tokenizer)
     directory = Path(directory)
+    if format == "msgpack" and (directory / "model.safetensors").exists():
+        raise ValueError(f"directory {str(directory)!r} already holds model.safetensors, which load reads before "
+                         f"flax_model.msgpack: remove it, or save with format='safetensors'")
     directory.mkdir(parents=True, exist_ok=True)
     cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **config._asdict()}
     flat = {k: np.asarray(v) for k, v in unstack_layers(flatten(params), _LAYERS).items()}

@@ -64,8 +64,8 @@ from jaxattn._llamalike import rotation as _rotation
 from jaxattn._nn import init_from_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_config_fields, check_finite,
-    check_layer_count, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
-    stack_layers, unflatten, unstack_layers)
+    check_layer_count, check_saveable_tokenizer, check_shapes, fitting, flatten, read_config, read_msgpack,
+    read_safetensors, resolve, stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn import models
 from jaxattn.models import QKWeights, Sizes
@@ -404,18 +404,26 @@ def _gemma3_text_config(path: Path) -> LlamaConfig:
                          f"{path} (text_config)")
 
 
-def _text_part(arrays: Mapping[str, Any]) -> dict[str, Any]:
+def _text_part(arrays: Mapping[str, Any], source: Any) -> dict[str, Any]:
     """A multimodal Gemma 3 checkpoint's text-model weights under a Gemma3ForCausalLM's names; the vision
-    tower and projector left out (any other name is kept, for the shape check to name)."""
-    out = {}
+    tower and projector left out (any other name is kept, for the shape check to name). Two of the file's
+    names for one weight (transformers' two spellings, or one of them and a plain ``model.`` name) raise
+    ``CheckpointError`` naming both: which one would win depends on the file's order."""
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for key, value in arrays.items():
         prefix = next((p for p in _GEMMA3_TEXT_PREFIXES if key.startswith(p)), None)
         if prefix is not None:
-            out["model." + key[len(prefix):]] = value
+            name = "model." + key[len(prefix):]
         elif key in _GEMMA3_HEADS:
-            out["lm_head.weight"] = value
+            name = "lm_head.weight"
         elif not key.startswith(_GEMMA3_VISION):
-            out[key] = value
+            name = key
+        else:
+            continue
+        if name in origin:
+            raise CheckpointError(f"{source}: weight {name!r} appears twice, as {origin[name]!r} and {key!r}")
+        out[name], origin[name] = value, key
     return out
 
 
@@ -622,7 +630,7 @@ def _from_torch(arrays: Mapping[str, Any], config: LlamaConfig, source: str | Pa
         t, transposed = table[flax_key]
         a = np.asarray(arrays[t], np.float32)
         a = np.ascontiguousarray(a.T) if transposed else a
-        check_finite({flax_key: a}, source)
+        check_finite({t: a}, source)  # the file's name for it
         return a
 
     # Reads (lazy tensors: dequantizes), transposes and checks off the GIL, a few tensors in flight at a time.
@@ -875,7 +883,7 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
     place = placer(config, source)
     arrays = read_weights(files, name_or_path, lazy=True)
     if _model_type(files["config.json"]) == "gemma3":  # a multimodal checkpoint: its text part
-        arrays = _text_part(arrays)
+        arrays = _text_part(arrays, source)
     if source.name.startswith("flax_model"):
         params = _from_flax(arrays, config, source, place)
     else:
@@ -1115,6 +1123,7 @@ def save(directory: str | Path, params: dict, config: LlamaConfig, tokenizer: Te
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors', received {format!r}")
     check_params(params, config)
+    check_saveable_tokenizer(tokenizer)
     from safetensors.numpy import save as save_safetensors
 
     directory = Path(directory)

@@ -559,3 +559,36 @@ def test_a_gguf_of_another_architecture_is_refused_before_its_vocabulary_is_read
                                               r"'llama', 'gemma3' \(nothing else of the file was read\)"):
         llama.load(path)
     assert not opened
+
+
+def test_gpt2_save_as_msgpack_refuses_a_folder_holding_safetensors(gpt2_model, tmp_path):
+    """load reads model.safetensors first: msgpack weights saved beside one would not be the ones loaded."""
+    from jaxattn import gpt2
+
+    params, config, tokenizer = gpt2_model
+    directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
+    changed = jax.tree.map(lambda a: a + 1.0, params)
+    with pytest.raises(ValueError, match=r"already holds model\.safetensors, which load reads before flax_model\.msgpack"):
+        gpt2.save(directory, changed, config, tokenizer, format="msgpack")
+    assert not (directory / "flax_model.msgpack").exists()
+    gpt2.save(directory, changed, config, tokenizer)  # as safetensors: replaced, and loaded
+    again, _, _ = gpt2.load(directory)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(changed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_nan_weight_is_named_by_its_checkpoint_name(gpt2_model, tmp_path):
+    """The Hugging Face name one can look up in the file (GPT-2's optional 'transformer.' prefix aside), not
+    the params' path ('transformer/h/1/mlp/c_fc/kernel')."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxattn import gpt2
+
+    params, config, tokenizer = gpt2_model
+    directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
+    tensors = load_file(str(directory / "model.safetensors"))
+    key = next(k for k in tensors if k.endswith("h.1.mlp.c_fc.weight"))
+    tensors[key] = np.where(np.arange(tensors[key].size).reshape(tensors[key].shape) == 3, np.nan, tensors[key])
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: weight '(transformer\.)?h\.1\.mlp\.c_fc\.weight' holds NaN"):
+        gpt2.load(directory)

@@ -262,6 +262,26 @@ def test_a_multimodal_gemma3_checkpoint_loads_its_text_part(tok, tmp_path):
     (d / "config.json").write_text(json.dumps({**whole, "text_config": {**short, "num_hidden_layers": 10**9}}))
     with pytest.raises(CheckpointError, match=r"field 'num_hidden_layers' = 1000000000, but .* holds the tensors of 3"):
         llama.load(d)
+    # one weight under both of transformers' spellings: which would win depends on the file's order
+    (d / "config.json").write_text(json.dumps(whole))
+    tensors = {**{"language_model.model." + k[len("model."):]: v for k, v in weights.items()},
+               "model.language_model.embed_tokens.weight": weights["model.embed_tokens.weight"] + 1}
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"weight 'model\.embed_tokens\.weight' appears twice, as "
+                                              r"'language_model\.model\.embed_tokens\.weight' and "
+                                              r"'model\.language_model\.embed_tokens\.weight'"):
+        llama.load(d)
+
+
+def test_save_refuses_a_tokenizer_it_cannot_write_before_writing(case, tmp_path):
+    from jaxattn._spm import SpmTokenizer  # the tokenizer a Gemma 3 GGUF loads with (testing the refusal)
+
+    _, _, params, config, _ = case
+    spm = SpmTokenizer(["<pad>", "<eos>", "<bos>", "<unk>", "a", "b", "\u2581a", "\u2581b"])
+    with pytest.raises(TypeError, match=r"tokenizer must be a jaxattn\.checkpoint\.TextTokenizer .* received "
+                                        r"SpmTokenizer: .* pass tokenizer=None"):
+        llama.save(tmp_path / "out", params, config, spm)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_logit_attribution_adds_up_through_the_sandwich_norms(case):

@@ -585,7 +585,7 @@ BROKEN_GGUF = [
     ("wrong shape", _tensor("blk.0.attn_k.weight", lambda a: a[:8]),
      r"tensor 'blk\.0\.attn_k\.weight' has shape \[32, 8\], expected \[32, 16\] \(GGUF order, ne0 first\)"),
     ("unexpected tensor", _tensor("rope_freqs.weight", np.ones(4, np.float32)), r"unexpected tensor 'rope_freqs\.weight'"),
-    ("NaN weight", _tensor("blk.0.ffn_gate.weight", _set_nan), r"weight 'model/layers/0/mlp/gate_proj/kernel' holds NaN"),
+    ("NaN weight", _tensor("blk.0.ffn_gate.weight", _set_nan), r"weight 'model\.layers\.0\.mlp\.gate_proj\.weight' holds NaN"),
     ("missing key", _meta(llama__block_count=None), r"metadata key 'llama\.block_count' is missing"),
     ("rope scaling", _meta(llama__rope__scaling__type="linear"),
      r"metadata key 'llama\.rope\.scaling\.type' = 'linear' is not supported"),

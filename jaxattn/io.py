@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -40,6 +41,10 @@ NO_CACHE_VARIABLE = "JAXATTN_NO_CACHE"  # set to anything but "", "0", "false" o
 def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], None]) -> Path:
     """Write ``data`` to ``path`` atomically; returns the absolute path.
 
+    The data goes to a temporary file beside ``path``, flushed to disk (``fsync``), then renamed over it, so
+    ``path`` holds the old contents or the new, never part of them. A file replaced keeps its permission
+    bits; a new one is readable by all (``0o644``), as results are meant to be.
+
     Args:
       path: the file to write; its folder is created if missing.
       data: ``bytes``, ``str`` (written as UTF-8), or a function that writes to a binary file object
@@ -54,7 +59,13 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Any], No
                 data(f)
             else:
                 f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be read
+            f.flush()
+            os.fsync(f.fileno())
+        try:  # mkstemp creates 0600: keep a replaced file's mode, else readable by all
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o644
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

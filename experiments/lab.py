@@ -175,6 +175,10 @@ def main(argv=None) -> None:
                         help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
                              f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = parser.parse_args(argv)
+    model = args.model
+    if ({3, 4} & set(args.parts) and model is not None and args.random_gpt2 is None
+            and model.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(model))):
+        parser.error(f"argument --model: no such directory {model!r} (parts 3-4 read a checkpoint folder there)")
     try:
         prepare_output_folder(args.out, args.parts)  # before any part runs: no compute wasted, nothing half-written
     except OutputFolderError as e:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import sys
@@ -26,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import numpy as np
 
 from jaxattn import train
-from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, atomic_write, prepare_output_folder, use_compilation_cache
+from jaxattn.io import (NO_CACHE_VARIABLE, OutputFolderError, atomic_write, int_at_least, prepare_output_folder,
+                        use_compilation_cache, write_json)
 from jaxattn.probes import DEFAULT_REMEDIES, Remedy
 from jaxattn.progress import ProgressBar
 
@@ -79,17 +79,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remedies", type=remedy_arg, nargs="+", default=None,
                    help="remedy names (jaxattn.probes.Remedy): none sqrt_dk qk_norm qk_norm_sqrt_dk sigma_reparam "
                         "sigma_reparam_sqrt_dk cap_<c> temperature_<tau>, or all (default: sqrt_dk none)")
-    p.add_argument("--head-dims", type=int, nargs="+", default=None, help="d_k values (default: 16 64 256; text: 64)")
+    p.add_argument("--head-dims", type=int_at_least(1), nargs="+", default=None, help="d_k values (default: 16 64 256; text: 64)")
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--context", type=int, default=64, help="text: characters per sequence (default 64)")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=50, help="steps per compiled call; text: validation loss after each")
+    p.add_argument("--seeds", type=int_at_least(0), nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int_at_least(1), default=300)
+    p.add_argument("--warmup", type=int_at_least(0), default=30)
+    p.add_argument("--batch-size", type=int_at_least(1), default=32)
+    p.add_argument("--context", type=int_at_least(2), default=64, help="text: characters per sequence (default 64)")
+    p.add_argument("--d-model", type=int_at_least(1), default=64)
+    p.add_argument("--heads", type=int_at_least(1), default=2)
+    p.add_argument("--layers", type=int_at_least(1), default=2)
+    p.add_argument("--chunk", type=int_at_least(1), default=50, help="steps per compiled call; text: validation loss after each")
     p.add_argument("--qk-layernorm", action="store_true", help="normalise q and k per head (Wortsman et al.)")
     p.add_argument("--threshold", type=float, default=None,
                    help="loss (nats) for 'steps to threshold' (default: recall 0.1, text 2.5)")
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "series": series,
         "wall_time_s": wall,
     }
-    atomic_write(stem + "history.json", json.dumps(payload, allow_nan=True).encode())
+    write_json(stem + "history.json", payload, indent=None)  # NaN and inf as strings: strict parsers read it
     pngs = plot(histories, runs, args, stem)
     print("wrote", ", ".join([stem + "summary.md", stem + "history.json", *pngs]))
     return 0

@@ -229,12 +229,16 @@ def main(argv=None) -> int:
     if not 0.0 < args.threshold <= 1.0:
         print(f"error: --threshold must be in (0, 1], received {args.threshold}", file=sys.stderr)
         return 2
+    n = args.sentences or (QUICK_SENTENCES if args.quick else DEFAULT_SENTENCES[args.model])
+    available = len(winograd.to_schemas(winograd.load_wsc273()))  # the shipped collection's sentences
+    if n > available:
+        print(f"error: --sentences {n}: the WSC273 collection has {available} sentences", file=sys.stderr)
+        return 2
     try:
         out = prepare_output_folder(args.out, OUTPUTS)
     except OutputFolderError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    n = args.sentences or (QUICK_SENTENCES if args.quick else DEFAULT_SENTENCES[args.model])
     timings = {}
     t0 = time.perf_counter()
     try:

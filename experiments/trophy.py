@@ -35,6 +35,7 @@ from jaxattn.io import (
     NO_CACHE_VARIABLE,
     OutputFolderError,
     atomic_write,
+    int_at_least,
     prepare_output_folder,
     use_compilation_cache,
     write_json,
@@ -111,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"reached")
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None,
                         help="run on a RANDOM GPT-2 of this size instead (offline; not a trained model)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random GPT-2 (with --random-gpt2)")
-    parser.add_argument("--layer", type=int, default=None, help="part 3's layer (default: the focus head's)")
-    parser.add_argument("--head", type=int, default=None, help="part 3's head (default: the focus head)")
-    parser.add_argument("--top", type=int, default=5, help="heads shown per ranking")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random GPT-2 (with --random-gpt2)")
+    parser.add_argument("--layer", type=int_at_least(0), default=None, help="part 3's layer (default: the focus head's)")
+    parser.add_argument("--head", type=int_at_least(0), default=None, help="part 3's head (default: the focus head)")
+    parser.add_argument("--top", type=int_at_least(1), default=5, help="heads shown per ranking")
     parser.add_argument("--out", default="lab-output/trophy", help="output folder")
     parser.add_argument("--no-cache", dest="cache", action="store_false",
                         help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
@@ -158,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     focus = trophy.focus_head(maps, "it", ["trophy", "suitcase"])
     layer = focus[0] if args.layer is None else args.layer
     head = focus[1] if args.head is None else args.head
+    L, N = maps.attentions.shape[:2]
+    for flag, value, size in (("--layer", layer, L), ("--head", head, N)):
+        if value >= size:  # before part 4, the long one
+            parser.error(f"argument {flag}: must be below {size} ({name} has {L} layers of {N} heads), received {value}")
     part3 = trophy.render_part3(maps, layer, head)
     print(f"\n== Part 3: the trophy sentence's attention (layer {layer}, head {head}; the focus head, whose "
           f"' it' row weighs ' trophy' + ' suitcase' most, is L{focus[0]} H{focus[1]}) ==")

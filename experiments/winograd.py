@@ -28,7 +28,7 @@ import jax
 
 from jaxattn import bert, gpt2, interventions, llama
 from jaxattn.checkpoint import CheckpointError
-from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
+from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder, write_json
 
 OUTPUTS = ("winograd.json", "winograd.md")  # what a run writes into --out (checked before the model loads)
 # --model values of the bundled (installed, offline) models; anything else is a GPT-2 hub id or directory
@@ -82,7 +82,7 @@ def _cpus():
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=SMOLLM2, help=MODEL_HELP)
-    parser.add_argument("--seed", type=int, default=0, help="the split of the schemas for the best head")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="the split of the schemas for the best head")
     parser.add_argument("--out", default=None, help="output folder (default lab-output/winograd/<model>)")
     args = parser.parse_args(argv)
     out = Path(args.out or f"lab-output/winograd/{Path(args.model).name}")

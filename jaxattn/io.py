@@ -92,7 +92,7 @@ def to_jsonable(x: Any) -> Any:
     return x
 
 
-def write_json(path: str | os.PathLike, data: Any, *, indent: int = 1) -> Path:
+def write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 1) -> Path:
     """Write ``data`` (through :func:`to_jsonable`) to ``path`` as JSON, atomically; returns the absolute path."""
     return atomic_write(path, json.dumps(to_jsonable(data), indent=indent) + "\n")
 

@@ -613,3 +613,40 @@ def test_atomic_write_keeps_a_replaced_files_mode_and_leaves_nothing_on_failure(
     with pytest.raises(RuntimeError, match="stopped halfway"):
         atomic_write(path, fail)
     assert path.read_text() == "[1]" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+
+# (script, argv, what the one-line error says): each refused before the script's work starts
+BAD_FLAGS = [
+    ("lab.py", ["--parts", "3", "--model", "/no/such/dir"], r"argument --model: no such directory '/no/such/dir'"),
+    ("trophy.py", ["--random-gpt2", "tiny", "--top", "-2"], r"argument --top: must be a positive int"),
+    ("trophy.py", ["--random-gpt2", "tiny", "--layer", "-1"], r"argument --layer: must be an int >= 0"),
+    ("train_scale.py", ["--quick", "--head-dims", "8", "0"], r"argument --head-dims: must be a positive int"),
+    ("winograd.py", ["--model", "minilm", "--seed", "-1"], r"argument --seed: must be an int >= 0"),
+    ("bench_sweep.py", ["--repeats", "0"], r"argument --repeats: must be a positive int"),
+    ("bench_gpt2.py", ["--repeats", "0"], r"argument --repeats: must be a positive int"),
+    ("trained_heads.py", ["--model", "minilm", "--sentences", "10000"], r"--sentences 10000: the WSC273 collection has 273"),
+]
+
+
+@pytest.mark.parametrize("script, argv, says", BAD_FLAGS, ids=[f"{s} {' '.join(a[-2:])}" for s, a, _ in BAD_FLAGS])
+def test_a_bad_flag_is_refused_by_name_before_any_work(tmp_path, monkeypatch, capsys, script, argv, says):
+    monkeypatch.chdir(tmp_path)
+    code = _run_script(script, [*argv, "--out", str(tmp_path / "out")], monkeypatch)
+    assert code == 2
+    assert re.search(says, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing written
+
+
+def test_heads_checks_its_parts_arguments_before_the_first_part_and_lists_what_it_wrote(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = _run_script("heads.py", ["--random-gpt2", "tiny", "--parts", "effects,window", "--length", "100000",
+                                    "--out", str(tmp_path / "a")], monkeypatch)
+    assert "--length 100000" in str(code) and not (tmp_path / "a").exists()  # before the effect tables ran
+    code = _run_script("heads.py", ["--random-gpt2", "tiny", "--parts", "bound", "--out", str(tmp_path / "b")], monkeypatch)
+    assert code == 0 and "wrote bound.json to" in capsys.readouterr().out
+    (tmp_path / "b" / "stale.txt").write_text("from before")
+    import os
+    os.utime(tmp_path / "b" / "stale.txt", (0, 0))
+    code = _run_script("heads.py", ["--random-gpt2", "tiny", "--parts", "bound", "--out", str(tmp_path / "b")], monkeypatch)
+    out = capsys.readouterr().out
+    assert code == 0 and "wrote bound.json to" in out and "stale.txt" not in out

@@ -158,7 +158,8 @@ def heatmaps_png(tables: Mapping[str, Any], *, title: str = "", dpi: int = 100) 
     for i, name in enumerate(names):
         ax = fig.add_subplot(rows, cols, i + 1)
         t = np.asarray(tables[name], np.float64)
-        lim = float(np.max(np.abs(t))) or 1.0
+        finite = np.abs(t[np.isfinite(t)])  # NaN entries (a NaN table cell) drawn blank, not the scale's end
+        lim = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
         im = ax.imshow(t, cmap="RdBu_r", vmin=-lim, vmax=lim, aspect="auto", interpolation="nearest")
         ax.set_title(str(name), fontsize=9, parse_math=False, usetex=False)
         ax.set_xlabel("head", fontsize=8)

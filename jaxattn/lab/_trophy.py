@@ -251,7 +251,10 @@ class Comparison:
     substitution: dict[str, dict[str, float]] | None = None
 
     def ranking(self, row: str, top: int | None = None) -> list[dict[str, Any]]:
-        """Heads sorted by ``flip[row]``, largest first: ``[{layer, head, big, small, flip}, ...]``."""
+        """Heads sorted by ``flip[row]``, largest first: ``[{layer, head, big, small, flip}, ...]``; the first
+        ``top`` (a positive int; None: all)."""
+        if top is not None and (isinstance(top, bool) or not isinstance(top, (int, np.integer)) or top < 1):
+            raise ValueError(f"top must be a positive int or None, received {top!r}")
         f = self.flip[row]
         order = np.argsort(-f, axis=None, kind="stable")
         out = []

@@ -353,7 +353,7 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
                                       "so its weights could be misread")
         meta = {("llama." + k[len("gemma3."):] if k.startswith("gemma3.") else k): v for k, v in meta.items()}
         meta.pop("llama.attention.sliding_window", None), meta.pop("llama.rope.scaling.factor", None)
-        scaling = meta.pop("llama.rope.scaling.type", "none")
+        scaling = meta.pop("llama.rope.scaling.type", "linear")  # llama.cpp's default when the key is absent
     for key in sorted(k for k in meta if k.startswith("llama.")):
         if key in _NEUTRAL:
             if meta[key] not in _NEUTRAL[key]:
@@ -409,7 +409,9 @@ def llama_fields(reader: Any, path: str | os.PathLike) -> dict[str, Any]:
                          for i in range(L)],
             rope_local_base_freq=GEMMA3_LOCAL_ROPE_BASE,
             query_pre_attn_scalar=float(D // N if L == 62 else H),
-            rope_scaling_factor=_float(raw, "gemma3.rope.scaling.factor", path) if scaling == "linear" else None,
+            # a factor applies when the type is linear or absent (llama.cpp's reading); none given: no scaling
+            rope_scaling_factor=(_float(raw, "gemma3.rope.scaling.factor", path)
+                                 if scaling == "linear" and "gemma3.rope.scaling.factor" in raw else None),
         )
     return dict(**extra,
         vocab_size=V,

@@ -301,3 +301,22 @@ def test_logit_attribution_adds_up_through_the_sandwich_norms(case):
     assert shares == pytest.approx(float(parts["total"]), abs=2e-4)
     # each layer's heads add up to its attention's contribution to the stream, which the norm changed
     assert float(np.abs(np.asarray(parts["heads"])).min()) > 0
+
+
+@pytest.mark.parametrize("scaling_type, want", [(None, 4.0), ("linear", 4.0), ("none", None)])
+def test_a_gguf_scaling_factor_without_its_type_is_linear_as_llama_cpp_reads_it(tok, tmp_path, scaling_type, want):
+    """llama.cpp reads an absent gemma3.rope.scaling.type as 'linear', so a factor alone scales the full
+    layers' positions (it was ignored here); an explicit 'none' keeps them unscaled."""
+    cfg = ref.config_dict("gemma3_text", **{**TINY, "num_hidden_layers": 6, "query_pre_attn_scalar": 8},
+                          rope_scaling={"rope_type": "linear", "factor": 4.0})
+    weights = ref.random_weights(cfg, seed=3)
+    meta, tensors = _gguf_of(weights, cfg, tok)
+    meta["gemma3.rope.scaling.factor"] = 4.0
+    if scaling_type is not None:
+        meta["gemma3.rope.scaling.type"] = scaling_type
+    params, config, _ = llama.load(write_gguf(tmp_path / "g.gguf", meta, tensors))
+    assert config.rope_scaling_factor == want
+    if want is not None:  # the positions as Hugging Face's linear scaling gives them
+        ids = np.arange(9) * 11 % cfg["vocab_size"]
+        np.testing.assert_allclose(llama.forward(params, config, ids).logits, ref.forward(weights, cfg, ids)["logits"],
+                                   atol=TOL, rtol=0)

@@ -30,6 +30,33 @@ Array = jax.Array
 # ----------------------------------------------------------------------------------------------------
 
 
+def check_id_values(x: Any, name: str, low: int, high: int, high_name: str = "vocab_size") -> None:
+    """``ValueError`` unless every value of concrete ids ``x`` (any shape) lies in ``[low, high)``; traced
+    ids cannot be read and pass."""
+    if isinstance(x, jax.core.Tracer) or np.size(x) == 0:
+        return
+    values = np.asarray(x)
+    lo, hi = int(values.min()), int(values.max())  # Python ints: no wrap of a large uint64
+    if lo < low or hi >= high:
+        raise ValueError(f"{name} must lie in [{low}, {high_name}={high}), received values in [{lo}, {hi}]")
+
+
+def check_mask_values(mask: Any, name: str = "attention_mask", *, need_real: bool = False) -> None:
+    """``ValueError`` unless a concrete mask (``[T]`` or ``[B, T]``) holds only 0 and 1 and, with
+    ``need_real``, marks a real token in every sequence; a traced one cannot be read and passes."""
+    if mask is None or isinstance(mask, jax.core.Tracer):
+        return
+    m = np.asarray(mask)
+    if m.dtype != np.bool_:
+        values = np.unique(m)
+        if not np.all(np.isin(values, (0, 1))):
+            raise ValueError(f"{name} must hold only 0 and 1, received values {values.tolist()}")
+    empty = ~np.any(m != 0, axis=-1)
+    if need_real and np.any(empty):
+        where = f"all {m.shape[-1]} entries are 0" if m.ndim == 1 else f"sequence(s) {np.flatnonzero(empty).tolist()}"
+        raise ValueError(f"{name} marks no real token ({where}): there is nothing to run the model on")
+
+
 def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = None, max_length: int | None = None,
               high_name: str = "vocab_size", max_name: str = "n_positions") -> Array:
     """``x`` as int32 ``[T]``; values checked against ``[low, high)`` when concrete (traced ids cannot be).
@@ -49,11 +76,7 @@ def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = No
         raise ValueError(f"{name} must have shape [T] = ({length},), like input_ids, received shape {shape}")
     if max_length is not None and not 1 <= shape[0] <= max_length:
         raise ValueError(f"{name} must hold 1 to {max_name}={max_length} tokens, received T={shape[0]}")
-    if not isinstance(x, jax.core.Tracer) and shape[0] > 0:
-        values = np.asarray(x)
-        lo, hi = int(values.min()), int(values.max())  # Python ints: no wrap of a large uint64
-        if lo < low or hi >= high:
-            raise ValueError(f"{name} must lie in [{low}, {high_name}={high}), received values in [{lo}, {hi}]")
+    check_id_values(x, name, low, high, high_name)
     if not isinstance(x, (jax.Array, jax.core.Tracer)):  # converted on the host: no program per new shape
         return jax.device_put(np.asarray(x).astype(np.int32))
     return jnp.asarray(x).astype(jnp.int32)
@@ -78,10 +101,7 @@ def attention_mask(mask: Any, T: int) -> Array:
         raise TypeError(f"attention_mask must have an integer or boolean dtype (1 = token, 0 = padding), received dtype {np.dtype(dtype).name}")
     if tuple(jnp.shape(mask)) != (T,):
         raise ValueError(f"attention_mask must have shape [T] = ({T},), like input_ids, received shape {tuple(jnp.shape(mask))}")
-    if not isinstance(mask, jax.core.Tracer) and dtype != np.bool_:
-        values = np.unique(np.asarray(mask))
-        if not np.all(np.isin(values, (0, 1))):
-            raise ValueError(f"attention_mask must hold only 0 and 1, received values {values.tolist()}")
+    check_mask_values(mask)
     if not isinstance(mask, (jax.Array, jax.core.Tracer)):
         return jax.device_put(np.asarray(mask) != 0)
     if dtype == np.bool_:  # already the keep-mask: no program to compare it
@@ -93,8 +113,7 @@ def keep_mask(mask: Any, T: int, *, name: str = "attention_mask") -> Array:
     """:func:`attention_mask` as the keep-mask ``[T]`` of a causal model; a concrete mask must mark at least
     one real token (there is nothing to run the model on otherwise)."""
     keep = attention_mask(mask, T)
-    if mask is not None and not isinstance(keep, jax.core.Tracer) and not np.any(np.asarray(keep)):
-        raise ValueError(f"{name} marks no real token (all {T} entries are 0): there is nothing to run the model on")
+    check_mask_values(mask if mask is None else keep, name, need_real=True)
     return keep
 
 

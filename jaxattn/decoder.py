@@ -586,18 +586,20 @@ def forward(family: Family, params: Any, config: Any, input_ids: Any, *, attenti
     return _cut(out, asked, tuple(sorted(flags.items())), real)
 
 
-def _bucketed(input_ids: Any, attention_mask: Any, longest: int, vocab: int) -> tuple[Any, Any, int | None]:
+def _bucketed(input_ids: Any, attention_mask: Any, longest: int, vocab: int, *,
+              short: int = 0) -> tuple[Any, Any, int | None]:
     """``(ids, mask, T)``: concrete ids ``[T]`` (and their mask) right-padded, on the host, to
     :func:`jaxattn.models.bucket_length`, the padding masked, so every length of a bucket runs one compiled
-    program; ``T`` None when they run as they are: traced ids (the caller's ``jit`` fixes the shape), ids
-    split over several devices, or anything the checks will refuse (ids outside ``[0, vocab)``, a mask of
-    other values than 0 and 1 or without a real token: the checks then name what the caller passed)."""
+    program; ``T`` None when they run as they are: ``T <= short``, traced ids (the caller's ``jit`` fixes
+    the shape), ids split over several devices, or anything the checks will refuse (ids outside
+    ``[0, vocab)``, a mask of other values than 0 and 1 or without a real token: the checks then name what
+    the caller passed)."""
     if isinstance(input_ids, jax.core.Tracer) or isinstance(attention_mask, jax.core.Tracer):
         return input_ids, attention_mask, None
     if any(isinstance(a, jax.Array) and len(a.sharding.device_set) > 1 for a in (input_ids, attention_mask)):
         return input_ids, attention_mask, None
     ids = _as_array(input_ids)
-    if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not 1 <= ids.shape[0] <= longest:
+    if ids is None or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or not short < ids.shape[0] <= longest:
         return input_ids, attention_mask, None
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         return input_ids, attention_mask, None
@@ -908,10 +910,8 @@ def generate(family: Family, params: Any, config: Any, prompt_ids: Any, *, max_n
     # a concrete prompt longer than PROMPT_ROWS runs at its bucket's length (padded on the right, masked), so
     # a new prompt length inside a bucket compiles nothing; the padding is taken out of the ids returned. A
     # shorter one runs as it is: every step carries its rows, so padding them would cost every step.
-    real = None
-    shape = np.shape(prompt_ids) if hasattr(prompt_ids, "shape") else getattr(_as_array(prompt_ids), "shape", None)
-    if shape is not None and (len(shape) != 1 or shape[0] > PROMPT_ROWS):  # None: ragged, refused by _ids
-        prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new, s.vocab)
+    prompt_ids, attention_mask, real = _bucketed(prompt_ids, attention_mask, s.max_length - new, s.vocab,
+                                                 short=PROMPT_ROWS)
     ids = _ids(family, config, prompt_ids, "prompt_ids")
     if ids.shape[0] + new > s.max_length:  # a bucket never passes it: it is at most max_length - new
         raise ValueError(f"prompt_ids T={ids.shape[0]} plus max_new_tokens={new} exceeds "

@@ -577,7 +577,7 @@ def test_joint_patching_of_one_head_is_its_table_entry_and_of_all_heads_is_one_p
     (dict(input_ids=IDS.astype(np.int64) + (np.arange(IDS.size) == 3) * 2**32), r"received values in \[\d+, 4294967\d+\]"),
     (dict(input_ids=IDS, attention_mask=np.full(IDS.size, 2)), r"attention_mask must hold only 0 and 1, received values \[2\]"),
     (dict(input_ids=np.stack([IDS, IDS]), attention_mask=np.stack([np.ones(IDS.size, int), np.zeros(IDS.size, int)])),
-     r"attention_mask marks no real token in sequence\(s\) \[1\]"),
+     r"attention_mask marks no real token \(sequence\(s\) \[1\]\)"),
 ])
 def test_bind_checks_the_values_the_tables_cannot(kwargs, match):
     """The tables run the forward traced, where ids and masks cannot be checked: bind checks concrete ones

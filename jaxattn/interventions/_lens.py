@@ -128,7 +128,7 @@ _DLA_CAPTURE = ("attn_out", "mlp_out", "resid_post", "resid_pre", "z")
 def _dla_program(apply: Callable[..., Any], final_norm: Callable[..., Any], final_norm_linear: Callable[..., Any],
                  unembed: Callable[..., Any], head_projections: Callable[..., Any], attn_out_linear: Any,
                  config: Any, L: int, D: int, batched: bool) -> Callable[..., dict[str, Array]]:
-    def one(params, c, bias, logits, w, pos, a, b):
+    def one(params, c, bias, w, pos, a, b):
         """One sequence: its captured tensors ``c`` ([L, T, ...]) and output-projection biases ``[L, T, D]``."""
         f32 = jnp.float32
         x0 = c["resid_post"][-1, pos]  # [D], the stream the final norm reads
@@ -174,11 +174,11 @@ def _dla_program(apply: Callable[..., Any], final_norm: Callable[..., Any], fina
         everywhere = jnp.ones((L, 1, 1, 1), bool)
         bias = apply(args, patch={"z": (nothing, everywhere)}, capture=("attn_out",)).captured["attn_out"]
         w = head_projections(params, config)  # [L, N, H, D]
-        read = lambda c, s, l: one(params, c, s, l, w, pos, a, b)  # noqa: E731
+        read = lambda c, s: one(params, c, s, w, pos, a, b)  # noqa: E731
         if batched:
-            parts, present = jax.vmap(read)(out.captured, bias, out.logits)
+            parts, present = jax.vmap(read)(out.captured, bias)
             return parts, jax.tree.map(jnp.any, present)
-        return read(out.captured, bias, out.logits)
+        return read(out.captured, bias)
 
     return jax.jit(run)
 

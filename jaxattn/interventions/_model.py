@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn._inputs import batch_ids, batch_mask
+from jaxattn._inputs import batch_ids, batch_mask, check_id_values, check_mask_values
 from jaxattn._sites import CAPTURE_NAMES
 from jaxattn.models import ModelSpec, bucket_length, spec
 
@@ -156,26 +156,6 @@ def _on_one_device(a: Any) -> bool:
     return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and len(a.sharding.device_set) == 1
 
 
-def _check_values(input_ids: Any, attention_mask: Any, vocab: int, causal: bool) -> None:
-    """The values of concrete ids and mask, as the forward checks them (the tables run the forward traced,
-    where it cannot): ids in ``[0, vocab)`` (before any cast), a mask of 0 and 1 that marks a real token in
-    every sequence of a causal model. Traced ones (``bind`` under ``jax.vmap``/``jax.jit``) cannot be read."""
-    if not isinstance(input_ids, (jax.Array, jax.core.Tracer)):
-        a = np.asarray(input_ids)
-        lo, hi = int(a.min()), int(a.max())  # Python ints: no wrap of a large id
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), received values in [{lo}, {hi}]")
-    if attention_mask is not None and not isinstance(attention_mask, (jax.Array, jax.core.Tracer)):
-        m = np.asarray(attention_mask)
-        values = np.unique(m)
-        if m.dtype != np.bool_ and not np.all(np.isin(values, (0, 1))):
-            raise ValueError(f"attention_mask must hold only 0 and 1, received values {values.tolist()}")
-        if causal and not np.all(np.any(m != 0, axis=-1)):
-            raise ValueError("attention_mask marks no real token in " + (
-                "the sequence" if m.ndim == 1 else f"sequence(s) {np.flatnonzero(~np.any(m != 0, axis=-1)).tolist()}")
-                + ": there is nothing to run the model on")
-
-
 def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mask: Any = None,
          **forward_kwargs: Any) -> Bound:
     """``module.forward(params, config, input_ids, ...)`` as a :class:`Bound`, for any bundled model.
@@ -209,7 +189,9 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     batch = ids.shape[0] if ids.ndim == 2 else None
     apply = _apply_fn(declared.forward, config, batch is not None)
     sizes = declared.sizes(config)
-    _check_values(input_ids, attention_mask, int(sizes.vocab), declared.causal)
+    # the values of concrete ids and mask, as the forward checks them (the tables run it traced, where it cannot)
+    check_id_values(input_ids, "input_ids", 0, int(sizes.vocab))
+    check_mask_values(attention_mask, need_real=declared.causal)
     args = {"params": params, "ids": on_device(ids), "mask": on_device(mask), "kwargs": dict(forward_kwargs)}
     resume = None
     if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:

@@ -306,6 +306,9 @@ def effects_part(module, params, config, tok, name, args, out):
     shown = page_tables(bound, tok, pair_ids, tables, checks) if pair_ids is not None else None
     if shown is not None:
         atomic_write(out / "heads.html", page(name, metric_text, *shown))
+    elif (out / "heads.html").exists():  # an earlier run's page, of another model: never left beside these tables
+        (out / "heads.html").unlink()
+        print(f"removed {out / 'heads.html'}: an earlier run's page (this model's tables have no page)")
     write_json(out / "heads.json", {
         "model": name, "metric": metric_text, "methods": interventions.METHODS, "tables": tables,
         "attention": attention, "spans": spans, "rows": rows, "correlations": rho,
@@ -608,7 +611,7 @@ def window_part(module, params, config, tok, name, args, out):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=SMOLLM2, help=MODEL_HELP)
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--random-gpt2", choices=sorted(gpt2.SIZES), default=None, help="a RANDOM GPT-2 of this size")
     parser.add_argument("--parts", default="effects,bound", help=f"comma-separated: {', '.join(OUTPUTS)}")
     parser.add_argument("--chunk", type=int_at_least(1), default=16, help="interventions run at once in each compiled program")
@@ -628,6 +631,9 @@ def main(argv=None) -> int:
                         help=f"window: the distance counted (default: the model's largest sliding window, or "
                              f"{DEFAULT_DISTANCE} for a model without one)")
     args = parser.parse_args(argv)
+    if args.random_gpt2 is not None and args.model is not None:
+        parser.error("--model and --random-gpt2 name two models: give one")
+    args.model = args.model or SMOLLM2
     parts = set(args.parts.split(","))
     if not parts <= set(OUTPUTS):
         parser.error(f"--parts: unknown {sorted(parts - set(OUTPUTS))}; known: {', '.join(OUTPUTS)}")

@@ -175,6 +175,8 @@ def main(argv=None) -> None:
                         help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
                              f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = parser.parse_args(argv)
+    if args.random_gpt2 is not None and args.model is not None:
+        parser.error("--model and --random-gpt2 name two models for parts 3-4: give one")
     model = args.model
     if ({3, 4} & set(args.parts) and model is not None and args.random_gpt2 is None
             and model.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(model))):

@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
                              f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")
     args = parser.parse_args(argv)
+    if args.random_gpt2 is not None and args.model is not None:
+        parser.error("--model and --random-gpt2 name two models: give one")
     try:
         prepare_output_folder(args.out, OUTPUTS, create=False)  # before any work: nothing wasted, nothing half-written
     except OutputFolderError as e:
@@ -210,7 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     written.append("trophy.html")
     print(f"\nwrote {', '.join(written)} to {out}/")
     if not same:
-        print("no difference maps: the two sentences have different token counts")
+        stale = [n for n in ("trophy_difference.png", "trophy_focus.png") if (out / n).exists()]
+        for n in stale:  # an earlier run's, of other sentences: never left beside this run's files
+            (out / n).unlink()
+        print("no difference maps: the two sentences have different token counts"
+              + (f" (removed an earlier run's {', '.join(stale)})" if stale else ""))
     print(f"open {(out / 'trophy.html').absolute()} in a browser to explore every layer and head")
     return 0
 

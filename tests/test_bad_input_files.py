@@ -625,6 +625,9 @@ BAD_FLAGS = [
     ("bench_sweep.py", ["--repeats", "0"], r"argument --repeats: must be a positive int"),
     ("bench_gpt2.py", ["--repeats", "0"], r"argument --repeats: must be a positive int"),
     ("trained_heads.py", ["--model", "minilm", "--sentences", "10000"], r"--sentences 10000: the WSC273 collection has 273"),
+    ("trophy.py", ["--random-gpt2", "tiny", "--model", "minilm"], r"--model and --random-gpt2 name two models"),
+    ("heads.py", ["--random-gpt2", "tiny", "--model", "minilm"], r"--model and --random-gpt2 name two models"),
+    ("lab.py", ["--parts", "3", "--random-gpt2", "tiny", "--model", "minilm"], r"--model and --random-gpt2 name two models"),
 ]
 
 
@@ -650,3 +653,15 @@ def test_heads_checks_its_parts_arguments_before_the_first_part_and_lists_what_i
     code = _run_script("heads.py", ["--random-gpt2", "tiny", "--parts", "bound", "--out", str(tmp_path / "b")], monkeypatch)
     out = capsys.readouterr().out
     assert code == 0 and "wrote bound.json to" in out and "stale.txt" not in out
+
+
+@pytest.mark.slow
+def test_heads_removes_an_earlier_runs_page_when_its_model_has_none(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "heads.html").write_text("an earlier run's page, of another model")
+    code = _run_script("heads.py", ["--model", "minilm", "--parts", "effects", "--reference", "0", "--out", str(out)],
+                       monkeypatch)  # an encoder: tables, no page
+    printed = capsys.readouterr().out
+    assert code == 0 and f"removed {out / 'heads.html'}: an earlier run's page" in printed
+    assert not (out / "heads.html").exists() and (out / "heads.json").exists()

@@ -177,6 +177,21 @@ def test_bidirectional_model_it_row_may_change():
         trophy.sentence_maps(_toy_bidirectional(), trophy.SENTENCES["big"], run_length=40)
 
 
+def test_sentence_maps_refuses_maps_of_another_shape_and_compare_refuses_one_sentence_twice():
+    base = _toy_bidirectional()
+    for shape in ("wide", "flat"):  # maps wider than the ids (cropping would hide it), or [N, T, T]
+        def attentions(ids, scale, shape=shape):
+            a = base.attentions(ids, scale)  # [1, 1, T, T]
+            return np.pad(a, ((0, 0), (0, 0), (0, 2), (0, 2))) if shape == "wide" else a[0]
+
+        model = trophy.LabModel("odd", causal=False, tokenize=base.tokenize, attentions=attentions)
+        with pytest.raises(ValueError, match=r"odd: attentions must have shape \[L, N, T, T\] with T=\d+ \(the ids "
+                                             r"it was given\), received \("):
+            trophy.sentence_maps(model, trophy.SENTENCES["big"])
+    with pytest.raises(ValueError, match="the 'big' and 'small' sentences tokenize to the same ids"):
+        trophy.compare(base, {"big": trophy.SENTENCES["big"], "small": trophy.SENTENCES["big"]})
+
+
 def test_render_ascii_numbers_columns_past_nine_downwards():
     S = 14
     text = trophy.render_ascii(np.full((S, S), 1 / S), [f"t{i}" for i in range(S)])
@@ -348,3 +363,22 @@ def test_default_gpt2_that_is_broken_is_an_error_not_a_fallback(script_main, tmp
     captured = capsys.readouterr()
     assert "GPT-2 unavailable" not in captured.out
     assert captured.err.split("\n", 1)[1].startswith(f"error: {broken}: ")
+
+
+def test_script_removes_an_earlier_runs_difference_maps_when_the_sentences_differ_in_length(
+        tiny, script_main, tmp_path, capsys, monkeypatch):
+    _, (params, config, tokenizer), _ = tiny
+    directory = gpt2.save(tmp_path / "ckpt", params, config, tokenizer)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("trophy_difference.png", "trophy_focus.png"):  # an earlier run's, of other sentences
+        (out / name).write_bytes(b"\x89PNG old")
+    small = trophy.SENTENCES["small"].replace("too small", "far too small")
+    assert len(tokenizer.encode(small)) != len(tokenizer.encode(trophy.SENTENCES["big"]))
+    monkeypatch.setitem(trophy.SENTENCES, "small", small)
+    assert script_main(["--model", str(directory), "--out", str(out), "--no-cache"]) == 0
+    printed = capsys.readouterr().out
+    assert "no difference maps: the two sentences have different token counts (removed an earlier run's " \
+           "trophy_difference.png, trophy_focus.png)" in printed
+    assert not (out / "trophy_difference.png").exists() and not (out / "trophy_focus.png").exists()
+    assert (out / "trophy_small.png").read_bytes().startswith(b"\x89PNG\r\n")

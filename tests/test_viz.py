@@ -504,6 +504,9 @@ def test_pair_figure_shows_both_maps_and_their_difference(pair):
                                                                               "difference"]
     with pytest.raises(ValueError, match=r"b: expected the shape of a, \(15, 15\), received \(14, 14\)"):
         viz.pair_figure(big[1, 2], small[1, 2, :14, :14], BIG, SMALL[:14])
+    for names in ("AB", ("", "B"), ("A",)):  # as html() refuses them: a str is not two names
+        with pytest.raises(ValueError, match=r"names: expected two non-empty strings"):
+            viz.pair_png(big[1, 2], small[1, 2], BIG, SMALL, names=names)
 
 
 def test_figures_never_touch_matplotlibs_global_state():
@@ -519,3 +522,19 @@ def test_figures_never_touch_matplotlibs_global_state():
                 if isinstance(node.func.value, ast.Name) and node.func.value.id in ("matplotlib", "plt", "mpl"):
                     offenders.append(f"{path.name}: {node.func.value.id}.{node.func.attr}")
     assert offenders == []
+
+
+def test_overview_of_heads_alike_shows_their_value_not_an_invented_range(browser, tmp_path):
+    """Every head with the same mean row entropy (one head; uniform maps): the colour bar is at that value
+    (lo = hi = the entropy), not "0 to 0.000001" with every cell at the top colour."""
+    T = 6
+    x = np.tril(np.random.default_rng(0).random((1, 1, T, T)))
+    cases = {"one": x / x.sum(-1, keepdims=True), "uniform": np.full((2, 2, T, T), 1 / T)}
+    for name, maps in cases.items():
+        path = tmp_path / f"{name}.html"
+        path.write_text(viz.html(maps, [f"t{i}" for i in range(T)]), encoding="utf-8")
+        _open(browser, path)
+        lo, hi = browser.execute_script("const c = document.getElementById('overview-legend'); "
+                                        "return [+c.dataset.lo, +c.dataset.hi];")
+        entropy = np.unique(np.asarray(viz.page_data(path.read_text(encoding="utf-8"))["runs"][0]["entropy"]))
+        assert entropy.size == 1 and lo == hi == pytest.approx(float(entropy[0]), rel=1e-6), (name, lo, hi, entropy)

@@ -136,10 +136,11 @@ def sentence_maps(model: LabModel, text: str, *, scale: Any = None, run_length: 
         if not model.causal:
             raise ValueError(f"{model.name} is not causal: padding would change its attention maps")
         run = np.concatenate([ids, np.full(run_length - T, ids[-1], ids.dtype)])
-    att = np.asarray(model.attentions(run, scale), np.float64)[:, :, :T, :T]  # [L, N, T, T]
-    if att.ndim != 4 or att.shape[2:] != (T, T):
-        raise ValueError(f"{model.name}: attentions must have shape [L, N, T, T] with T={T}, received {att.shape}")
-    return SentenceMaps(model.name, text, ids, list(labels), att, scale)
+    att = np.asarray(model.attentions(run, scale), np.float64)  # [L, N, len(run), len(run)]
+    if att.ndim != 4 or att.shape[2:] != (len(run), len(run)):
+        raise ValueError(f"{model.name}: attentions must have shape [L, N, T, T] with T={len(run)} (the ids it "
+                         f"was given), received {att.shape}")
+    return SentenceMaps(model.name, text, ids, list(labels), att[:, :, :T, :T], scale)  # the real rows and columns
 
 
 def focus_head(maps: SentenceMaps, row_word: str, col_words: Sequence[str]) -> tuple[int, int]:
@@ -327,6 +328,8 @@ def compare(
     big, small = maps["big"], maps["small"]
     n = min(len(big.ids), len(small.ids))
     diff = np.nonzero(big.ids[:n] != small.ids[:n])[0]
+    if not diff.size and len(big.ids) == len(small.ids):
+        raise ValueError("the 'big' and 'small' sentences tokenize to the same ids: there is nothing to compare")
     first_difference = int(diff[0]) if diff.size else n
     it = _it_index(big)
     if it != _it_index(small):

@@ -316,7 +316,8 @@ def html(
     if other is not None:
         b = check_maps(other, "other")
         qb, kb = _split_tokens(tokens if other_tokens is None else other_tokens, b.shape[2], b.shape[3],
-                               "other_tokens")
+                               "other_tokens" if other_tokens is not None else
+                               "other_tokens (not given: tokens, other's default)")
         runs.append(_run(b, qb, kb, names[1]))
         if a.shape != b.shape:
             note = (f"no difference view: {names[0]} has shape {list(a.shape)} and {names[1]} "

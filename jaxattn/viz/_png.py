@@ -181,9 +181,9 @@ def pair_figure(a: Any, b: Any, tokens_a: Any, tokens_b: Any, *, names: Sequence
     wb = _check(b, "b", 2, difference=False)
     if wa.shape != wb.shape:
         raise ValueError(f"b: expected the shape of a, {wa.shape}, received {wb.shape}")
-    names = tuple(names)
-    if len(names) != 2 or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"names: expected two strings, received {names!r}")
+    names = tuple(names) if isinstance(names, (list, tuple)) else names  # a str is not two names
+    if not (isinstance(names, tuple) and len(names) == 2 and all(isinstance(n, str) and n for n in names)):
+        raise ValueError(f"names: expected two non-empty strings, received {names!r}")
     names, title = tuple(text_label(n) for n in names), _title(title)
     T, S = wa.shape
     qa, ka = _split_tokens(tokens_a, T, S, "tokens_a")

@@ -485,14 +485,15 @@
       vmax = Math.max(vmax, Math.abs(v));
     }
     if (isDiff()) { vmax = Math.max(vmax, 1e-6); vmin = -vmax; }
-    if (!(vmax > vmin)) { vmin = Math.min(vmin, 0); vmax = vmin + 1e-6; }
+    // every head alike: the middle colour and a bar at that value (as a table's flat scale); none: no labels
+    if (vmin === Infinity) { vmin = NaN; vmax = NaN; }
     var palette = isDiff() ? DIVERGING : VIRIDIS;
     overviewTitle.textContent = isDiff() ? "entropy difference" : "entropy per head";
     overviewTitle.title = isDiff() ? "mean row entropy of each head (nats), " + RUNS[0].name + " \u2212 " + RUNS[1].name
                                    : "mean row entropy of each head (nats), " + run().name + "; click a head to show it";
     drawGrid(overview, overviewLabels, g, function (l, n) {
       var v = entropyValue(l, n);
-      return v === null ? MASKED : ramp(palette, (v - vmin) / (vmax - vmin));
+      return v === null ? MASKED : ramp(palette, scaled(v, vmin, vmax));
     }, true);
     drawLegend(overviewLegend, g.legendW, palette, vmin, vmax, isDiff() ? "entropy difference (nats)" : "mean row entropy (nats)");
   }

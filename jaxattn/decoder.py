@@ -974,7 +974,8 @@ FORWARD_DOC = """{title} forward pass on one sequence, with every layer's attent
       head_mask: ``[L, N]`` (query heads), Hugging Face's meaning: each head's output ``z`` is multiplied
         by its entry before the output projection (0 ablates the head, 1 keeps it; any float,
         differentiable). ``None``: ones.
-      scale: the attention logit scale; ``None`` is ``1/sqrt(H)``, the value the model was trained with.
+      scale: the attention logit scale; ``None`` is the value the model was trained with: ``1/sqrt(H)``,
+        or ``query_pre_attn_scalar ** -0.5`` where the config has one (Gemma 2 and 3).
         ``scale=1.0`` runs the trained weights without the ``√d_k`` (the collapse experiment); a traced
         scale is accepted.
       return_attention_logits, return_qkv, return_hidden_states: sugar over ``capture``, filling

@@ -151,6 +151,13 @@ _COMMON_IGNORED = frozenset({
     "torch_dtype", "dtype", "_name_or_path",
 })
 
+
+def _defaults(optional: dict[str, tuple[Any, Any]], **defaults: Any) -> dict[str, tuple[Any, Any]]:
+    """``optional`` with other defaults: those of the model type's configuration class in transformers, so
+    that a config.json without the field reads as transformers reads it."""
+    return {**optional, **{k: (optional[k][0], v) for k, v in defaults.items()}}
+
+
 SCHEMAS = {
     "llama": ConfigSchema(
         required=_COMMON_REQUIRED,
@@ -161,51 +168,60 @@ SCHEMAS = {
     ),
     "mistral": ConfigSchema(
         required=_COMMON_REQUIRED,
-        optional={**_COMMON_OPTIONAL, "sliding_window": ((int, type(None)), None)},
+        optional=_defaults({**_COMMON_OPTIONAL, "sliding_window": ((int, type(None)), None)},
+                           num_key_value_heads=8, sliding_window=4096),
         fixed={**_COMMON_FIXED, "model_type": ("mistral",)},
         ignored=_COMMON_IGNORED,
     ),
     "qwen2": ConfigSchema(
         required=_COMMON_REQUIRED,
-        optional={**_COMMON_OPTIONAL, "layer_types": ((list, type(None)), None)},
+        optional=_defaults({**_COMMON_OPTIONAL, "layer_types": ((list, type(None)), None)}, num_key_value_heads=32),
         fixed={**_COMMON_FIXED, "model_type": ("qwen2",), "use_sliding_window": (False,)},
         # sliding_window and max_window_layers act only with use_sliding_window, which must be false
         ignored=_COMMON_IGNORED | {"sliding_window", "max_window_layers"},
     ),
     "qwen3": ConfigSchema(  # Qwen3: per-head RMSNorm of q and k, no biases
         required=_COMMON_REQUIRED,
-        optional={**_COMMON_OPTIONAL, "layer_types": ((list, type(None)), None)},
+        optional=_defaults({**_COMMON_OPTIONAL, "layer_types": ((list, type(None)), None)}, num_key_value_heads=32,
+                           head_dim=128),
         fixed={**_COMMON_FIXED, "model_type": ("qwen3",), "use_sliding_window": (False,), "attention_bias": (False,)},
         ignored=_COMMON_IGNORED | {"sliding_window", "max_window_layers"},
     ),
     "gemma": ConfigSchema(  # Gemma: RMSNorm by (1 + w), GeGLU, embeddings times sqrt(D), tied head
         required=_COMMON_REQUIRED,
-        optional={**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None),
-                  "tie_word_embeddings": (bool, True)},
+        optional=_defaults({**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None),
+                            "tie_word_embeddings": (bool, True)}, num_key_value_heads=16, head_dim=256),
         fixed={**{k: v for k, v in _COMMON_FIXED.items() if k != "hidden_act"}, "model_type": ("gemma",),
                "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS))},
         ignored=_COMMON_IGNORED,
     ),
     "gemma2": ConfigSchema(  # Gemma 2: sandwich norms, alternating sliding and full layers, soft-capped logits
         required=_COMMON_REQUIRED,
-        optional={**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None), "tie_word_embeddings": (bool, True),
-                  "layer_types": ((list, type(None)), None), "sliding_window": ((int, type(None)), None),
-                  "query_pre_attn_scalar": ((int, float, type(None)), None),
-                  "attn_logit_softcapping": ((int, float, type(None)), None),
-                  "final_logit_softcapping": ((int, float, type(None)), None)},
+        optional=_defaults({**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None),
+                            "tie_word_embeddings": (bool, True),
+                            "layer_types": ((list, type(None)), None), "sliding_window": ((int, type(None)), None),
+                            "query_pre_attn_scalar": ((int, float, type(None)), None),
+                            "attn_logit_softcapping": ((int, float, type(None)), None),
+                            "final_logit_softcapping": ((int, float, type(None)), None)},
+                           num_key_value_heads=4, head_dim=256, sliding_window=4096, query_pre_attn_scalar=256,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
         fixed={**{k: v for k, v in _COMMON_FIXED.items() if k != "hidden_act"}, "model_type": ("gemma2",),
                "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS))},
         ignored=_COMMON_IGNORED | {"cache_implementation"},
     ),
     "gemma3_text": ConfigSchema(  # Gemma 3: Gemma 2's block with q/k norms, a RoPE base per kind of layer
         required=_COMMON_REQUIRED,
-        optional={**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None), "tie_word_embeddings": (bool, True),
-                  "layer_types": ((list, type(None)), None), "sliding_window": ((int, type(None)), None),
-                  "sliding_window_pattern": ((int, type(None)), None), "_sliding_window_pattern": ((int, type(None)), None),
-                  "query_pre_attn_scalar": ((int, float, type(None)), None), "rope_local_base_freq": (float, 10000.0),
-                  "rope_scaling": ((dict, type(None)), None),
-                  "attn_logit_softcapping": ((int, float, type(None)), None),
-                  "final_logit_softcapping": ((int, float, type(None)), None)},
+        optional=_defaults({**_COMMON_OPTIONAL, "hidden_activation": ((str, type(None)), None),
+                            "tie_word_embeddings": (bool, True),
+                            "layer_types": ((list, type(None)), None), "sliding_window": ((int, type(None)), None),
+                            "sliding_window_pattern": ((int, type(None)), None),
+                            "_sliding_window_pattern": ((int, type(None)), None),
+                            "query_pre_attn_scalar": ((int, float, type(None)), None),
+                            "rope_local_base_freq": (float, 10000.0), "rope_scaling": ((dict, type(None)), None),
+                            "attn_logit_softcapping": ((int, float, type(None)), None),
+                            "final_logit_softcapping": ((int, float, type(None)), None)},
+                           num_key_value_heads=4, head_dim=256, rope_theta=1_000_000.0, sliding_window=4096,
+                           query_pre_attn_scalar=256),
         fixed={**{k: v for k, v in _COMMON_FIXED.items() if k not in ("hidden_act", "rope_scaling")},
                "model_type": ("gemma3_text",), "attention_bias": (False,), "hidden_act": tuple(sorted(_ACTIVATIONS)),
                "use_bidirectional_attention": (False,)},
@@ -431,9 +447,14 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
     """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral, qwen2, qwen3, gemma, gemma2 or
     gemma3_text (``Gemma3ForCausalLM``; its ``layer_types``, or the older ``sliding_window_pattern``).
 
+    A field missing from the file takes the default of the model type's configuration class in transformers
+    (e.g. Gemma 2's ``query_pre_attn_scalar`` 256 and soft caps 50 and 30, Gemma 3's ``rope_theta`` 1e6,
+    Mistral's ``sliding_window`` 4096), so a trimmed config.json reads as transformers reads it. A Gemma's
+    activation is ``hidden_activation`` (absent: the tanh GELU; see :func:`_gemma_activation`).
+
     Raises:
       CheckpointError: another model_type, an unknown field, a field whose value this model does not
-        implement (``rope_scaling``, ``hidden_act`` other than silu, ``mlp_bias``, Qwen2's
+        implement (``rope_scaling``, ``hidden_act`` other than silu outside Gemma, ``mlp_bias``, Qwen2's
         ``use_sliding_window``...), each naming the file and the key.
     """
     path = Path(path)
@@ -482,11 +503,25 @@ def _llama_config(raw: dict[str, Any], model_type: str, path: Any) -> LlamaConfi
             rms_norm_eps=raw["rms_norm_eps"], tie_word_embeddings=raw["tie_word_embeddings"],
             qkv_bias=bias or model_type == "qwen2", o_bias=bias,
             sliding_window=raw.get("sliding_window") if model_type == "mistral" or gemma else None, model_type=model_type,
-            hidden_act=(raw.get("hidden_activation") or raw.get("hidden_act")) if model_type.startswith("gemma") else None,
+            hidden_act=_gemma_activation(raw, path) if model_type.startswith("gemma") else None,
             **gemma,
         )
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+def _gemma_activation(raw: dict[str, Any], path: Any) -> str:
+    """A Gemma config's activation: ``hidden_activation``, else the tanh GELU every Gemma was trained with (as
+    transformers' Flax Gemma and Gemma 2/3 read it). Gemma 1's config.json files also say ``hidden_act: "gelu"``,
+    which early transformers versions ran as the exact GELU, unlike the model's reference implementation: it is
+    not read. Any other ``hidden_act`` without ``hidden_activation`` is refused (which was meant cannot be told)."""
+    if raw.get("hidden_activation") is not None:
+        return raw["hidden_activation"]
+    if raw.get("hidden_act") not in (None, "gelu", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{path}: field 'hidden_act' = {raw['hidden_act']!r} without 'hidden_activation': a Gemma "
+                              f"config names its activation in 'hidden_activation' (absent: the tanh GELU, "
+                              f"'gelu_pytorch_tanh'); set it to the activation meant")
+    return "gelu_pytorch_tanh"
 
 
 def config_dict(config: LlamaConfig) -> dict[str, Any]:
@@ -837,8 +872,8 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
           brought back from llama.cpp's ``1 + w``, the tokenizer rebuilt from the metadata (byte-level BPE
           with pre-tokenizers "smollm" and "gpt-2", or SentencePiece BPE as llama.cpp runs it); another
           architecture is refused from the header, before anything else is read;
-        * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3
-          or gemma), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
+        * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3,
+          gemma, gemma2, gemma3_text, or a multimodal gemma3's text part), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
           shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its
           ``flax_model.msgpack.index.json`` and shards (what ``FlaxLlamaForCausalLM.save_pretrained``
           writes), and ``tokenizer.json``.

@@ -320,3 +320,44 @@ def test_a_gguf_scaling_factor_without_its_type_is_linear_as_llama_cpp_reads_it(
         ids = np.arange(9) * 11 % cfg["vocab_size"]
         np.testing.assert_allclose(llama.forward(params, config, ids).logits, ref.forward(weights, cfg, ids)["logits"],
                                    atol=TOL, rtol=0)
+
+
+# each model type's config.json with only its required fields, read as transformers' configuration class reads it
+FIELDS_WITH_DEFAULTS = ("num_key_value_heads", "head_dim", "rope_theta", "sliding_window", "query_pre_attn_scalar",
+                        "attn_logit_softcapping", "final_logit_softcapping")
+
+
+@pytest.mark.parametrize("model_type, reference", [
+    ("llama", "LlamaConfig"), ("mistral", "MistralConfig"), ("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config"),
+    ("gemma", "GemmaConfig"), ("gemma2", "Gemma2Config"), ("gemma3_text", "Gemma3TextConfig")])
+def test_a_field_missing_from_config_json_takes_transformers_default(tmp_path, model_type, reference):
+    transformers = pytest.importorskip("transformers")  # the dev extra: a test reference only
+    required = dict(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=2, num_attention_heads=32,
+                    max_position_embeddings=128)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **required}))
+    ours = llama.read_llama_config(tmp_path / "config.json")
+    theirs = getattr(transformers, reference)(**required)
+    for field in FIELDS_WITH_DEFAULTS:
+        if field == "sliding_window" and model_type in ("llama", "qwen2", "qwen3", "gemma"):
+            continue  # no window (Qwen's acts only with use_sliding_window, which jaxattn refuses)
+        want = getattr(theirs, field, None)
+        want = required["hidden_size"] // required["num_attention_heads"] if field == "head_dim" and want is None else want
+        assert getattr(ours, field) == want, (model_type, field, getattr(ours, field), want)
+    if model_type.startswith("gemma"):
+        assert ours.hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("fields, act", [
+    ({"hidden_act": "gelu"}, "gelu_pytorch_tanh"),  # Gemma 1's config.json: the tanh GELU the model was trained with
+    ({"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}, "gelu_pytorch_tanh"),
+    ({"hidden_activation": "gelu"}, "gelu"), ({"hidden_act": "gelu", "hidden_activation": None}, "gelu_pytorch_tanh"),
+    ({"hidden_act": "silu"}, None)])
+def test_a_gemma_activation_is_hidden_activation_else_the_tanh_gelu(tmp_path, fields, act):
+    cfg = dict(model_type="gemma", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=16, **fields)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if act is None:
+        with pytest.raises(CheckpointError, match=r"field 'hidden_act' = 'silu' without 'hidden_activation'"):
+            llama.read_llama_config(tmp_path / "config.json")
+    else:
+        assert llama.read_llama_config(tmp_path / "config.json").hidden_act == act

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import numpy as np
 
 from jaxattn import train
-from jaxattn.io import (NO_CACHE_VARIABLE, OutputFolderError, atomic_write, int_at_least, prepare_output_folder,
-                        use_compilation_cache, write_json)
+from jaxattn.io import (NO_CACHE_VARIABLE, OutputFolderError, atomic_write, int_at_least, positive_float,
+                        prepare_output_folder, use_compilation_cache, write_json)
 from jaxattn.probes import DEFAULT_REMEDIES, Remedy
 from jaxattn.progress import ProgressBar
 
@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="remedy names (jaxattn.probes.Remedy): none sqrt_dk qk_norm qk_norm_sqrt_dk sigma_reparam "
                         "sigma_reparam_sqrt_dk cap_<c> temperature_<tau>, or all (default: sqrt_dk none)")
     p.add_argument("--head-dims", type=int_at_least(1), nargs="+", default=None, help="d_k values (default: 16 64 256; text: 64)")
-    p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
+    p.add_argument("--learning-rates", type=positive_float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     p.add_argument("--seeds", type=int_at_least(0), nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int_at_least(1), default=300)
     p.add_argument("--warmup", type=int_at_least(0), default=30)
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int_at_least(1), default=2)
     p.add_argument("--chunk", type=int_at_least(1), default=50, help="steps per compiled call; text: validation loss after each")
     p.add_argument("--qk-layernorm", action="store_true", help="normalise q and k per head (Wortsman et al.)")
-    p.add_argument("--threshold", type=float, default=None,
+    p.add_argument("--threshold", type=positive_float, default=None,
                    help="loss (nats) for 'steps to threshold' (default: recall 0.1, text 2.5)")
     p.add_argument("--out", default="train-scale-output", help="output folder (created)")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 2 remedies (or those given), "
@@ -111,6 +111,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.head_dims, args.learning_rates, args.seeds, args.steps, args.warmup = [8], [3e-3], [0], 4, 1
         args.d_model, args.layers, args.batch_size, args.context, args.chunk = 16, 1, 4, 16, 2
+    for flag in ("head_dims", "learning_rates", "seeds"):  # a repeated value would train the same runs twice
+        values = getattr(args, flag)
+        if len(set(values)) != len(values):
+            p.error(f"argument --{flag.replace('_', '-')}: each value once, received {values}")
+    if args.warmup >= args.steps:
+        p.error(f"argument --warmup: must be less than --steps ({args.steps}), received {args.warmup}")
+    if args.task == "text":
+        try:
+            train.TextTask(context=args.context)
+        except ValueError as e:
+            p.error(f"argument --context: {e}")
     return args
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "compilation_cache_dir",
     "compilation_cache_disabled",
     "int_at_least",
+    "positive_float",
     "mesh_arg",
     "prepare_output_folder",
     "to_jsonable",
@@ -316,6 +317,23 @@ def int_at_least(minimum: int, what: str = "") -> Callable[[str], int]:
 
     parse.__name__ = f"int >= {minimum}"
     return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type=``: the text as a finite float > 0 (else a usage error, exit 2)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, received {text!r}")
+    return value
+
+
+positive_float.__name__ = "float > 0"
 
 
 def mesh_arg(text: str) -> tuple[int, int]:

@@ -102,6 +102,14 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------
 
 
+def _seed(value: Any, name: str) -> int:
+    """A run's seed: an int in [0, 2**32), the uint32 the runs' keys are folded from (``ValueError`` naming it)."""
+    if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+            or not 0 <= value < 2 ** 32):
+        raise ValueError(f"{name} must be an int in [0, 2**32), received {value!r}")
+    return int(value)
+
+
 def _non_negative_float(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite float >= 0, received {value!r}")
@@ -803,12 +811,13 @@ def train(
         )
     C = len(seeds)
     if len(learning_rates) != C or C == 0:
-        raise ValueError(f"seeds, learning_rates and scales must have the same non-zero length C, received "
-                         f"{len(seeds)}, {len(learning_rates)}")
+        raise ValueError(f"seeds, learning_rates and {'remedies' if remedies is not None else 'scales'} must have "
+                         f"the same non-zero length C, received {len(seeds)}, {len(learning_rates)}")
+    seeds_a = np.asarray([_seed(s, f"seeds[{i}]") for i, s in enumerate(seeds)], np.uint32)
+    lrs = np.asarray([_non_negative_float(lr, f"learning_rates[{i}]") for i, lr in enumerate(learning_rates)],
+                     np.float32)
     settings = _run_settings(config, scales, remedies, C)
     chunk = check_int(chunk, "chunk")
-    seeds_a = np.asarray([int(s) for s in seeds], np.uint32)
-    lrs = np.asarray([_non_negative_float(lr, "learning_rates[i]") for lr in learning_rates], np.float32)
     scl = np.asarray([s["scale"] for s in settings], np.float32)
     caps = np.asarray([np.nan if s["logit_cap"] is None else s["logit_cap"] for s in settings], np.float32)
     groups: dict[tuple, list[int]] = {}

@@ -135,6 +135,15 @@ def test_forward_rejects_bad_input(kwargs, error, match):
         (lambda: train.OptConfig(total_steps=10, warmup_steps=10), "warmup_steps"),
         (lambda: train.resolve_scale(-1.0, 16), "scale"),
         (lambda: train.train(CONFIG, TASK, OPT, seeds=[0], learning_rates=[1e-3, 1e-3], scales=[None]), "same"),
+        (lambda: train.train(CONFIG, TASK, OPT, seeds=[0], learning_rates=[1e-3, 1e-3], remedies=["none"]),
+         r"seeds, learning_rates and remedies must have"),
+        (lambda: train.train(CONFIG, TASK, OPT, seeds=[0, -1], learning_rates=[1e-3] * 2, scales=[None] * 2),
+         r"seeds\[1\] must be an int in \[0, 2\*\*32\), received -1"),
+        (lambda: train.train(CONFIG, TASK, OPT, seeds=[2 ** 32], learning_rates=[1e-3], scales=[None]), r"seeds\[0\]"),
+        (lambda: train.train(CONFIG, TASK, OPT, seeds=[0.7], learning_rates=[1e-3], scales=[None]), r"seeds\[0\]"),
+        (lambda: train.train(CONFIG, TASK, OPT, seeds=[True], learning_rates=[1e-3], scales=[None]), r"seeds\[0\]"),
+        (lambda: train.train(CONFIG, TASK, OPT, seeds=[0, 1], learning_rates=[1e-3, -1.0], scales=[None] * 2),
+         r"learning_rates\[1\] must be a finite float >= 0"),
     ],
 )
 def test_configuration_errors(make, match):

@@ -518,7 +518,8 @@ def sizes(config: BertConfig) -> Sizes:
     """The protocol's :class:`~jaxattn.models.Sizes` of a config (K = N; ``vocab`` is the input vocabulary)."""
     N = config.num_attention_heads
     return Sizes(layers=config.num_hidden_layers, heads=N, kv_heads=N, head_dim=config.head_dim,
-                 width=config.hidden_size, vocab=config.vocab_size, max_length=config.max_position_embeddings)
+                 width=config.hidden_size, vocab=config.vocab_size, max_length=config.max_position_embeddings,
+                 mlp=config.intermediate_size)
 
 
 def final_norm(params: dict, config: BertConfig, x: Array) -> Array:

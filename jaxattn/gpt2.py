@@ -442,7 +442,7 @@ def unembed(params: dict, config: GPT2Config, x: Array) -> Array:
 def sizes(config: GPT2Config) -> Sizes:
     """The protocol's :class:`~jaxattn.models.Sizes` of a GPT-2 config (K = N: no grouping)."""
     return Sizes(layers=config.n_layer, heads=config.n_head, kv_heads=config.n_head, head_dim=config.head_dim,
-                 width=config.n_embd, vocab=config.vocab_size, max_length=config.n_positions)
+                 width=config.n_embd, vocab=config.vocab_size, max_length=config.n_positions, mlp=config.n_inner)
 
 
 CAUSAL = True  # query t sees keys s <= t

@@ -967,7 +967,8 @@ def sizes(config: LlamaConfig) -> Sizes:
                  kv_heads=config.num_key_value_heads, head_dim=config.head_dim, width=config.hidden_size,
                  vocab=config.vocab_size, max_length=config.max_position_embeddings,
                  window=config.sliding_window if config.model_type == "mistral" else None,
-                 scale_dim=config.query_pre_attn_scalar, layer_windows=_layer_windows(config))
+                 scale_dim=config.query_pre_attn_scalar, layer_windows=_layer_windows(config),
+                 mlp=config.intermediate_size)
 
 
 CAUSAL = True  # query t sees keys s <= t (and, under Mistral's sliding window, s > t - window)

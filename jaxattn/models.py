@@ -61,6 +61,7 @@ class Sizes(NamedTuple):
     window: int | None = None  # a sliding window of every layer: query t sees keys s with t - s < window (None: all)
     scale_dim: float | None = None  # the default logit scale is scale_dim^-1/2 (None: head_dim^-1/2)
     layer_windows: tuple[int | None, ...] | None = None  # each layer's own window (None in it: a full layer)
+    mlp: int | None = None  # the MLP's hidden width, which Megatron-style sharding splits over "model" too
 
 
 class ModelSpec(NamedTuple):
@@ -260,26 +261,29 @@ def left_pad(sequences: Any, *, pad_id: int = 0, length: int | None = None) -> t
     return jnp.asarray(ids), jnp.asarray(mask)
 
 
-def head_mesh_shape(n_devices: int, heads: int, kv_heads: int | None = None) -> tuple[int, int]:
-    """``(data, model)``: the largest ``"model"`` axis that divides both head counts and fits in ``n_devices``,
-    and as many ``"data"`` rows of it as the devices allow (``data · model <= n_devices``; the rest unused).
+def head_mesh_shape(n_devices: int, heads: int, kv_heads: int | None = None, mlp: int | None = None) -> tuple[int, int]:
+    """``(data, model)``: the largest ``"model"`` axis that divides both head counts (and the MLP width
+    ``mlp``, when given) and fits in ``n_devices``, and as many ``"data"`` rows of it as the devices allow
+    (``data · model <= n_devices``; the rest unused).
 
-    Megatron-style sharding splits the heads over ``"model"``, so its size must divide ``heads`` and
-    ``kv_heads``. SmolLM2 (9 query, 3 key/value heads) on 8 devices: ``(2, 3)``, 6 devices used.
+    Megatron-style sharding splits the heads and the MLP's hidden units over ``"model"``, so its size must
+    divide ``heads``, ``kv_heads`` and ``mlp``. SmolLM2 (9 query, 3 key/value heads, MLP 1536) on 8
+    devices: ``(2, 3)``, 6 devices used.
     """
-    for name, value in (("n_devices", n_devices), ("heads", heads)):
+    for name, value in (("n_devices", n_devices), ("heads", heads), ("mlp", 1 if mlp is None else mlp)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, received {value!r}")
     kv = heads if kv_heads is None else kv_heads
     if isinstance(kv, bool) or not isinstance(kv, (int, np.integer)) or kv < 1 or heads % kv:
         raise ValueError(f"kv_heads must be an int >= 1 dividing heads={heads}, received {kv_heads!r}")
-    model = max(m for m in range(1, min(n_devices, kv) + 1) if kv % m == 0 and heads % m == 0)
+    width = kv if mlp is None else mlp
+    model = max(m for m in range(1, min(n_devices, kv) + 1) if kv % m == 0 and heads % m == 0 and width % m == 0)
     return int(n_devices) // model, model
 
 
 def head_mesh(sizes: Sizes, devices: Sequence[Any] | None = None, axis_names: tuple[str, str] = ("data", "model")) -> Any:
     """A ``jax.sharding.Mesh`` ``(data, model)`` whose ``"model"`` axis the model's heads divide
-    (:func:`head_mesh_shape` of ``len(devices)``, ``sizes.heads`` and ``sizes.kv_heads``), over the first
+    (:func:`head_mesh_shape` of ``len(devices)``, ``sizes.heads``, ``sizes.kv_heads`` and ``sizes.mlp``), over the first
     ``data · model`` of ``devices`` (default ``jax.devices()``); ``sizes`` is the module's ``sizes(config)``.
     Explicit axes (``jax.make_mesh``'s default), for ``module.load(..., mesh=)`` and ``module.shard``."""
     import jax
@@ -287,5 +291,5 @@ def head_mesh(sizes: Sizes, devices: Sequence[Any] | None = None, axis_names: tu
     if not isinstance(sizes, Sizes):
         raise TypeError(f"sizes must be a model's Sizes (module.sizes(config)), received {type(sizes).__name__}")
     devices = list(jax.devices() if devices is None else devices)
-    data, model = head_mesh_shape(len(devices), sizes.heads, sizes.kv_heads)
+    data, model = head_mesh_shape(len(devices), sizes.heads, sizes.kv_heads, sizes.mlp)
     return jax.make_mesh((data, model), axis_names, devices=devices[:data * model])

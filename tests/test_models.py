@@ -332,6 +332,18 @@ def test_head_mesh_shape_picks_a_model_axis_the_heads_divide():
         head_mesh_shape(8, 9, 2)
     with pytest.raises(ValueError, match=r"n_devices must be an int >= 1, received 0"):
         head_mesh_shape(0, 9, 3)
+    # the MLP's hidden units are split over "model" too: 4 heads but an MLP of 18 allow a model axis of 2
+    assert head_mesh_shape(8, 4, 4, 18) == (4, 2) and head_mesh_shape(8, 9, 3, 1536) == (2, 3)
+    with pytest.raises(ValueError, match=r"mlp must be an int >= 1, received 0"):
+        head_mesh_shape(8, 4, 4, 0)
+    from jaxattn import bert, gpt2, llama
+
+    assert llama.sizes(llama.LlamaConfig.make(vocab_size=8, hidden_size=8, intermediate_size=18, num_hidden_layers=1,
+                                              num_attention_heads=2, max_position_embeddings=8)).mlp == 18
+    assert gpt2.sizes(gpt2.GPT2Config.make(n_embd=8, n_head=2, n_layer=1, vocab_size=8, n_positions=8)).mlp == 32
+    assert bert.sizes(bert.BertConfig(vocab_size=8, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=12, max_position_embeddings=8, type_vocab_size=2,
+                                      layer_norm_eps=1e-12)).mlp == 12
 
 
 def test_head_mesh_on_this_process_devices():

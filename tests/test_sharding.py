@@ -122,6 +122,17 @@ def _tiny_llama(**kw):
     return llama.init_params(0, config), config
 
 
+def test_a_table_refuses_no_data_axis_by_name(one_device_mesh):
+    from jaxattn import interventions as iv
+    from jaxattn import llama
+
+    params, config = _tiny_llama()
+    bound = iv.bind(llama, params, config, np.arange(5, dtype=np.int32))
+    with pytest.raises(ValueError, match=r"data_axis must name an axis of the mesh \(its axes: 'data', 'model'\), "
+                                         r"received None"):
+        iv.ablation_effects(bound, lambda out: out.logits[-1, 0], mesh=one_device_mesh, data_axis=None)
+
+
 def test_shard_on_one_device_places_every_weight(one_device_mesh):
     from jax.sharding import PartitionSpec as P
 
@@ -677,6 +688,15 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         errs["batched ablation"] = rel_table(iv.ablation_effects(b_mesh, batch_metric, mesh=m),
                                              iv.ablation_effects(b_one, batch_metric),
                                              iv.metric_value(b_one, batch_metric), "batched ablation")
+        # ids already split over "data" (docs/scaling.md's placement), no mask given: the mask follows them
+        # (a metric with no vmap over a second, unsplit array: under Explicit axes both would need the split)
+        def data_metric(out):
+            return jnp.sum(jax.nn.log_softmax(out.logits[:, -2])[:, 3])
+
+        b_data = iv.bind(llama, sharded, config, jax.device_put(both, NamedSharding(m, P("data"))))
+        errs["batched ablation, ids on data, no mask"] = rel_table(
+            iv.ablation_effects(b_data, data_metric, mesh=m), iv.ablation_effects(b_one, data_metric),
+            iv.metric_value(b_one, data_metric), "ids on data")
         return errs
 
     def tables_explicit():
@@ -733,3 +753,4 @@ def _main(group):  # pragma: no cover - runs in the subprocess
 
 if __name__ == "__main__":
     _main(sys.argv[1])
+

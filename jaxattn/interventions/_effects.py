@@ -416,7 +416,7 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
     args = _table_args(bound, metric)
     if mesh is None:
         return effect((args, value), where)
-    _mesh.check(mesh, None)
+    _mesh.check(mesh, None, used=False)
     return _mesh.run(effect, mesh, (args, value), where, replicate=True)
 
 
@@ -440,7 +440,7 @@ def gate_gradients(bound: Bound, metric: Metric, *, mesh: Any = None) -> Array:
     ones = on_device(np.ones((bound.n_layers, bound.n_heads), _float()))  # made on the host: nothing compiled
     args = _table_args(bound, metric)
     if mesh is not None:
-        _mesh.check(mesh, None)
+        _mesh.check(mesh, None, used=False)
         return _mesh.run(_gate_program(bound.apply, metric), mesh, ones, args, replicate=True)
     return _gate_program(bound.apply, metric)(ones, args)
 

@@ -116,7 +116,7 @@ def logit_lens(bound: Bound, *, positions: Any, mesh: Any = None) -> Array:
     pos = _positions(positions, _length(bound))
     program = _lens_program(bound.apply, module.final_norm, module.unembed, bound.config, bound.batch is not None)
     if mesh is not None:
-        _mesh.check(mesh, None)
+        _mesh.check(mesh, None, used=False)
         return _mesh.run(program, mesh, _args(bound), on_device(pos), replicate=True)
     return program(_args(bound), on_device(pos))
 
@@ -235,7 +235,7 @@ def logit_attribution(bound: Bound, pair: Any, *, position: int = -1, mesh: Any 
                            int(sizes.width), bound.batch is not None)
     inputs = (_args(bound), jnp.asarray(position % T, jnp.int32), jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
     if mesh is not None:
-        _mesh.check(mesh, None)
+        _mesh.check(mesh, None, used=False)
         parts, present = _mesh.run(program, mesh, *inputs, replicate=True)
     else:
         parts, present = program(*inputs)

@@ -24,12 +24,12 @@ from jax.sharding import PartitionSpec as P
 Array = jax.Array
 
 
-def check(mesh: Any, data_axis: Any) -> None:
-    """``mesh`` a ``jax.sharding.Mesh`` holding ``data_axis`` (``None``: not used), ``TypeError``/``ValueError``
-    naming them."""
+def check(mesh: Any, data_axis: Any, *, used: bool = True) -> None:
+    """``mesh`` a ``jax.sharding.Mesh`` holding ``data_axis`` (the axis a table's interventions are split over;
+    ``used=False``: a function that splits nothing and passes ``None``), ``TypeError``/``ValueError`` naming them."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (jax.make_mesh) or None, received {type(mesh).__name__}")
-    if data_axis is not None and (not isinstance(data_axis, str) or data_axis not in mesh.axis_names):
+    if used and (not isinstance(data_axis, str) or data_axis not in mesh.axis_names):
         raise ValueError(f"data_axis must name an axis of the mesh (its axes: {', '.join(map(repr, mesh.axis_names))}), "
                          f"received {data_axis!r}")
 

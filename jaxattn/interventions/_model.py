@@ -192,6 +192,8 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
     # the values of concrete ids and mask, as the forward checks them (the tables run it traced, where it cannot)
     check_id_values(input_ids, "input_ids", 0, int(sizes.vocab))
     check_mask_values(attention_mask, need_real=declared.causal)
+    if attention_mask is None and isinstance(ids, jax.Array) and not isinstance(ids, jax.core.Tracer):
+        mask = jax.device_put(mask, ids.sharding)  # where the ids are (split over a mesh's "data": the same split)
     args = {"params": params, "ids": on_device(ids), "mask": on_device(mask), "kwargs": dict(forward_kwargs)}
     resume = None
     if declared.resume is not None and set(forward_kwargs) <= RESUME_KWARGS:

@@ -450,7 +450,8 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
     A field missing from the file takes the default of the model type's configuration class in transformers
     (e.g. Gemma 2's ``query_pre_attn_scalar`` 256 and soft caps 50 and 30, Gemma 3's ``rope_theta`` 1e6,
     Mistral's ``sliding_window`` 4096), so a trimmed config.json reads as transformers reads it. A Gemma's
-    activation is ``hidden_activation`` (absent: the tanh GELU; see :func:`_gemma_activation`).
+    activation is ``hidden_activation``; absent, the tanh GELU every Gemma was trained with, whatever the
+    legacy ``hidden_act`` says ("gelu" in Gemma 1's files; a non-GELU value is refused).
 
     Raises:
       CheckpointError: another model_type, an unknown field, a field whose value this model does not
@@ -518,8 +519,8 @@ def _gemma_activation(raw: dict[str, Any], path: Any) -> str:
     if raw.get("hidden_activation") is not None:
         return raw["hidden_activation"]
     if raw.get("hidden_act") not in (None, "gelu", "gelu_pytorch_tanh"):
-        raise CheckpointError(f"{path}: field 'hidden_act' = {raw['hidden_act']!r} without 'hidden_activation': a Gemma "
-                              f"config names its activation in 'hidden_activation' (absent: the tanh GELU, "
+        raise CheckpointError(f"{path}: field 'hidden_act' = {raw['hidden_act']!r} without 'hidden_activation': a "
+                              f"Gemma config names its activation in 'hidden_activation' (absent: the tanh GELU, "
                               f"'gelu_pytorch_tanh'); set it to the activation meant")
     return "gelu_pytorch_tanh"
 
@@ -873,7 +874,8 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
           with pre-tokenizers "smollm" and "gpt-2", or SentencePiece BPE as llama.cpp runs it); another
           architecture is refused from the header, before anything else is read;
         * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3,
-          gemma, gemma2, gemma3_text, or a multimodal gemma3's text part), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
+          gemma, gemma2, gemma3_text, or a multimodal gemma3's text part; fields it leaves out take
+          transformers' defaults), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
           shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its
           ``flax_model.msgpack.index.json`` and shards (what ``FlaxLlamaForCausalLM.save_pretrained``
           writes), and ``tokenizer.json``.

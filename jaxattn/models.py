@@ -283,8 +283,8 @@ def head_mesh_shape(n_devices: int, heads: int, kv_heads: int | None = None, mlp
 
 def head_mesh(sizes: Sizes, devices: Sequence[Any] | None = None, axis_names: tuple[str, str] = ("data", "model")) -> Any:
     """A ``jax.sharding.Mesh`` ``(data, model)`` whose ``"model"`` axis the model's heads divide
-    (:func:`head_mesh_shape` of ``len(devices)``, ``sizes.heads``, ``sizes.kv_heads`` and ``sizes.mlp``), over the first
-    ``data · model`` of ``devices`` (default ``jax.devices()``); ``sizes`` is the module's ``sizes(config)``.
+    (:func:`head_mesh_shape` of ``len(devices)``, ``sizes.heads``, ``sizes.kv_heads`` and ``sizes.mlp``), over
+    the first ``data · model`` of ``devices`` (default ``jax.devices()``); ``sizes`` is the module's ``sizes(config)``.
     Explicit axes (``jax.make_mesh``'s default), for ``module.load(..., mesh=)`` and ``module.shard``."""
     import jax
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -70,6 +71,9 @@ _RMS_EPS = 1e-6  # qk_norm: added to the mean square (q rows have mean square ~1
 SIGMA_SQUARINGS = 10  # spectral_norm: 2^10 power-iteration steps on the smaller Gram matrix, by squaring
 TEXT_FILE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt.gz"
 TEXT_TRAIN_FRACTION = 0.9  # the first 90% of the shipped text train, the last 10% validate
+# the shipped file as tools/convert_tinyshakespeare.py writes it (its SHIPPED_BYTES and SHIPPED_SHA256)
+TEXT_BYTES = 233_318
+TEXT_SHA256 = "ed33f9adb6622ec45f05376e7dfd67650db96fc1300cb85ed8a059c5f1567440"
 
 __all__ = [
     "METRICS",
@@ -162,11 +166,20 @@ class RecallTask:
 def load_text() -> dict[str, Any]:
     """The shipped Tiny Shakespeare slice as character ids: ``{"vocab": str (the sorted distinct
     characters; id i is vocab[i]), "train": int32 [n_train], "validation": int32 [n_validation]}``, the
-    first :data:`TEXT_TRAIN_FRACTION` of the characters and the rest. Read once, then cached."""
+    first :data:`TEXT_TRAIN_FRACTION` of the characters and the rest. Read once, then cached. The text is
+    Tiny Shakespeare from github.com/karpathy/char-rnn (an MIT-licensed repository; the plays are in the
+    public domain); ``jaxattn/data/README.md`` gives its source, citation and converter. A file that is not
+    the shipped one (its size and sha256) raises ``ValueError``."""
     if not TEXT_FILE.is_file():
         raise FileNotFoundError(f"the shipped text {TEXT_FILE} is missing: reinstall jaxattn, or make it with "
                                 "tools/convert_tinyshakespeare.py")
-    text = gzip.decompress(TEXT_FILE.read_bytes()).decode("utf-8")
+    raw = TEXT_FILE.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if len(raw) != TEXT_BYTES or digest != TEXT_SHA256:  # truncated, damaged or another text: never trained on
+        raise ValueError(f"{TEXT_FILE}: expected the shipped Tiny Shakespeare slice ({TEXT_BYTES} bytes, sha256 "
+                         f"{TEXT_SHA256}), found {len(raw)} bytes, sha256 {digest}: reinstall jaxattn, or make it "
+                         "with tools/convert_tinyshakespeare.py")
+    text = gzip.decompress(raw).decode("utf-8")
     vocab = "".join(sorted(set(text)))
     lookup = np.zeros(max(map(ord, vocab)) + 1, np.int32)
     lookup[[ord(c) for c in vocab]] = np.arange(len(vocab), dtype=np.int32)

@@ -202,14 +202,14 @@ def parse_pairs(data: Any) -> list[tuple[Schema, Schema]]:
 def _read_data(path: str | Path | None) -> Any:
     """The JSON of a data file (``None``: the bundled one); ``ValueError`` naming the file when it is not
     UTF-8 JSON (or nests too deeply for Python to read)."""
-    if path is None:
-        return json.loads(resources.files("jaxattn").joinpath("data", DATA_FILE).read_text(encoding="utf-8"))
+    source = resources.files("jaxattn").joinpath("data", DATA_FILE) if path is None else Path(path)
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        return json.loads(source.read_text(encoding="utf-8"))
     except RecursionError:
-        raise ValueError(f"{path}: not a Winograd data file: its JSON nests too deeply to read") from None
+        raise ValueError(f"{source}: not a Winograd data file: its JSON nests too deeply to read") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a Winograd data file: not UTF-8 JSON ({e})") from None
+        hint = "" if path is not None else ": reinstall jaxattn, or rewrite it with tools/convert_wsc273.py"
+        raise ValueError(f"{source}: not a Winograd data file: not UTF-8 JSON ({e}){hint}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +299,18 @@ def parse_wsc273(data: Any) -> list[Problem]:
 
 def load_wsc273(path: str | Path | None = None) -> list[Problem]:
     """All 273 WSC273 problems in the collection's order (``None``: the bundled ``jaxattn/data/wsc273.json``;
-    else a JSON file in its layout, e.g. one ``tools/convert_wsc273.py`` wrote)."""
-    return parse_wsc273(_read_data(path))
+    else a JSON file in its layout, e.g. one ``tools/convert_wsc273.py`` wrote). The bundled file must hold
+    all 273 problems in 136 schemas, each schema with both answers (``ValueError`` naming it otherwise)."""
+    problems = parse_wsc273(_read_data(path))
+    if path is None:
+        answers: dict[int, set[int]] = {}
+        for p in problems:
+            answers.setdefault(p.schema, set()).add(p.answer)
+        if len(problems) != 273 or len(answers) != 136 or any(a != {0, 1} for a in answers.values()):
+            raise ValueError(f"the bundled {DATA_FILE} holds {len(problems)} problems in {len(answers)} schemas, not "
+                             "WSC273's 273 in 136 (each with both answers): reinstall jaxattn, or rewrite it with "
+                             "tools/convert_wsc273.py")
+    return problems
 
 
 def to_schemas(problems: Sequence[Problem]) -> list[Schema]:

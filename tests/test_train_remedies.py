@@ -132,8 +132,8 @@ def test_qk_norm_and_qk_layernorm_are_exclusive():
 def test_shipped_text_is_the_converters_output_and_splits_ninety_ten():
     tool = _load(ROOT / "tools" / "convert_tinyshakespeare.py", "convert_tinyshakespeare_under_test")
     data = train.TEXT_FILE.read_bytes()
-    assert len(data) == tool.SHIPPED_BYTES
-    assert hashlib.sha256(data).hexdigest() == tool.SHIPPED_SHA256
+    assert len(data) == tool.SHIPPED_BYTES == train.TEXT_BYTES
+    assert hashlib.sha256(data).hexdigest() == tool.SHIPPED_SHA256 == train.TEXT_SHA256
     text = gzip.decompress(data).decode("utf-8")
     assert text.startswith("First Citizen:\nBefore we proceed any further") and text.endswith("\n")
     loaded = train.load_text()
@@ -142,6 +142,19 @@ def test_shipped_text_is_the_converters_output_and_splits_ninety_ten():
     assert len(loaded["train"]) + len(loaded["validation"]) == len(text)
     decoded = "".join(loaded["vocab"][i] for i in loaded["validation"][:200])
     assert decoded == text[len(loaded["train"]):][:200]
+
+
+def test_a_damaged_or_other_text_file_is_refused_by_name(tmp_path, monkeypatch):
+    data = train.TEXT_FILE.read_bytes()
+    other = gzip.compress(b"To be, or not to be.\n" * 1000)
+    for name, content in (("truncated", data[:100_000]), ("another text", other)):
+        (tmp_path / name).write_bytes(content)
+        monkeypatch.setattr(train, "TEXT_FILE", tmp_path / name)
+        train.load_text.cache_clear()
+        with pytest.raises(ValueError, match=r"expected the shipped Tiny Shakespeare slice \(233318 bytes, sha256 "
+                                             r"ed33f9ad.*reinstall jaxattn"):
+            train.load_text()
+    train.load_text.cache_clear()  # the shipped file again for later tests
 
 
 def test_converter_keeps_whole_lines_and_writes_the_same_bytes(tmp_path):

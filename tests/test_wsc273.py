@@ -111,6 +111,26 @@ def test_mentions_and_substitutes_name_the_candidates(converted):
             assert [x.lower() for x in problem.substitutes] == [c.lower() for c in problem.candidates]
     stretch = interventions.parse_wsc273(converted)[232].to_schema()  # the candidates follow the pronoun
     assert stretch.pronoun[1] <= min(stretch.candidates)[0]
+    for index in (88, 89):  # "by the mouse hole waiting for the mouse": the animal, not the hole's modifier
+        s = interventions.parse_wsc273(converted)[index].to_schema()
+        assert s.text[:s.candidates[1][1]].endswith("waiting for the mouse"), s.text[:s.candidates[1][1]]
+
+
+def test_a_damaged_bundled_file_is_refused_with_what_to_do(tmp_path, monkeypatch):
+    from jaxattn import winograd
+
+    (tmp_path / "data").mkdir()
+    shipped = SHIPPED.read_text(encoding="utf-8")
+    monkeypatch.setattr(winograd.resources, "files", lambda package: tmp_path)
+    (tmp_path / "data" / "wsc273.json").write_text(shipped[:50_000], encoding="utf-8")  # cut mid-file
+    with pytest.raises(ValueError, match=r"wsc273\.json: not a Winograd data file: not UTF-8 JSON .*reinstall jaxattn"):
+        interventions.load_wsc273()
+    data = json.loads(shipped)
+    data["problems"] = data["problems"][:100]  # whole problems, but not all of them
+    (tmp_path / "data" / "wsc273.json").write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"the bundled wsc273\.json holds 100 problems in 50 schemas, not WSC273's 273 "
+                                         r"in 136"):
+        interventions.load_wsc273()
 
 
 def test_the_shipped_json_is_the_converters_output(tmp_path):

@@ -24,7 +24,8 @@ What this script derives (the collection does not give it):
   occurrence of ``phrase``, counted from the start of the text without brackets): the candidate without
   a leading the/a/an, first before the pronoun, else after it (two problems name the candidates after
   the pronoun: "Stretching her back, the woman smiled at the girl"); the candidates whose wording differs
-  from the sentence's are in ``MENTIONS`` below;
+  from the sentence's are in ``MENTIONS`` below, with the occurrence pinned where an earlier one names
+  something else ("the mouse hole waiting for the mouse");
 - ``substitutes``: what replaces the pronoun in the substitution form of Trinh & Le (2018): the
   candidate with a leading The/A/An lowercased, plus ``'s`` after a possessive pronoun (his, her: every
   "her" of WSC273 is possessive); a loader capitalises it where the pronoun starts a sentence.
@@ -68,6 +69,8 @@ MENTIONS = {
     # The other candidate is the first word ("Joe", "Emma"): the two mentions must not overlap.
     "Joe's uncle": "uncle",
     "Emma's mother": "mother",
+    # (phrase, k): the k-th occurrence, where an earlier one names something else ("the mouse hole")
+    "The mouse": ("mouse", 1),
 }
 
 POSSESSIVE = {"his", "her", "its", "their"}
@@ -120,6 +123,11 @@ def _strip_determiner(phrase: str) -> str:
 def _mention(text: str, pron: tuple[int, int], candidate: str, other: tuple[int, int] | None, where: str) -> list:
     """``[phrase, k]``: the candidate's words in the (unmarked) text, before the pronoun if it is there."""
     phrase = MENTIONS.get(candidate, _strip_determiner(candidate))
+    if isinstance(phrase, tuple):  # the occurrence pinned
+        phrase, k = phrase
+        if len(_occurrences(text, phrase)) <= k:
+            raise ConversionError(f"{where}: {phrase!r} occurs fewer than {k + 1} times in {text!r}")
+        return [phrase, k]
     variants = [phrase, phrase[:1].lower() + phrase[1:], phrase[:1].upper() + phrase[1:]]
     for side in ("before", "after"):
         for v in dict.fromkeys(variants):

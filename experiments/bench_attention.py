@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 import numpy as np
 
-from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder
+from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder
 
 GIB = 1024**3
 IMPLS_CPU = ("xla", "dense", "naive", "blockwise")
@@ -142,15 +142,15 @@ def _call(fn, args) -> tuple[float, float]:
 
 
 def _matmul_gflops(dtype, n: int, rounds: int = 3) -> float:
-    """The same process's large-matmul throughput (n×n @ n×n), best of ``rounds``."""
+    """The same process's large-matmul throughput (n×n @ n×n), the median of ``rounds``."""
     import jax
     import jax.numpy as jnp
 
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32), dtype)
     mm = jax.jit(lambda a: a @ a)
     jax.block_until_ready(mm(a))
-    best = min(_call(mm, (a,))[0] for _ in range(rounds))
-    return 2.0 * n**3 / best / 1e9
+    median = float(np.median([_call(mm, (a,))[0] for _ in range(rounds)]))
+    return 2.0 * n**3 / median / 1e9
 
 
 def _proc_bytes(path: str, field: str) -> int | None:
@@ -185,9 +185,7 @@ def _time_config(cfg: dict, impls: list[str], args, seed: int) -> dict:
             programs.pop(impl, None)
     slowest = max(first.values(), default=0.0)
     per_round = max(slowest * len(first), 1e-9)
-    rounds = max(args.min_rounds, min(args.max_rounds, int(args.seconds_per_config / per_round)))
-    if per_round > 3 * args.seconds_per_config:
-        rounds = 1  # very long configurations (T = 64k): one timed round after the warm-up
+    rounds = max(args.min_rounds, min(args.max_rounds, int(args.seconds_per_config / per_round)))  # >= 3
     wall = {impl: [] for impl in programs}
     cpu = {impl: [] for impl in programs}
     ceiling = [_matmul_gflops(cfg["dtype"], args.matmul_n)]
@@ -198,13 +196,14 @@ def _time_config(cfg: dict, impls: list[str], args, seed: int) -> dict:
             cpu[impl].append(c)
     ceiling.append(_matmul_gflops(cfg["dtype"], args.matmul_n))
     flops = _flops(cfg)
-    for impl in programs:
-        best = min(wall[impl])
+    for impl in programs:  # the median of the rounds, with their spread and the median CPU time
+        median = float(np.median(wall[impl]))
         results[impl] = dict(
-            seconds=best,
-            seconds_median=float(np.median(wall[impl])),
-            cpu_seconds=min(cpu[impl]),
-            gflops=flops / best / 1e9,
+            seconds=median,
+            seconds_min=min(wall[impl]),
+            seconds_max=max(wall[impl]),
+            cpu_seconds=float(np.median(cpu[impl])),
+            gflops=flops / median / 1e9,
             rounds=rounds,
         )
     del programs, q, k, v
@@ -423,8 +422,12 @@ def _fmt_time(entry: dict | None) -> str:
         return "skipped"
     if "error" in entry:
         return "failed"
-    s = entry["seconds"]
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+    def t(s):
+        return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+    spread = f" ({t(entry['seconds_min'])}-{t(entry['seconds_max'])})" if "seconds_min" in entry else ""
+    cpu = f", CPU {t(entry['cpu_seconds'])}" if "cpu_seconds" in entry else ""
+    return t(entry["seconds"]) + spread + cpu
 
 
 def _ratios(record: dict, impls: list[str]) -> dict:
@@ -475,10 +478,12 @@ def _render(report: dict, impls: list[str]) -> str:
         f"jax {meta['jax']}; GLIBC_TUNABLES={meta['glibc_tunables'] or '(unset)'}.",
         f"Command: `{meta['command']}`",
         "",
-        "Time = best of the interleaved rounds (wall clock). GFLOP/s counts 4·T·S·H per head forward "
-        "(halved for causal), ×3.5 for forward+backward. `ceiling` = the same process's "
-        f"{meta['matmul_n']}² matmul GFLOP/s. Ratios are time / time of `xla` "
-        "(jax.nn.dot_product_attention). Peak = the whole process's peak resident memory (its own process).",
+        "Time = the median of at least 3 interleaved rounds (min-max), wall clock, with the median CPU time "
+        "(every thread) beside it. GFLOP/s counts 4·T·S·H per head forward "
+        "(halved for causal), ×3.5 for forward+backward, at the median time. `ceiling` = the same process's "
+        f"{meta['matmul_n']}² matmul GFLOP/s (median of 3). Ratios are median time / median time of `xla` "
+        "(jax.nn.dot_product_attention), measured in the same rounds. Peak = the whole process's peak resident "
+        "memory (its own process).",
         "",
         "| config | " + " | ".join(impls) + " | ceiling GFLOP/s | blockwise GFLOP/s (% of ceiling) | "
         + " | ".join(f"{i}/xla" for i in impls if i != "xla") + " | peak MiB " + " / ".join(impls) + " |",
@@ -521,7 +526,7 @@ def _derived(report: dict) -> list[str]:
 
     def cpu_note(key_a, key_b):  # across configurations (timed apart), CPU seconds are steadier on a busy machine
         a, b = sec(key_a, "blockwise", "cpu_seconds"), sec(key_b, "blockwise", "cpu_seconds")
-        return f" [CPU-time ratio {a / b:.2f}]" if a and b else ""
+        return f" [CPU-time ratio {a / b:.2f}; timed apart, one configuration after the other]" if a and b else ""
 
     for key, rec in cfgs.items():
         r = rec.get("ratios", {})
@@ -570,8 +575,8 @@ def main() -> None:
     parser.add_argument("--block-q", type=int, default=512)
     parser.add_argument("--block-k", type=int, default=512)
     parser.add_argument("--matmul-n", type=int, default=2048, help="side of the ceiling matmul")
-    parser.add_argument("--min-rounds", type=int, default=2)
-    parser.add_argument("--max-rounds", type=int, default=7)
+    parser.add_argument("--min-rounds", type=int_at_least(3), default=3, help="timed rounds per configuration, at least")
+    parser.add_argument("--max-rounds", type=int_at_least(3), default=7)
     parser.add_argument("--seconds-per-config", type=float, default=12.0, help="time budget for the timed rounds")
     parser.add_argument("--memory-fraction", type=float, default=0.5,
                         help="skip a materialising implementation whose [T, S] buffers need more than this "
@@ -628,7 +633,7 @@ def main() -> None:
     dtype = "bfloat16" if on_gpu else "float32"
     if args.quick:
         args.gpt2_T, args.long_T = 256, [2048]
-        args.min_rounds, args.max_rounds, args.seconds_per_config = 2, 3, 3.0
+        args.min_rounds, args.max_rounds, args.seconds_per_config = 3, 3, 3.0
 
     out_dir = Path(args.out)
     json_path, md_path = out_dir / "bench_attention.json", out_dir / "bench_attention.md"
@@ -654,7 +659,8 @@ def main() -> None:
         peak_tflops=args.peak_tflops,
     )
     # --resume keeps a configuration only if it was measured as this run would measure it
-    changed = [f"{k} {earlier[k]!r} then, {report['meta'][k]!r} now" for k in ("backend", "device", "dtype", "seed", "jax")
+    changed = [f"{k} {earlier[k]!r} then, {report['meta'][k]!r} now"
+               for k in ("machine", "backend", "device", "dtype", "seed", "jax")
                if k in earlier and earlier[k] != report["meta"][k]]
     if changed:
         print(f"--resume: nothing kept: the earlier run differs ({'; '.join(changed)})", flush=True)

@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int_at_least(1), default=8, help="prompt tokens")
     parser.add_argument("--repeats", type=int_at_least(3), default=3)
     args = parser.parse_args(argv)
+    if args.prompt >= args.total:  # generate needs one new token or more
+        parser.error(f"--prompt {args.prompt} must be less than --total {args.total} (the rest are the new tokens)")
     windowed = llama.LlamaConfig.make(**GEMMA3_270M)
     full = windowed._replace(layer_types=("full_attention",) * windowed.num_hidden_layers)
     params = jax.eval_shape(lambda: llama.init_params(0, windowed))  # shapes only: nothing is run
@@ -85,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             temps.append(compiled.memory_analysis().temp_size_in_bytes)
         rows[label] = (cache, statistics.median(temps))
         print(f"{label:14s} cache {cache / 2**20:8.1f} MiB; compiled temporaries median {statistics.median(temps) / 2**20:8.1f} "
-              f"MiB (spread {(max(temps) - min(temps)) / 2**20:.1f}); compile median {statistics.median(walls):.1f} s wall, "
-              f"{statistics.median(cpus):.1f} s CPU")
+              f"MiB (spread {(max(temps) - min(temps)) / 2**20:.1f}); compile median {statistics.median(walls):.1f} s wall "
+              f"({min(walls):.1f}-{max(walls):.1f}), {statistics.median(cpus):.1f} s CPU ({min(cpus):.1f}-{max(cpus):.1f})")
     (c1, t1), (c2, t2) = rows["sliding rings"], rows["every key"]
     print(f"ratio, rings / every key: cache {c1 / c2:.3f}, compiled temporaries {t1 / t2:.3f}")
     return 0

@@ -70,7 +70,7 @@ import numpy as np
 from jaxattn import llama
 from jaxattn import checkpoint
 from jaxattn.checkpoint import flatten, unflatten
-from jaxattn.io import OutputFolderError, prepare_output_folder, write_json
+from jaxattn.io import OutputFolderError, int_at_least, prepare_output_folder, write_json
 
 
 def _timed(fn) -> float:
@@ -279,9 +279,18 @@ def _spread(xs: list[float]) -> str:
     return f"median {statistics.median(xs):.2f} s (min {min(xs):.2f}, max {max(xs):.2f})"
 
 
+def _none_or_at_least_3(text: str) -> int:
+    """An argparse ``type=``: 0 (skip) or an int >= 3 (a median of at least 3)."""
+    value = int_at_least(0)(text)
+    if 0 < value < 3:
+        raise argparse.ArgumentTypeError(f"must be 0 (skip) or an int >= 3, received {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--first-repeats", type=int, default=3, help="fresh processes per first-call timing (0: skip)")
+    parser.add_argument("--first-repeats", type=_none_or_at_least_3, default=3,
+                        help="fresh processes per first-call timing, at least 3 (0: skip)")
     parser.add_argument("--child", choices=("forward", "flax", "generate", "phases-forward", "phases-flax", "grad",
                                             "steady-grad", "steady-generate"),
                         help=argparse.SUPPRESS)
@@ -297,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="random weights of the bundled checkpoint's shapes instead of the checkpoint")
     parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn's steady gradient is the baseline")
     parser.add_argument("--T", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int_at_least(3), default=5, help="steady calls timed (a median of at least 3)")
+    parser.add_argument("--load-repeats", type=int_at_least(1), default=3,
+                        help="loads timed (reported, not a target: 1 is printed as one load)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="lab-output/bench_llama")
     args = parser.parse_args(argv)
@@ -346,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         t_load.append(time.perf_counter() - t)
     n_params = sum(int(np.prod(v.shape)) for v in flatten(params).values())
     name = f"random weights of {llama.BUNDLED_NAME}'s shapes" if args.random_init else llama.BUNDLED_NAME
-    print(f"load {name}: {n_params / 1e6:.1f}M parameters to float32, median "
-          f"{statistics.median(t_load):.2f} s (runs: {', '.join(f'{t:.2f}' for t in t_load)})")
+    loads = (f"median {statistics.median(t_load):.2f} s (runs: {', '.join(f'{t:.2f}' for t in t_load)})"
+             if len(t_load) > 1 else f"{t_load[0]:.2f} s (one load)")
+    print(f"load {name}: {n_params / 1e6:.1f}M parameters to float32, {loads}")
 
     print(f"seed {args.seed}; {config.num_hidden_layers} layers x {config.num_attention_heads} query heads "
           f"({config.num_key_value_heads} key/value heads), d_model={config.hidden_size}, V={config.vocab_size}, "
@@ -416,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     record = {"first_calls": first,"command": "python experiments/bench_llama.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "seed": args.seed, "T": args.T, "platform": jax.devices()[0].platform, "load_s": t_load,
+              "seed": args.seed, "T": args.T, "platform": jax.devices()[0].platform, "jax": jax.__version__,
+              "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+              "load_s": t_load,
               "median_load_s": statistics.median(t_load), "parameters": n_params,
               "jaxattn_s": t_ours, "huggingface_s": t_theirs, "median_jaxattn_s": m_ours,
               "median_huggingface_s": m_theirs, "ratio": ratio, "paired_ratio": pair_ratio,

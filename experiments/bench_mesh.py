@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import platform
 import statistics
 import sys
 import time
@@ -33,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxattn import interventions, llama
+from jaxattn import _gguf, interventions, llama
 from jaxattn.checkpoint import cast_params
 from jaxattn.io import OutputFolderError, int_at_least, mesh_arg, prepare_output_folder, write_json
 
@@ -45,12 +47,18 @@ MODELS = {  # random Llama shapes (NumPy init, nothing downloaded); smollm2 is t
 }
 
 
-def _model(name: str, dtype) -> tuple[dict, llama.LlamaConfig]:
+def _config(name: str) -> llama.LlamaConfig:
+    """The model's config alone (for smollm2 the GGUF's metadata: nothing is dequantized), to check the mesh first."""
     if name == "smollm2":
-        params, config, _ = llama.load(dtype=dtype)
-        return params, config
-    config = llama.LlamaConfig.make(**MODELS[name])
-    return cast_params(llama.init_params(0, config), dtype), config
+        path = llama.bundled_path()
+        return llama.LlamaConfig.make(**_gguf.llama_fields(_gguf.open_gguf(path), path))
+    return llama.LlamaConfig.make(**MODELS[name])
+
+
+def _model(name: str, config: llama.LlamaConfig, dtype) -> dict:
+    if name == "smollm2":
+        return llama.load(dtype=dtype)[0]  # its config is the one _config read from the same metadata
+    return cast_params(llama.init_params(0, config), dtype)
 
 
 def _mesh_shape(n: int, config: llama.LlamaConfig, asked: tuple[int, int] | None) -> tuple[int, int]:
@@ -103,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int_at_least(1), default=16)
     parser.add_argument("--T", type=int_at_least(1), default=512)
     parser.add_argument("--table-T", type=int_at_least(2), default=64, help="tokens of the ablation table's sequence")
-    parser.add_argument("--repeats", type=int_at_least(1), default=5)
+    parser.add_argument("--repeats", type=int_at_least(3), default=5)
     parser.add_argument("--no-table", action="store_true")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args(argv)
@@ -128,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch % args.mesh[0]:
             parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({args.mesh[0]})")
     dtype = jnp.dtype(args.dtype)
-    params, config = _model(args.model, dtype)
+    config = _config(args.model)
     data, model = _mesh_shape(n, config, args.mesh)
-    if args.batch % data:  # the default mesh's data axis depends on the model's sizes
+    if args.batch % data:  # the default mesh's data axis depends on the model's sizes; before the params are made
         parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({data}); give --batch or --mesh")
+    params = _model(args.model, config, dtype)
     mesh = jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[:data * model])
     print(f"model {args.model} ({sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M params, {args.dtype}), "
           f"mesh data={data} x model={model}, batch {args.batch} x T={args.T}")
@@ -172,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         base = results[names[i - 1]] if "mesh" in k else None
         print(_row(k, results[k], base))
     if args.json:
-        write_json(json_path, dict(model=args.model, dtype=args.dtype, mesh=[data, model], batch=args.batch,
-                                   T=args.T, results=results))
+        write_json(json_path, dict(
+            command="python experiments/bench_mesh.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            machine=f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                    f"{n} x {jax.devices()[0].device_kind} ({jax.default_backend()})",
+            jax=jax.__version__, model=args.model, dtype=args.dtype, mesh=[data, model], batch=args.batch,
+            T=args.T, repeats=args.repeats, results=results))
     return 0
 
 

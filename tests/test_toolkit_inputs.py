@@ -346,11 +346,11 @@ def test_multihost_timeout_stops_every_worker_and_what_it_started(tmp_path, caps
 def test_multihost_failed_worker_stops_the_others_at_once(tmp_path, capsys, monkeypatch):
     multihost = _script("multihost.py")
     monkeypatch.setattr(multihost, "worker_command", _fake_workers(tmp_path, fail_first=True))
-    t0 = time.monotonic()
     status = multihost.main(["--model", "tiny", "--processes", "2", "--devices-per-process", "2", "--mesh", "2x2",
                              "--timeout", "100"])
-    assert status == 1 and time.monotonic() - t0 < 60
-    assert "process 0 failed (3)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # stopped by the failure, not by the timeout (which would say so)
+    assert status == 1 and "process 0 failed (3)" in err and "did not finish within" not in err, err
     pids = _pids(tmp_path, 2, wait=0)
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids[2:]) and time.monotonic() < deadline:

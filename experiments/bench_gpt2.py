@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ratio, cpu_ratio = m_ours / m_theirs, mc_ours / mc_theirs
     print(f"outputs agree: max |logits diff| {max_logit:.2e}, max |attention diff| {max_att:.2e}")
     print(f"first call (compile + run): jaxattn {compile_ours:.2f} s, Hugging Face {compile_theirs:.2f} s")
-    print(f"jaxattn.gpt2.forward   median {m_ours * 1e3:9.1f} ms ({min(t_ours) * 1e3:.0f}-{max(t_ours) * 1e3:.0f}), "
+    print(f"jaxattn.gpt2.forward   median {m_ours * 1e3:9.1f} ms ({min(t_ours) * 1e3:.1f}-{max(t_ours) * 1e3:.1f}), "
           f"CPU {mc_ours * 1e3:9.1f} ms  (runs: {', '.join(f'{t * 1e3:.0f}' for t in t_ours)})")
-    print(f"FlaxGPT2LMHeadModel    median {m_theirs * 1e3:9.1f} ms ({min(t_theirs) * 1e3:.0f}-{max(t_theirs) * 1e3:.0f}), "
+    print(f"FlaxGPT2LMHeadModel    median {m_theirs * 1e3:9.1f} ms ({min(t_theirs) * 1e3:.1f}-{max(t_theirs) * 1e3:.1f}), "
           f"CPU {mc_theirs * 1e3:9.1f} ms  (runs: {', '.join(f'{t * 1e3:.0f}' for t in t_theirs)})")
     print(f"ratio jaxattn / Hugging Face = {ratio:.3f}, CPU {cpu_ratio:.3f}  "
           f"(median of {args.repeats}; target <= 1.0: {'met' if ratio <= 1.0 else 'NOT met'})")

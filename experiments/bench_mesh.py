@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxattn import _gguf, interventions, llama
+from jaxattn import interventions, llama
 from jaxattn.checkpoint import cast_params
 from jaxattn.io import OutputFolderError, int_at_least, mesh_arg, prepare_output_folder, write_json
 
@@ -47,18 +47,17 @@ MODELS = {  # random Llama shapes (NumPy init, nothing downloaded); smollm2 is t
 }
 
 
-def _config(name: str) -> llama.LlamaConfig:
-    """The model's config alone (for smollm2 the GGUF's metadata: nothing is dequantized), to check the mesh first."""
+def _model(name: str, dtype) -> tuple[dict | None, llama.LlamaConfig]:
+    """``(params, config)``: the bundled checkpoint, loaded (a few seconds), or a random model's config alone
+    (params None: made by :func:`_params` once the mesh is checked, 1b's billion of them included)."""
     if name == "smollm2":
-        path = llama.bundled_path()
-        return llama.LlamaConfig.make(**_gguf.llama_fields(_gguf.open_gguf(path), path))
-    return llama.LlamaConfig.make(**MODELS[name])
+        params, config, _ = llama.load(dtype=dtype)
+        return params, config
+    return None, llama.LlamaConfig.make(**MODELS[name])
 
 
-def _model(name: str, config: llama.LlamaConfig, dtype) -> dict:
-    if name == "smollm2":
-        return llama.load(dtype=dtype)[0]  # its config is the one _config read from the same metadata
-    return cast_params(llama.init_params(0, config), dtype)
+def _params(params: dict | None, config: llama.LlamaConfig, dtype) -> dict:
+    return cast_params(llama.init_params(0, config), dtype) if params is None else params
 
 
 def _mesh_shape(n: int, config: llama.LlamaConfig, asked: tuple[int, int] | None) -> tuple[int, int]:
@@ -136,11 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.batch % args.mesh[0]:
             parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({args.mesh[0]})")
     dtype = jnp.dtype(args.dtype)
-    config = _config(args.model)
+    params, config = _model(args.model, dtype)
     data, model = _mesh_shape(n, config, args.mesh)
-    if args.batch % data:  # the default mesh's data axis depends on the model's sizes; before the params are made
+    if args.batch % data:  # the default mesh's data axis depends on the model's sizes; before random params are made
         parser.error(f"--batch {args.batch} must be a multiple of the mesh's data axis ({data}); give --batch or --mesh")
-    params = _model(args.model, config, dtype)
+    params = _params(params, config, dtype)
     mesh = jax.make_mesh((data, model), ("data", "model"), devices=jax.devices()[:data * model])
     print(f"model {args.model} ({sum(x.size for x in jax.tree.leaves(params)) / 1e6:.0f}M params, {args.dtype}), "
           f"mesh data={data} x model={model}, batch {args.batch} x T={args.T}")

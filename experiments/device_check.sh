@@ -35,7 +35,8 @@
 # and its steady time, generate's first call against the forward's, generate's steady time, the steady
 # forward with every map against Flax's (only where transformers 4.x and flax import). BASELINE=DIR, a
 # checkout of the earlier loop over the layers, is the steady gradient's and generate's baseline.
-# Exit status: 0 only if every step succeeded; each step's status is in status.txt.
+# Exit status: 0 only if every step succeeded; each step's status is in status.txt. A step's log is written to
+# NAME.txt.part and renamed NAME.txt only when the step succeeds: a failed or cut step leaves NAME.txt.part.
 set -uo pipefail
 out=${1:-device-output}
 mkdir -p "$out"
@@ -44,8 +45,11 @@ failed=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.txt, record the status
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
+  rm -f "$out/$name.txt"  # no earlier run's log left to pass for this one's
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt.part"
   local status=${PIPESTATUS[0]}
+  # whole only if the step succeeded; a failed or cut step's log stays NAME.txt.part
+  [ "$status" -eq 0 ] && mv -f "$out/$name.txt.part" "$out/$name.txt"
   echo "$name $status" >>"$out/status.txt"
   [ "$status" -eq 0 ] || failed=1
 }
@@ -59,7 +63,7 @@ if [ "${DECODER:-0}" = 1 ]; then
   step first_generate 150 "${bench[@]}" --first-generate
   step steady_generate 150 "${bench[@]}" --generate --generate-T 5 ${base[@]+"${base[@]}"}
   if python -c "import flax, transformers; transformers.FlaxLlamaForCausalLM" 2>/dev/null; then
-    step flax 200 "${bench[@]}" --first-repeats 0 --load-repeats 1 --out "$out/bench_llama"
+    step flax 200 "${bench[@]}" --first-repeats 0 --load-repeats 3 --out "$out/bench_llama"
   fi
   cat "$out/status.txt"
   exit "$failed"
@@ -81,12 +85,12 @@ JAXATTN_TEST_XLA=defaults XLA_PYTHON_CLIENT_PREALLOCATE=false step tests "$(limi
    if [ $# -gt 0 ]; then python -m pytest -p no:cacheprovider -p no:benchmark -q -rs -n 4 -m slow "$@"; fi' tests ${slow[@]+"${slow[@]}"}
 step vs_cudnn "$(limit 300 150)" python experiments/bench_attention.py ${gpu[@]+"${gpu[@]}"} "${vs[@]}" --skip-gpt2 \
   --modes fwd+bwd --long-T "${long_T[@]}" --long-N "$heads" --peak-tflops 989 --no-memory \
-  --seconds-per-config "$seconds" --max-rounds 5 --out "$out/vs_cudnn"
+  --seconds-per-config "$seconds" --min-rounds 3 --max-rounds 5 --out "$out/vs_cudnn"
 step conformance "$(limit 400 90)" python experiments/conformance.py --out "$out" ${conformance[@]+"${conformance[@]}"}
 if [ "${SMOKE:-0}" != 1 ]; then
-  [ "${SHORT:-0}" = 1 ] || step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # best of 3
+  [ "${SHORT:-0}" = 1 ] || step bench_sweep 150 python experiments/bench_sweep.py --repeats 3  # median of 3
   step bench_attention "$(limit 200 100)" python experiments/bench_attention.py --gpu --no-memory --seconds-per-config "$seconds" \
-    --max-rounds 5 --long-T 8192 32768 --out "$out"
+    --min-rounds 3 --max-rounds 5 --long-T 8192 32768 --out "$out"
 fi
 if [ "${SHORT:-0}" = 1 ]; then
   :

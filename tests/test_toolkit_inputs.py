@@ -226,7 +226,7 @@ def test_bench_mesh_refuses_a_mesh_not_of_the_form_data_x_model(capsys, mesh):
 
 @pytest.mark.parametrize("argv, says", [
     (["--batch", "0"], "argument --batch: must be a positive int, received '0'"),
-    (["--repeats", "0"], "argument --repeats: must be a positive int, received '0'"),
+    (["--repeats", "2"], "argument --repeats: must be an int >= 3, received '2'"),
     (["--table-T", "1"], "argument --table-T: must be an int >= 2, received '1'"),
     (["--T", "8", "--table-T", "16"], "--table-T 16 must be at most --T 8"),
 ])

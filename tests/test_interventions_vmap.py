@@ -44,8 +44,10 @@ TABLES = {
     "attention_gradient": lambda b, z: I.attention_gradient(b, metric),
     "logit_attribution": lambda b, z: I.logit_attribution(b, (5, 7))["heads"],
     "metric_value": lambda b, z: I.metric_value(b, metric),
+    # a metric that declares its rows (the tables unembed the last row alone)
+    "ablation_effects_logit_metric": lambda b, z: I.ablation_effects(b, I.LogitMetric(metric, (7,))),
 }
-FAST = ("ablation_effects", "logit_lens", "gate_gradients")
+FAST = ("ablation_effects", "logit_lens", "gate_gradients", "ablation_effects_logit_metric")
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in TABLES])

@@ -29,7 +29,8 @@ class LogitMetric:
     Calling it calls ``fn(output)``. ``rows`` (a sorted tuple of distinct positions, the same for every
     sequence of a batch) lets the effect tables unembed those rows only: the unembedding of every position
     can cost a fifth of a forward, and the resumed runs hand ``fn`` logits that are NaN elsewhere. The
-    clean run checks once that ``fn`` gives the same value with those rows alone (``ValueError`` otherwise).
+    clean run checks once that ``fn`` gives the same value with those rows alone (``ValueError`` otherwise;
+    under a caller's ``jax.vmap`` or ``jax.jit`` over prompts the run is traced and nothing is checked).
     A plain function is a metric that may read every row.
     """
 

@@ -234,10 +234,12 @@ def check_stacked(params: Any, prefix: str, layers: int, *, field: str, layout: 
 def place_stacked(keys: Sequence[str], convert: Callable[[str], Any], place: Callable[[str, Any], Array], prefix: str,
                   *, workers: int = 4) -> dict[str, Array]:
     """Params in the stacked layout from per-layer keys (``{prefix}/{i}/{name}``, Hugging Face's layout):
-    ``convert(key)`` gives each key's checked NumPy array, and each block weight's ``L`` arrays are stacked
-    ``[L, ...]`` and handed to ``place(stacked key, array)`` one weight at a time (a few tensors converted
-    at once, off the GIL), so the host holds at most one stacked weight besides the file. A
-    :class:`~jaxattn.checkpoint.Fitting` ``place`` checks each block's array under its own key."""
+    ``convert(key)`` gives each key's checked NumPy array, and each block weight's ``L`` arrays are written
+    into one ``[L, ...]`` buffer as they come and handed to ``place(stacked key, array)`` one weight at a
+    time (a few tensors converted at once, off the GIL), so the host holds at most one stacked weight
+    besides the file and the tensors in flight. A :class:`~jaxattn.checkpoint.Fitting` ``place`` checks each
+    block's array under its own key, and the buffer is of its dtype (each layer cast as it is written, as
+    ``place`` would cast the whole)."""
     head = prefix + "/"
     groups: dict[str, list[tuple[int, str]]] = {}
     for key in keys:
@@ -247,20 +249,23 @@ def place_stacked(keys: Sequence[str], convert: Callable[[str], Any], place: Cal
         else:
             groups[key] = [(-1, key)]
     out = {}
+    fitting = isinstance(place, Fitting)
     with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, workers)) as pool:
         for name, members in groups.items():
             members.sort()
-            arrays = list(pool.map(convert, [key for _, key in members]))
             if members[0][0] < 0:
-                out[name] = place(name, arrays[0])
+                out[name] = place(name, convert(members[0][1]))
                 continue
-            if isinstance(place, Fitting):
-                for (_, key), a in zip(members, arrays):
-                    place.check(key, a)
-                out[name] = place.place(name, np.stack(arrays))
-            else:
-                out[name] = place(name, np.stack(arrays))
-            del arrays
+            stacked = None
+            for i, a in enumerate(pool.map(convert, [key for _, key in members])):
+                if fitting:
+                    place.check(members[i][1], a)
+                if stacked is None:
+                    stacked = np.empty((len(members), *np.shape(a)), jnp.dtype(place.dtype) if fitting else a.dtype)
+                stacked[i] = a
+                del a
+            out[name] = place.place(name, stacked) if fitting else place(name, stacked)
+            del stacked
     return out
 
 

@@ -34,7 +34,7 @@ from jaxattn._checks import (
     check_multi_head_inputs,
     check_rank,
 )
-from jaxattn._logits import compact_mask, group_query_heads, kept_nonfinite, per_head, scaled_logits
+from jaxattn._logits import compact_mask, finite_logits, group_query_heads, kept_nonfinite, per_head, scaled_logits
 from jaxattn._masks import causal_mask, check_window, clamp_offset, window_keep
 from jaxattn._typing import ArrayLike, Bool, Float, Key, Real, Shaped, UInt32
 
@@ -123,6 +123,23 @@ def _softmax_rows_jvp(primals, tangents):
     return (p0, nan_row), (dp, np.zeros(nan_row.shape, jax.dtypes.float0))
 
 
+@jax.custom_jvp
+def _nan_at(logits: Array, bad_rows: Array, bad_cols: Array) -> Array:
+    """``where(bad_rows | bad_cols, NaN, logits)``, ``[T, S]``: the NaN rows and columns of
+    :func:`~jaxattn._logits.scaled_logits`, put into the dense core's logits (:func:`finite_logits`).
+
+    Its tangent passes through unchanged: the softmax after it (:func:`_softmax_rows`) gives a NaN logit's
+    entry no derivative (a kept one makes its row a NaN row, whose derivative is zero; a masked one is
+    zeroed with the mask), so the ``where``'s own derivative would zero what is zero already, in a pass over
+    ``[T, S]`` of the backward. Only for that consumer: elsewhere the plain ``where`` is the derivative."""
+    return jnp.where(jnp.logical_or(bad_rows, bad_cols), jnp.nan, logits)
+
+
+@_nan_at.defjvp
+def _nan_at_jvp(primals, tangents):
+    return _nan_at(*primals), tangents[0]
+
+
 def _masked_softmax(logits: Array, keep: Array | None) -> Array:
     """Numerically stable softmax over the last axis, restricted to ``keep``; ``[T, S]``.
 
@@ -165,7 +182,8 @@ def _attend(
     if window is not None:  # no rank-one structure left: one [T, S] mask
         mask, causal = _keep(mask, causal, T, S, window), None  # [T, S]
     keep = _keep(mask, causal, T, S)  # broadcastable to [T, S], or None
-    p0, nan_row = _softmax_rows(scaled_logits(q, k, bias, scale, cap), keep)  # [T, S] f32+, [T, 1]
+    logits, bad_rows, bad_cols = finite_logits(q, k, bias, scale, cap)  # [T, S] f32+, [T, 1], [1, S]
+    p0, nan_row = _softmax_rows(_nan_at(logits, bad_rows, bad_cols), keep)  # [T, S], [T, 1]
     hit = kept_nonfinite(mask, causal, T, S, ~jnp.isfinite(v))  # [T or 1, V]
     out = _weighted_sum(p0, nan_row, v, hit)  # [T, V]
     weights = jnp.where(nan_row, jnp.nan, p0)  # [T, S]: _masked_softmax's

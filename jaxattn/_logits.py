@@ -64,16 +64,33 @@ def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any, cap: Any =
     (a double ``where``), so a NaN/Inf at a masked position cannot reach ``dq = dl k`` or ``dk = dlᵀ q``
     through ``0 · NaN``, while a kept one makes its row NaN in the softmax.
     """
+    logits, bad_rows, bad_cols = _product(q, k, scale)
+    logits = jnp.where(jnp.logical_or(bad_rows, bad_cols), jnp.nan, logits)  # [T, S]
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)  # [T, S]
+    return soft_cap(logits, cap)  # [T, S]
+
+
+def _product(q: Array, k: Array, scale: Any) -> tuple[Array, Array, Array]:
+    """``(scale · q0 k0ᵀ [T, S], bad_rows [T, 1], bad_cols [1, S])``: q and k with their non-finite rows zeroed,
+    the product accumulated in at least float32 and scaled in that dtype, and which rows were non-finite."""
     acc = softmax_dtype(jnp.result_type(q, k))
     q_ok, k_ok = jnp.isfinite(q), jnp.isfinite(k)  # [T, H], [S, H]
     q0, k0 = jnp.where(q_ok, q, 0), jnp.where(k_ok, k, 0)  # [T, H], [S, H]
     logits = jnp.einsum("TH,SH->TS", q0, k0, preferred_element_type=acc)  # [T, S]
     logits = logits * jnp.asarray(scale, acc)  # [T, S], the 1/sqrt(d_k) step
-    bad = jnp.logical_or(~jnp.all(q_ok, axis=1)[:, None], ~jnp.all(k_ok, axis=1)[None, :])  # [T, S]
-    logits = jnp.where(bad, jnp.nan, logits)  # [T, S]
+    return logits, ~jnp.all(q_ok, axis=1)[:, None], ~jnp.all(k_ok, axis=1)[None, :]
+
+
+def finite_logits(q: Array, k: Array, bias: Array | None, scale: Any, cap: Any = None) -> tuple[Array, Array, Array]:
+    """:func:`scaled_logits` without its NaN rows and columns: ``(logits [T, S], bad_rows [T, 1], bad_cols
+    [1, S])``, the logits of the non-finite query (key) rows computed from those rows zeroed, and which rows
+    (columns) :func:`scaled_logits` makes NaN (the dense core puts them in with a ``where`` whose backward
+    costs no ``[T, S]`` pass)."""
+    logits, bad_rows, bad_cols = _product(q, k, scale)
     if bias is not None:
-        logits = logits + bias.astype(acc)  # [T, S]
-    return soft_cap(logits, cap)  # [T, S]
+        logits = logits + bias.astype(logits.dtype)  # [T, S]
+    return soft_cap(logits, cap), bad_rows, bad_cols
 
 
 def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: Array,

@@ -452,3 +452,24 @@ def test_rms_norm_rounds_as_hugging_face_in_bfloat16():
     np.testing.assert_array_equal(np.asarray(got_llama, np.float32), np.asarray(jnp.asarray(llama_, jnp.bfloat16), np.float32))
     cast_first = np.asarray(jnp.asarray((1 + np.asarray(w, np.float32)) * np.asarray(jnp.asarray(normed, jnp.bfloat16), np.float32), jnp.bfloat16), np.float32)
     assert np.any(cast_first != np.asarray(gemma, np.float32))  # the orders differ here, so the test tells them apart
+
+
+def test_place_stacked_fills_each_weight_in_the_places_dtype_as_stacking_then_casting_would():
+    """The loaders' stacking (decoder.place_stacked, internals on purpose): a Fitting place gets each block
+    weight as one [L, ...] array already in its dtype, equal to np.stack of the layers cast at once; the
+    other keys as they are; each layer checked under its own key."""
+    from jaxattn.checkpoint import fitting
+
+    rng = np.random.default_rng(0)
+    layers = {f"m/layers/{i}/w": rng.standard_normal((3, 5)).astype(np.float32) * 1e3 for i in range(4)}
+    arrays = {**layers, "m/embed": rng.standard_normal((6, 3)).astype(np.float32)}
+    got = {}
+    place = fitting(lambda key, a: got.setdefault(key, a), jnp.float16, "test")
+    out = decoder.place_stacked(list(arrays), lambda key: arrays[key], place, "m/layers")
+    assert set(out) == {"m/layers/w", "m/embed"}
+    want = np.stack([layers[f"m/layers/{i}/w"] for i in range(4)]).astype(np.float16)
+    assert got["m/layers/w"].dtype == np.float16 and got["m/layers/w"].shape == (4, 3, 5)
+    np.testing.assert_array_equal(np.asarray(got["m/layers/w"], np.float32), np.asarray(want, np.float32))
+    arrays["m/layers/2/w"] = arrays["m/layers/2/w"] * 100  # past float16's 65504: refused under its own key
+    with pytest.raises(CheckpointError, match=r"m/layers/2/w"):
+        decoder.place_stacked(list(arrays), lambda key: arrays[key], place, "m/layers")

@@ -89,19 +89,29 @@ def _softmax_rows(logits: Array, keep: Array | None) -> tuple[Array, Array]:
 
     A kept NaN or +inf logit makes its row a NaN row through a flag, not through the maximum or the
     exponential: how a backend's max, exp or clamp treats NaN (XLA's default CPU emitters drop it in
-    places) cannot change the answer. The maximum reads a NaN as +inf, so it is +inf exactly when the
-    row keeps a NaN or a +inf (the same pass over the row, no other); that row's exponentials are zeroed
-    with the masked ones, in the same ``where``.
+    places; fused with a NaN, an exponential has given finite values of either sign) cannot change the
+    answer. Without a mask the flag is an ``any`` over the row of ``isnan(x) | (x == +inf)``, a reduction
+    of booleans (no float reduction carries it), and the row's weights are zeroed in the division's
+    ``where``; with one, the maximum reads a NaN as +inf (a flag from a comparison, not from how the max
+    treats NaN) and the row's exponentials are zeroed with the masked ones. The two arrangements compute
+    the same; each is the one XLA's CPU backend fuses into fewer passes over ``[T, S]`` (docs/core.md).
 
     The derivative is the closed form ``dp = p ⊙ (dl − Σ p ⊙ dl)`` (see :func:`_softmax_rows_jvp`), so
     the backward pass costs what ``jax.nn.softmax``'s does instead of differentiating every step above.
     """
     fill = jnp.finfo(logits.dtype).min
-    x = logits if keep is None else jnp.where(keep, logits, fill)  # [T, S]
+    if keep is None:
+        nan_row = jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1, keepdims=True)  # [T, 1]
+        row_max = jnp.max(logits, axis=-1, keepdims=True, initial=fill)  # [T, 1]; anything in a NaN row
+        e = jnp.exp(logits - jax.lax.stop_gradient(row_max))  # [T, S], in [0, 1] outside NaN rows
+        total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless every logit is -inf (anything in a NaN row)
+        return jnp.where(nan_row, 0.0, e / jnp.where(total == 0.0, 1.0, total)), nan_row  # [T, S], [T, 1]
+    # with a mask, the NaN test rides on the maximum's own pass: it reads a NaN as +inf (a different
+    # arrangement from the unmasked one above because XLA's CPU backend fuses each into fewer passes)
+    x = jnp.where(keep, logits, fill)  # [T, S]
     row_max = jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1, keepdims=True, initial=fill)  # [T, 1]
-    nan_row = row_max == jnp.inf  # [T, 1]
-    kept = ~nan_row if keep is None else jnp.logical_and(keep, ~nan_row)  # [T, S]
-    e = jnp.where(kept, jnp.exp(x - jax.lax.stop_gradient(row_max)), 0.0)  # [T, S], in [0, 1]; shift-invariant
+    nan_row = row_max == jnp.inf  # [T, 1]: a kept NaN or +inf
+    e = jnp.where(jnp.logical_and(keep, ~nan_row), jnp.exp(x - jax.lax.stop_gradient(row_max)), 0.0)  # [T, S]
     total = jnp.sum(e, axis=-1, keepdims=True)  # [T, 1], >= 1 unless the row is fully masked or NaN
     return e / jnp.where(total == 0.0, 1.0, total), nan_row  # [T, S], [T, 1]
 

@@ -463,6 +463,22 @@ def test_masked_non_finite_bias_does_not_leak_and_a_kept_one_shows(value):
         np.testing.assert_allclose(out, jaxattn.attention(q, k, v, bias=bias, mask=row_mask)[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_row_whose_every_kept_logit_is_minus_inf_has_zero_weights(causal):
+    """No key of the row has any weight: zeros, as a fully masked row, never 0/0 (with and without a mask)."""
+    T, S = 4, 6
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((T, 4), (S, 4), (S, 3)))
+    bias = np.zeros((T, S), np.float32)
+    bias[2] = -np.inf
+    out, w = (np.asarray(x) for x in jaxattn.attention(q, k, v, bias=bias, is_causal=causal))
+    np.testing.assert_array_equal(w[2], 0.0)
+    np.testing.assert_array_equal(out[2], 0.0)
+    assert np.all(np.isfinite(w)) and np.allclose(np.delete(w, 2, axis=0).sum(axis=1), 1.0, rtol=1e-6)
+    grads = jax.grad(lambda q, k, v: jnp.sum(jaxattn.attention(q, k, v, bias=bias, is_causal=causal)[0]), (0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
 @pytest.mark.parametrize("value", [np.nan, pytest.param(np.inf, marks=pytest.mark.slow)])
 def test_multi_head_gqa_masked_non_finite_keys_and_values_do_not_leak(value):
     T, N, K, H, V = 7, 4, 2, 4, 3

@@ -78,6 +78,25 @@ def test_a_kept_nan_or_plus_inf_logit_from_a_bias_makes_only_its_row_nan(value):
     assert np.all(np.isfinite(w)) and np.allclose(w.sum(axis=1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("S", [256, 1100])
+@pytest.mark.parametrize("value", ["q", np.nan, np.inf])
+def test_a_bad_entry_makes_only_its_row_nan_in_rows_long_enough_for_vectorised_reductions(S, value):
+    """Rows of hundreds of keys, where XLA's CPU maximum drops a NaN: the row is flagged all the same, in
+    every head and column position, and the other rows and heads stay finite."""
+    rng = np.random.default_rng(2)
+    T, r, c = 6, 4, (3 * S) // 5
+    q, k, v = (rng.normal(size=(n, 2, 8)).astype("float32") for n in (T, S, S))
+    bias = np.zeros((2, T, S), np.float32)
+    if value == "q":
+        q[r, 1, 5] = np.nan
+    else:
+        bias[1, r, c] = value
+    out, w = (np.asarray(x) for x in jaxattn.multi_head_attention(q, k, v, bias=bias))
+    assert np.all(np.isnan(w[1, r])) and np.all(np.isnan(out[r, 1])), "the bad row vanished"
+    assert np.all(np.isfinite(np.delete(w[1], r, axis=0))) and np.all(np.isfinite(w[0]))
+    assert np.all(np.isfinite(np.delete(out[:, 1], r, axis=0))) and np.all(np.isfinite(out[:, 0]))
+
+
 def test_a_nan_query_row_is_nan_under_xla_default_compiler_flags():
     """The reported snippet in a fresh process with XLA's default CPU configuration (no test flags)."""
     env = dict(os.environ)

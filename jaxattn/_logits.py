@@ -35,9 +35,11 @@ def soft_cap(logits: Array, cap: Any) -> Array:
 
 
 def sech2(u: Array) -> Array:
-    """``sech²(u) = 1 - tanh²(u)`` without cancellation: ``4 e / (1 + e)²``, ``e = exp(-2|u|)``."""
+    """``sech²(u) = 1 - tanh²(u)`` without cancellation: ``4 e / (1 + e)²``, ``e = exp(-2|u|)``; 0 at ±inf and
+    at NaN: a NaN logit's entry gets no derivative (masked, it must not reach a gradient as ``0 · NaN``;
+    kept, its row is a NaN row, whose derivative is zero)."""
     e = jnp.exp(-2.0 * jnp.abs(u))
-    return 4.0 * e / (1.0 + e) ** 2
+    return jnp.where(jnp.isnan(u), 0.0, 4.0 * e / (1.0 + e) ** 2)
 
 
 @jax.custom_jvp
@@ -52,7 +54,9 @@ def _capped_jvp(primals, tangents):
     u = x / cap
     t = jnp.tanh(u)
     s = sech2(u)
-    return cap * t, dx * s + dcap * (t - u * s)
+    # d/dcap of cap·tanh(x/cap) = tanh(u) - u·sech²(u): ±1 at u = ±inf (not inf · 0), 0 at NaN (see sech2)
+    d_cap = jnp.where(jnp.isfinite(u), t - u * s, jnp.where(jnp.isnan(u), 0.0, t))
+    return cap * t, dx * s + dcap * d_cap
 
 
 def scaled_logits(q: Array, k: Array, bias: Array | None, scale: Any, cap: Any = None) -> Array:
@@ -107,6 +111,8 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
     (as well): an any over each query's range of keys from log2(range) doublings of an any over shifted
     rows (a sparse table), O((T + S)·C·log(range)) and only when some value is bad.
     """
+    if T == 0:  # no query: nothing is hit (and a [0, S] mask has no rank-one structure to read)
+        return jnp.zeros((0, bad.shape[1]), bool)
     t, s = (1, 1) if mask is None else mask.shape
     if t > 1 and s > 1:  # a general mask
         B = min(32, S)

@@ -322,6 +322,9 @@ def test_empty_sequences_work_with_empty_or_zero_outputs():
     q0, k3, v3 = np.zeros((0, 4), np.float32), np.ones((3, 4), np.float32), np.ones((3, 2), np.float32)
     out, w = jaxattn.attention(q0, k3, v3)
     assert out.shape == (0, 2) and w.shape == (0, 3)
+    out, w = jaxattn.attention(q0, k3, v3, mask=np.ones((0, 3), bool))  # a [T, S] mask of no row
+    assert out.shape == (0, 2) and w.shape == (0, 3)
+    assert jax.grad(lambda q: jnp.sum(jaxattn.attention(q, k3, v3, mask=np.ones((0, 3), bool))[0]))(q0).shape == (0, 4)
     out, w = jaxattn.attention(np.ones((2, 4), np.float32), np.zeros((0, 4), np.float32), np.zeros((0, 2), np.float32))
     assert w.shape == (2, 0)
     np.testing.assert_array_equal(out, np.zeros((2, 2)))

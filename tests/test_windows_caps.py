@@ -5,6 +5,8 @@ i + offset - left <= j <= i + offset + right); a causal window of W keys is is_c
 so query t sees key s iff 0 <= t - s < W. The cap is c·tanh(logits / c) before the mask.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,6 +207,40 @@ def test_the_caps_derivative_is_right_where_tanh_rounds_to_one_in_float32():
     dense = jax.grad(f)(k1, jaxattn.attention)
     blockwise = jax.grad(f)(k1, jaxattn.blockwise_attention)
     np.testing.assert_allclose(np.asarray(blockwise), np.asarray(dense), rtol=1e-5, atol=1e-30)
+
+
+@pytest.mark.parametrize("fn", ["attention", "blockwise"])
+def test_a_masked_nan_bias_under_a_cap_reaches_no_gradient(fn):
+    """The cap's derivative at a NaN logit is 0, so a masked NaN bias entry changes no gradient (not 0·NaN)."""
+    rng = np.random.default_rng(3)
+    T, S = 4, 5
+    q, k, v = (rng.normal(size=(n, 4)).astype(np.float32) for n in (T, S, S))
+    bias = rng.normal(size=(T, S)).astype(np.float32)
+    mask = np.ones((T, S), bool)
+    mask[2, 1] = False
+    bias_nan, bias_zero = bias.copy(), bias.copy()
+    bias_nan[2, 1], bias_zero[2, 1] = np.nan, 0.0
+    call = jaxattn.attention if fn == "attention" else functools.partial(jaxattn.blockwise_attention, block_q=2, block_k=2)
+    loss = lambda q, k, v, b: jnp.sum(call(q, k, v, bias=b, mask=mask, logit_cap=2.0)[0])
+    got = jax.grad(loss, (0, 1, 2))(q, k, v, bias_nan)
+    want = jax.grad(loss, (0, 1, 2))(q, k, v, bias_zero)
+    for a, b in zip(got, want):
+        assert np.all(np.isfinite(a))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf])
+def test_forward_mode_through_a_cap_at_an_infinite_logit_is_finite_and_agrees_with_reverse(value):
+    """A capped ±inf logit is ±cap, a finite row: jvp (d/dcap's ±1 there, not inf·0) equals jacrev's product."""
+    rng = np.random.default_rng(4)
+    q, k = rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=(4, 2)).astype(np.float32)
+    bias = np.zeros((3, 4), np.float32)
+    bias[1, 2] = value
+    f = lambda q: jaxattn.attention_weights(q, k, bias=bias, logit_cap=1.5)
+    dq = rng.normal(size=q.shape).astype(np.float32)
+    w, dw = jax.jvp(f, (q,), (dq,))
+    assert np.all(np.isfinite(w)) and np.all(np.isfinite(dw))
+    np.testing.assert_allclose(dw, np.einsum("tsab,ab->ts", jax.jacrev(f)(q), dq), rtol=1e-5, atol=1e-6)
 
 
 def test_blockwise_tile_ranges_skip_no_kept_key_and_free_tiles_hold_no_masked_one():

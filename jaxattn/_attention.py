@@ -186,6 +186,8 @@ def _attend(
     (see :func:`_diagonal`) is folded into a ``[T, S]`` mask with the causal one; ``cap``: the logit soft cap.
     """
     T, S = q.shape[0], k.shape[0]
+    if T == 0 or S == 0:  # no logit at all: zero weights and outputs (each row keeps no key), no softmax to trace
+        return (jnp.zeros((T, v.shape[1]), jnp.result_type(q, k, v)), jnp.zeros((T, S), jnp.result_type(q, k)))
     if causal is not None:
         causal = clamp_offset(causal, T, S)  # the same mask, and i + causal stays inside int32
     mask = compact_mask(mask)  # [t, s] or None
@@ -210,6 +212,8 @@ _logits_jit = jax.jit(scaled_logits)
 @functools.partial(jax.jit, static_argnames=("causal", "window"))
 def _weights_core(q: Array, k: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None,
                   window: tuple | None = None, cap: Any = None) -> Array:
+    if q.shape[0] == 0 or k.shape[0] == 0:  # no logit: as _attend
+        return jnp.zeros((q.shape[0], k.shape[0]), jnp.result_type(q, k))
     keep = _keep(mask, causal, q.shape[0], k.shape[0], window)
     weights = _masked_softmax(scaled_logits(q, k, bias, scale, cap), keep)
     return weights.astype(jnp.result_type(q, k))

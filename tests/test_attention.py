@@ -325,6 +325,10 @@ def test_empty_sequences_work_with_empty_or_zero_outputs():
     out, w = jaxattn.attention(q0, k3, v3, mask=np.ones((0, 3), bool))  # a [T, S] mask of no row
     assert out.shape == (0, 2) and w.shape == (0, 3)
     assert jax.grad(lambda q: jnp.sum(jaxattn.attention(q, k3, v3, mask=np.ones((0, 3), bool))[0]))(q0).shape == (0, 4)
+    for T, S in ((0, 3), (3, 0)):  # the heads vmapped, differentiated: zero gradients of the right shapes
+        q, k, v = (np.ones((n, 2, 4), np.float32) for n in (T, S, S))
+        grads = jax.grad(lambda q, k, v: jnp.sum(jaxattn.multi_head_attention(q, k, v, is_causal=True)[0]), (0, 1, 2))(q, k, v)
+        assert [g.shape for g in grads] == [(T, 2, 4), (S, 2, 4), (S, 2, 4)] and all(np.all(g == 0) for g in grads)
     out, w = jaxattn.attention(np.ones((2, 4), np.float32), np.zeros((0, 4), np.float32), np.zeros((0, 2), np.float32))
     assert w.shape == (2, 0)
     np.testing.assert_array_equal(out, np.zeros((2, 2)))

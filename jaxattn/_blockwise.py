@@ -574,7 +574,8 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=No
         return _backward_end(q, dq, dk, dv, scale, pre, None)
     _, (n_masked_b, n_free_b) = _loop_counts(plan)
     dq_rows = _dq_rows(bq, bias)
-    tb, sb = (1, 1) if bias is None else (bias.shape[0], bk if bias.shape[1] > 1 else 1)  # dbias: [tb, sb] a key block
+    per_key = bias is not None and bias.shape[1] > 1  # the bias has a key axis (not sb > 1: sb = bk may be 1)
+    tb, sb = (1, 1) if bias is None else (bias.shape[0], bk if per_key else 1)  # dbias: [tb, sb] a key block
 
     def k_block(j, dq, kb, vb):  # kb [bk, H], vb [bk, V]
         j, (kb, vb) = _tied(j, (kb, vb))  # see _tied
@@ -610,7 +611,7 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=No
             dk = dk + jnp.einsum("ST,TH->SH", ds, qb, preferred_element_type=acc_dtype)  # [bk, H], = scale·dsᵀq if pre
             if bias is not None:  # the bias's cotangent is ds, summed over the axes it broadcasts along
                 db_tile = ds_t if tb > 1 else jnp.sum(ds_t, axis=0, keepdims=True)  # [bq or 1, bk]
-                db = db + (db_tile if sb > 1 else jnp.sum(db_tile, axis=1, keepdims=True))  # [bq or 1, sb]
+                db = db + (db_tile if per_key else jnp.sum(db_tile, axis=1, keepdims=True))  # [bq or 1, sb]
             return dq_b, dk, dv, db
 
         lo, f_lo, f_hi, hi = _q_range(plan, j)
@@ -631,7 +632,7 @@ def _backward(q, k, v, mask, scale, out, lse, d_out, d_lse, plan: _Plan, bias=No
     dq, (dk, dv, db) = jax.lax.scan(scan_body, dq0, (jnp.arange(plan.nk), ks, vs))  # [Tp, H], [nk, bk, H], [nk, bk, V], [nk, tb, sb]
     if bias is None:
         d_bias = None
-    elif sb > 1:
+    elif per_key:
         d_bias = db.transpose(1, 0, 2).reshape(tb, plan.nk * bk)  # [tb, Sp]
     else:
         d_bias = jnp.sum(db, axis=0)  # [tb, 1]

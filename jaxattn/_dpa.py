@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn._attention import _diagonal, _keep, _multi_head
 from jaxattn._backends import IMPLEMENTATIONS
@@ -39,12 +40,18 @@ def _lengths(x: Any, B: int, name: str) -> Array | None:
     if x is None:
         return None
     dtype = getattr(x, "dtype", None)
+    if not isinstance(x, jax.Array):  # NumPy or a list: clipped before it becomes int32 (see below)
+        host = np.asarray(x)
+        if np.issubdtype(host.dtype, np.integer):
+            x = np.clip(host, 0, np.iinfo(np.int32).max)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype if dtype is None else dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array [B] (int32 in jax.nn), received dtype {x.dtype.name}")
     if x.shape != (B,):
         raise ValueError(f"{name} must have shape [B] = ({B},), received {tuple(x.shape)}")
-    return x.astype(jnp.int32)
+    # any integer dtype: clipped in its own dtype first, so that a length past int32 keeps every position
+    # (as jax.nn's lengths longer than the sequence do) instead of wrapping round
+    return jnp.clip(x, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32)
 
 
 def _check(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths):
@@ -145,7 +152,11 @@ def dot_product_attention(
     a query row with no kept key (outside ``query_seq_lengths``, or masked everywhere) gives a zero output
     and, with ``return_residual``, ``lse = -inf``; jax.nn gives zeros for the rows past
     ``query_seq_lengths`` but the mean of the values for any other fully masked row. Non-finite inputs
-    follow :func:`jaxattn.attention` (a masked position never matters).
+    follow :func:`jaxattn.attention` (a masked position never matters). Derivatives: the tiled kernels
+    (``"blockwise"``, ``"pallas"``, and so ``None`` on CPU and TPU) are ``jax.custom_vjp`` functions, as
+    jax.nn's cuDNN one is: reverse mode (``jax.grad``, ``jax.vjp``, and reverse over reverse) only;
+    first-order forward mode (``jax.jvp``, ``jax.jacfwd`` of the attention itself) needs ``"dense"`` (or
+    ``"xla"``).
 
     Args:
       query, key, value, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
@@ -161,9 +172,9 @@ def dot_product_attention(
       ``out`` shaped like ``query`` with V for H, in the inputs' dtype; with ``return_residual``,
       ``(out, lse)``.
     """
-    batched = jnp.ndim(query) == 4
     q, k, v, bias, mask, q_len, kv_len = _check(query, key, value, bias, mask, query_seq_lengths,
                                                 key_value_seq_lengths)
+    batched = jnp.ndim(query) == 4  # after the checks, which name a query that is not an array
     is_causal = check_flag(is_causal, "is_causal")
     return_residual = check_flag(return_residual, "return_residual")
     window = check_window(local_window_size)

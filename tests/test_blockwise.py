@@ -303,6 +303,20 @@ def test_gradient_never_builds_a_T_by_S_buffer(heads):
     assert _max_intermediate_size(dense.jaxpr) >= T * S  # the check can fail: the dense path does build it
 
 
+@pytest.mark.parametrize("bias_shape", [(6, 5), (5,), (6, 1)])
+def test_a_bias_gradient_with_key_blocks_of_one_key(bias_shape):
+    """block_k = 1: the bias's key axis is told by its shape, not by the key block's size (the gradient has
+    the bias's shape and equals the dense core's)."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.normal(size=(n, 4)).astype(np.float32) for n in (6, 5, 5))
+    bias = rng.normal(size=bias_shape).astype(np.float32)
+    loss = lambda fn: (lambda b: jnp.sum(fn(q, k, v, bias=b, is_causal=True)[0] ** 2))
+    got = jax.grad(loss(functools.partial(jaxattn.blockwise_attention, block_q=2, block_k=1)))(bias)
+    want = jax.grad(loss(jaxattn.attention))(bias)
+    assert got.shape == bias.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_empty_lengths():
     q, k, v = _qkv(10, 3, 0)
     out, lse = jaxattn.blockwise_attention(q, k, v)

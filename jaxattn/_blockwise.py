@@ -366,8 +366,8 @@ def _tile_forward(q, k, v, mask, bias, scale, plan: _Plan, pre: bool) -> tuple[A
 # [bq, L] product and one softmax per block instead of an online softmax over small tiles, and the few
 # masked logits of the band's two corners are the only waste (a fifth of them for a causal window of 4
 # blocks). GROUP blocks make each step of a scan, so the loop is short (the forward's written out on CPU,
-# vmapped elsewhere: :func:`_each_block`; the backward's vmapped). The backward goes by key blocks, over the mirror image of these bands (each key
-# block's queries in one slice, see _band_backward).
+# vmapped elsewhere: :func:`_each_block`; the backward's vmapped). The backward goes by key blocks, over
+# the mirror image of these bands (each key block's queries in one slice, see _band_backward).
 
 _GROUP = 8  # query blocks per step of the band's scan
 

@@ -212,8 +212,6 @@ _logits_jit = jax.jit(scaled_logits)
 @functools.partial(jax.jit, static_argnames=("causal", "window"))
 def _weights_core(q: Array, k: Array, mask: Array | None, bias: Array | None, scale: Any, causal: int | None,
                   window: tuple | None = None, cap: Any = None) -> Array:
-    if q.shape[0] == 0 or k.shape[0] == 0:  # no logit: as _attend
-        return jnp.zeros((q.shape[0], k.shape[0]), jnp.result_type(q, k))
     keep = _keep(mask, causal, q.shape[0], k.shape[0], window)
     weights = _masked_softmax(scaled_logits(q, k, bias, scale, cap), keep)
     return weights.astype(jnp.result_type(q, k))

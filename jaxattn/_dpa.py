@@ -39,19 +39,16 @@ def _as_4d(x: Array, name: str, axes: str) -> Array:
 def _lengths(x: Any, B: int, name: str) -> Array | None:
     if x is None:
         return None
-    dtype = getattr(x, "dtype", None)
-    if not isinstance(x, jax.Array):  # NumPy or a list: clipped before it becomes int32 (see below)
-        host = np.asarray(x)
-        if np.issubdtype(host.dtype, np.integer):
-            x = np.clip(host, 0, np.iinfo(np.int32).max)
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype if dtype is None else dtype, jnp.integer):
+    if not isinstance(x, jax.Array):  # NumPy or a list keeps its own dtype until clipped (see below)
+        x = np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array [B] (int32 in jax.nn), received dtype {x.dtype.name}")
     if x.shape != (B,):
         raise ValueError(f"{name} must have shape [B] = ({B},), received {tuple(x.shape)}")
     # any integer dtype: clipped in its own dtype first, so that a length past int32 keeps every position
     # (as jax.nn's lengths longer than the sequence do) instead of wrapping round
-    return jnp.clip(x, 0, jnp.iinfo(jnp.int32).max).astype(jnp.int32)
+    clip = np.clip if isinstance(x, np.ndarray) else jnp.clip
+    return jnp.asarray(clip(x, 0, np.iinfo(np.int32).max)).astype(jnp.int32)
 
 
 def _check(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths):

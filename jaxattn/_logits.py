@@ -111,8 +111,6 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
     (as well): an any over each query's range of keys from log2(range) doublings of an any over shifted
     rows (a sparse table), O((T + S)·C·log(range)) and only when some value is bad.
     """
-    if T == 0:  # no query: nothing is hit (and a [0, S] mask has no rank-one structure to read)
-        return jnp.zeros((0, bad.shape[1]), bool)
     t, s = (1, 1) if mask is None else mask.shape
     if t > 1 and s > 1:  # a general mask
         B = min(32, S)

@@ -24,11 +24,19 @@ own ratio; beside them each compiled program's temporary buffer and the minor pa
 call (on XLA's CPU backend a temporary above glibc's 32 MiB mmap threshold is fresh memory, faulted in
 anew, on every call); and the windowed forward+backward's peak resident memory at ``--window-memory-T``
 in a process of its own.
+
+``--baseline DIR`` compares this checkout with another (DIR: e.g. ``git worktree add DIR <commit>``) at the
+GPT-2 configurations: ``--rounds`` fresh processes of each, alternating (which side starts alternates too),
+each timing ``xla``, ``dense`` and ``blockwise`` in interleaved rounds; per process the ratios dense/xla
+and blockwise/xla (wall and CPU), then their median over the processes with the spread, each side's, and
+ours over the baseline's (``<out>/bench_baseline.json`` and ``.md``). The ratio to ``jax.nn`` in the same
+process is what is compared, so a machine slower in one process than in the next cancels out.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -38,12 +46,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
+# this checkout's jaxattn, whatever is installed (or another checkout's, in --baseline's children)
+sys.path.insert(0, os.environ.get("JAXATTN_BENCH_ROOT") or str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
-
-from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder
 
 GIB = 1024**3
 IMPLS_CPU = ("xla", "dense", "naive", "blockwise")
@@ -60,6 +68,10 @@ def _implementations(causal: bool, block_q: int, block_k: int):
     import jax.numpy as jnp
 
     import jaxattn
+
+    # a --baseline checkout from before the implementation switch has one kernel, its own
+    named = {"implementation": "blockwise"} if "implementation" in inspect.signature(
+        jaxattn.multi_head_blockwise_attention).parameters else {}
 
     def naive(q, k, v):
         """The chapter's four lines (§6), per head, in JAX: scores, scale, softmax, weighted sum."""
@@ -84,7 +96,7 @@ def _implementations(causal: bool, block_q: int, block_k: int):
         "naive": naive,
         # jaxattn's own tiled kernel, named (None would pick cuDNN for bf16 on an NVIDIA GPU)
         "blockwise": lambda q, k, v: jaxattn.multi_head_blockwise_attention(
-            q, k, v, is_causal=causal, block_q=block_q, block_k=block_k, implementation="blockwise"
+            q, k, v, is_causal=causal, block_q=block_q, block_k=block_k, **named
         )[0],
         # the Pallas GPU kernel (jax.experimental.pallas.ops.gpu.attention.mha) through jaxattn's switch
         "pallas": lambda q, k, v: jaxattn.multi_head_blockwise_attention(q, k, v, is_causal=causal, implementation="pallas")[0],
@@ -318,6 +330,8 @@ def _render_windows(report: dict) -> str:
 
 
 def _run_windows(args) -> None:
+    from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder
+
     try:
         prepare_output_folder(args.out, ("bench_windows.json", "bench_windows.md"), create=False)
     except OutputFolderError as e:
@@ -397,6 +411,130 @@ def _peak_memory(cfg: dict, impl: str, seed: int, timeout: float) -> dict:
     if proc.returncode < 0:
         return dict(error=f"killed by signal {-proc.returncode} (likely out of memory)")
     return dict(error=f"exit code {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else ''}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Against another checkout (--baseline).
+# ----------------------------------------------------------------------------------------------------
+
+BASELINE_IMPLS = ("xla", "dense", "blockwise")
+
+
+def _baseline_child(spec: dict) -> dict:
+    """One process of --baseline: each configuration timed as the main run times it, on whichever
+    checkout's jaxattn comes first on the path."""
+    import jax
+
+    import jaxattn
+
+    knobs = SimpleNamespace(**spec["knobs"])
+    configs = {_key(cfg): _time_config(cfg, list(BASELINE_IMPLS), knobs, spec["seed"]) for cfg in spec["cfgs"]}
+    return dict(configs=configs, jaxattn=str(Path(jaxattn.__file__).resolve().parent), jax=jax.__version__)
+
+
+def _baseline_summary(runs: dict) -> dict:
+    """Per configuration and implementation: each side's per-process ratio to xla (wall and CPU) over its
+    processes, its own time, and ours over the baseline's (the medians' ratio)."""
+    summary = {}
+    for key in runs["ours"][0]["configs"]:
+        summary[key] = {}
+        for impl in BASELINE_IMPLS[1:]:
+            entry = {}
+            for side, processes in runs.items():
+                wall, cpu, ms, errors = [], [], [], []
+                for proc in processes:
+                    res = proc["configs"][key]["results"]
+                    if "seconds" not in res.get(impl, {}) or "seconds" not in res.get("xla", {}):
+                        errors.append(res.get(impl, {}).get("error") or res.get("xla", {}).get("error") or "missing")
+                        continue
+                    wall.append(res[impl]["seconds"] / res["xla"]["seconds"])
+                    cpu.append(res[impl]["cpu_seconds"] / res["xla"]["cpu_seconds"])
+                    ms.append(res[impl]["seconds"] * 1e3)
+                entry[side] = dict(errors=errors, **({} if not wall else dict(
+                    wall=_spread(wall), cpu=_spread(cpu), ms=_spread(ms))))
+            if "wall" in entry["ours"] and "wall" in entry["baseline"]:
+                entry["ours_over_baseline"] = entry["ours"]["wall"]["median"] / entry["baseline"]["wall"]["median"]
+                entry["cpu_ours_over_baseline"] = entry["ours"]["cpu"]["median"] / entry["baseline"]["cpu"]["median"]
+            summary[key][impl] = entry
+    return summary
+
+
+def _render_baseline(report: dict) -> str:
+    meta = report["meta"]
+    lines = [
+        "# Ratios to jax.nn.dot_product_attention against another checkout",
+        "",
+        f"`{meta['command']}` on {meta['machine']}, jax {meta['jax']} ({meta['backend']}, {meta['dtype']}); "
+        f"ours: {meta['ours']}; baseline: {meta['baseline']}. {meta['processes']} fresh processes of each side, "
+        f"alternating; in each, xla, dense and blockwise timed in interleaved rounds (the median of the rounds), "
+        f"and the ratio to xla taken in that process. Each cell: the median over the processes (min-max), "
+        f"the CPU-time ratio beside it, and the implementation's own median time.",
+        "",
+        "| configuration | ratio | ours (min-max), CPU, time | baseline's (min-max), CPU, time | ours / baseline's (CPU) |",
+        "|---|---|---|---|---|",
+    ]
+
+    def cell(side: dict) -> str:
+        if "wall" not in side:
+            return "failed: " + "; ".join(side["errors"])[:200]
+        w, c, ms = side["wall"], side["cpu"], side["ms"]
+        return f"{w['median']:.3f} ({w['min']:.3f}-{w['max']:.3f}), CPU {c['median']:.3f}, {ms['median']:.1f} ms"
+
+    for key, per_impl in report["summary"].items():
+        for impl, entry in per_impl.items():
+            r = entry.get("ours_over_baseline")
+            ratio = "–" if r is None else f"**{r:.3f}** ({entry['cpu_ours_over_baseline']:.3f})"
+            lines.append(f"| {key} | {impl}/xla | {cell(entry['ours'])} | {cell(entry['baseline'])} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def _run_baseline(args) -> None:
+    from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder
+
+    root = Path(args.baseline).resolve()
+    if not (root / "jaxattn" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {args.baseline!r}: expected a checkout with jaxattn/__init__.py in it")
+    try:
+        prepare_output_folder(args.out, ("bench_baseline.json", "bench_baseline.md"), create=False)
+    except OutputFolderError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+    import jax
+
+    if jax.default_backend() != "cpu":
+        raise SystemExit("--baseline compares float32 runs on CPU; jax's default backend is "
+                         f"{jax.default_backend()!r} (JAX_PLATFORMS=cpu runs it on the host)")
+    cfgs = [c for c in _configs(SimpleNamespace(**{**vars(args), "skip_gpt2": False, "long_T": []}), "float32")
+            if args.only in _key(c)]
+    if not cfgs:
+        raise SystemExit(f"--baseline: no GPT-2 configuration's key contains --only {args.only!r}")
+    spec = dict(cfgs=cfgs, seed=args.seed, knobs=dict(min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+                                                    seconds_per_config=args.seconds_per_config, matmul_n=args.matmul_n))
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXATTN_BENCH_ROOT")}
+    ours_root = str(Path(__file__).resolve().parent.parent)
+    runs = {"ours": [], "baseline": []}
+    for r in range(args.rounds):
+        for side in (("ours", "baseline") if r % 2 == 0 else ("baseline", "ours")):  # who starts alternates
+            child_env = dict(env, JAXATTN_BENCH_ROOT=str(root) if side == "baseline" else ours_root)
+            proc = subprocess.run([sys.executable, __file__, "--baseline-child", json.dumps(spec)],
+                                  capture_output=True, text=True, env=child_env)
+            if proc.returncode != 0:
+                raise SystemExit(f"--baseline: a process on {side}'s jaxattn failed:\n{proc.stderr[-3000:]}")
+            runs[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"process {r + 1} of {args.rounds}, {side}: done", flush=True)
+    out_dir = Path(args.out)
+    report = dict(
+        meta=dict(command=" ".join([os.path.basename(sys.executable), *sys.argv]), jax=jax.__version__,
+                  machine=f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+                  backend="cpu", dtype="float32", ours=runs["ours"][0]["jaxattn"], baseline=runs["baseline"][0]["jaxattn"],
+                  processes=args.rounds, seed=args.seed),
+        summary=_baseline_summary(runs), runs=runs,
+    )
+    atomic_write(out_dir / "bench_baseline.json", json.dumps(report, indent=1))
+    text = _render_baseline(report)
+    atomic_write(out_dir / "bench_baseline.md", text)
+    print(text)
+    print(f"wrote {out_dir / 'bench_baseline.json'} and {out_dir / 'bench_baseline.md'}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -557,6 +695,8 @@ def _derived(report: dict) -> list[str]:
 
 
 def main() -> None:
+    from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench-output", help="output folder (default: bench-output)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few rounds (a smoke run of a minute or two)")
@@ -591,7 +731,10 @@ def main() -> None:
     parser.add_argument("--window-T", type=int, nargs="*", default=[16384])
     parser.add_argument("--causal-T", type=int, nargs="*", default=[8192, 16384])
     parser.add_argument("--window-memory-T", type=int, default=65536, help="--windows: T of the memory run (0: none)")
-    parser.add_argument("--rounds", type=int, default=5, help="--windows: interleaved timed rounds (>= 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="--windows: interleaved timed rounds; --baseline: processes of each side (>= 3)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="another checkout: the GPT-2 configurations' dense/xla and blockwise/xla against its")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--window-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -599,6 +742,11 @@ def main() -> None:
     if args.window_child:
         spec = json.loads(args.window_child)
         print(json.dumps(_window_child(spec["cfg"], spec["seed"])), flush=True)
+        return
+    if args.baseline is not None:
+        if args.rounds < 3:
+            parser.error(f"--rounds must be >= 3, received {args.rounds}")
+        _run_baseline(args)
         return
     if args.windows:
         for name in ("window", "window_block", "rounds"):
@@ -710,4 +858,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--baseline-child"]:  # before main(): a baseline's jaxattn may lack what main() imports
+        print(json.dumps(_baseline_child(json.loads(sys.argv[2]))), flush=True)
+    else:
+        main()

@@ -167,9 +167,11 @@ def _finite_values(v: Array) -> Array:
 
     Only for :func:`_weighted_sum`: a non-finite ``v[s, c]`` is zeroed before the product, and every output
     it could reach (a row that keeps key s, in column c) is put back to NaN with its cotangent dropped, so
-    the entry's gradient is zero either way. The ``where``'s own transpose, a select over ``dv``, made XLA's
-    CPU backend compute ``dv = pᵀ dout`` as a plain transposed product instead of through its matrix
-    library (about 8% of the dense forward+backward at GPT-2 shapes)."""
+    the entry's gradient is zero either way, and a finite tangent there reaches only rows whose weight on
+    key s is 0 (a tangent that is itself non-finite there would reach them as ``0 · NaN``). The ``where``'s
+    own transpose, a select over ``dv``, made XLA's CPU backend compute ``dv = pᵀ dout`` as a plain
+    transposed product instead of through its matrix library (about 8% of the dense forward+backward at
+    GPT-2 shapes)."""
     return jnp.where(jnp.isfinite(v), v, 0.0)
 
 

@@ -442,6 +442,30 @@ def test_masked_non_finite_inputs_do_not_leak_into_outputs_or_gradients(T, S, ma
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_forward_mode_through_non_finite_values_masked_and_kept_agrees_with_reverse_mode(value):
+    """A non-finite ``v[s, c]`` (one masked, one kept by some rows): the output tangents are finite, zero at
+    the NaN outputs, equal to those with the entries zeroed, and agree with the reverse-mode gradient."""
+    T, S = 6, 6
+    bad, zero = _poisoned(T, S, "v", (5, 1), value)  # key 5: every row but the last masks it (causal)
+    bad["v"][2, 0], zero["v"][2, 0] = value, 0.0  # key 2: kept by rows 2..5
+    keep = _keep_np(T, S, None, True)
+    nan_out = _expected_nan(keep, "v", ([5, 2], [1, 0]))
+    f = lambda q, k, v: jaxattn.attention(q, k, v, is_causal=True)[0]
+    rng = np.random.default_rng(6)
+    tangents = tuple(rng.standard_normal(x.shape).astype(np.float32) for x in (bad["q"], bad["k"], bad["v"]))
+    out, t_out = jax.jvp(f, (bad["q"], bad["k"], bad["v"]), tangents)
+    np.testing.assert_array_equal(np.isnan(out), nan_out)
+    t_out = np.asarray(t_out)
+    assert np.all(np.isfinite(t_out)) and np.all(t_out[nan_out] == 0.0)
+    _, t_zero = jax.jvp(f, (zero["q"], zero["k"], zero["v"]), tangents)
+    np.testing.assert_allclose(t_out[~nan_out], np.asarray(t_zero)[~nan_out], rtol=1e-5, atol=1e-6)
+    ct = rng.standard_normal((T, 3)).astype(np.float32)
+    grads = jax.grad(_loss_off_nan(f, nan_out, ct), (0, 1, 2))(bad["q"], bad["k"], bad["v"])
+    assert all(np.all(np.isfinite(g)) for g in grads)
+    np.testing.assert_allclose(np.sum(t_out * ct), sum(np.sum(g * t) for g, t in zip(grads, tangents)), rtol=1e-5)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_masked_non_finite_bias_does_not_leak_and_a_kept_one_shows(value):
     T, S = 5, 6

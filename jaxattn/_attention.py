@@ -188,9 +188,12 @@ def _weighted_sum(p0: Array, nan_row: Array, v: Array, hit: Array) -> Array:
     is put back where it belongs: entry ``(t, c)`` is NaN iff row t is a NaN row or ``hit[t, c]`` (row t
     keeps a key whose ``v[:, c]`` is non-finite, :func:`kept_nonfinite`). The cotangent of those NaN
     entries is dropped, so a row that never kept a non-finite v gets finite gradients.
+
+    The product runs in the wider of the two dtypes (float64 values with float32 weights: float64), so no
+    finite value overflows on the way in: ``hit``, read from v's own dtype, then names every entry zeroed.
     """
-    v = v.astype(p0.dtype)  # [S, V]
-    out = jnp.einsum("TS,SV->TV", p0, _finite_values(v))  # [T, V]
+    dtype = jnp.promote_types(p0.dtype, v.dtype)
+    out = jnp.einsum("TS,SV->TV", p0.astype(dtype), _finite_values(v.astype(dtype)))  # [T, V]
     return jnp.where(jnp.logical_or(hit, nan_row), jnp.nan, out)  # [T, V]
 
 

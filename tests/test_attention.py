@@ -466,6 +466,23 @@ def test_forward_mode_through_non_finite_values_masked_and_kept_agrees_with_reve
     np.testing.assert_allclose(np.sum(t_out * ct), sum(np.sum(g * t) for g, t in zip(grads, tangents)), rtol=1e-5)
 
 
+def test_float64_values_beyond_float32_with_float32_queries_are_summed_in_float64(x64):
+    """q, k float32 (weights in float32), v float64 holding 1e39: the weighted sum runs in float64, so the
+    value is neither dropped nor turned into inf; its gradient is the weights' column, as for any value."""
+    rng = np.random.default_rng(8)
+    q, k = (rng.standard_normal((4, 4)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((4, 2))
+    v[1, 0] = 1e39  # finite in float64, past float32's largest
+    f = lambda q, k, v: jaxattn.attention(q, k, v, is_causal=True)
+    out, w = (np.asarray(x) for x in f(q, k, v))
+    assert out.dtype == np.float64 and w.dtype == np.float32 and np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, w.astype(np.float64) @ v, rtol=1e-12)  # row 0 masks key 1: unaffected
+    np.testing.assert_allclose(out[1:, 0] / 1e39, w[1:, 1], rtol=1e-6)
+    dv = np.asarray(jax.grad(lambda v: jnp.sum(f(q, k, v)[0][:, 0]))(v))
+    np.testing.assert_allclose(dv[:, 0], w.sum(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(dv[:, 1], 0.0)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_masked_non_finite_bias_does_not_leak_and_a_kept_one_shows(value):
     T, S = 5, 6

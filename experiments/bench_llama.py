@@ -27,6 +27,10 @@ alternating (target: no slower by more than 10%). It writes nothing.
 --first-generate times only the first calls of ``generate`` (a 5-token prompt, 15 new tokens) and of the
 forward on the same prompt, in fresh processes, alternating (target <= 2x), without Flax.
 
+With --baseline DIR, --gradient and --first-generate also time the same first calls of DIR's jaxattn (fresh
+processes, in the same rounds) and print ours / the baseline's for each, and the baseline's own ratio: a
+ratio target can move because its denominator, our forward's first call, did.
+
 --random-init replaces the bundled checkpoint by random weights of its shapes (``llama.init_params``; the
 same config), for a machine where the checkpoint's wheel is not installed: the times do not depend on the
 values. Every child process (and the --baseline's) then builds the same random params.
@@ -222,7 +226,7 @@ def _child(what: str, T: int, seed: int, *, root: str | None = None, repeats: in
 
 def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None, extra: tuple[str, ...] = ()) -> None:
     """The gradient's first call against the forward's, and its steady time against ``baseline``'s."""
-    first = {"grad": [], "forward": []}
+    first = {"grad": [], "forward": [], "baseline forward": []}
     steady = {"ours": [], "baseline": []}
     for _ in range(rounds):  # alternating, each a fresh process
         for what in ("grad", "forward"):
@@ -230,6 +234,7 @@ def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None
         steady["ours"].append(_child("steady-grad", T, seed, repeats=repeats, extra=extra))
         if baseline is not None:
             steady["baseline"].append(_child("steady-grad", T, seed, root=baseline, repeats=repeats, extra=extra))
+            first["baseline forward"].append(_child("forward", T, seed, root=baseline, extra=extra))
     fg, ff = ([r["wall_s"] for r in first[w]] for w in ("grad", "forward"))
     cg, cf = ([r["cpu_s"] for r in first[w]] for w in ("grad", "forward"))
     print(f"first calls at T={T}, {rounds} fresh processes each: jax.jit(jax.grad(log_prob)) wall {_spread(fg)}, "
@@ -237,7 +242,22 @@ def _gradient(T: int, rounds: int, repeats: int, seed: int, baseline: str | None
     r = statistics.median(fg) / statistics.median(ff)
     print(f"gradient's first call / forward's: {r:.2f} (CPU {statistics.median(cg) / statistics.median(cf):.2f}; "
           f"target <= 2.0: {'met' if r <= 2.0 else 'NOT met'})")
+    if baseline is not None:  # the same first calls of the baseline (its steady-grad process's first call)
+        _report_first_against_baseline({"grad": fg, "forward": ff},
+                                       {"grad": [x["wall_s"] for x in steady["baseline"]],
+                                        "forward": [x["wall_s"] for x in first["baseline forward"]]}, baseline)
     _report_steady("steady gradient", steady, repeats, rounds, baseline, target=1.10)
+
+
+def _report_first_against_baseline(ours: dict[str, list[float]], theirs: dict[str, list[float]], baseline: str) -> None:
+    """Print the baseline's first calls (fresh processes), ours / the baseline's for each, and the baseline's own
+    ratio of the first named to the second: whether a ratio target moved because its denominator did."""
+    a, b = list(ours)
+    for what in (a, b):
+        print(f"first call {what} (baseline {baseline}): wall {_spread(theirs[what])}; ours / baseline's: "
+              f"{statistics.median(ours[what]) / statistics.median(theirs[what]):.3f}")
+    print(f"the baseline's first call {a} / its {b}: "
+          f"{statistics.median(theirs[a]) / statistics.median(theirs[b]):.3f}")
 
 
 def _steady_generate(T: int, rounds: int, repeats: int, seed: int, baseline: str | None, extra: tuple[str, ...] = ()) -> None:
@@ -304,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only generate's first call against the forward's (5-token prompt), without Flax")
     parser.add_argument("--random-init", action="store_true",
                         help="random weights of the bundled checkpoint's shapes instead of the checkpoint")
-    parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn's steady gradient is the baseline")
+    parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn is the baseline (--gradient, --generate, --first-generate)")
     parser.add_argument("--T", type=int, default=512)
     parser.add_argument("--repeats", type=int_at_least(3), default=5, help="steady calls timed (a median of at least 3)")
     parser.add_argument("--load-repeats", type=int_at_least(1), default=3,
@@ -325,12 +345,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.first_generate:
         rounds = max(args.first_repeats, 3)
-        first = _first_calls(5, rounds, args.seed, [("forward", 5), ("generate", 5)], extra)
+        first = {"forward@5": {"wall": [], "cpu": []}, "generate@5": {"wall": [], "cpu": []}}
+        theirs: dict[str, list[float]] = {"generate": [], "forward": []}
+        for _ in range(rounds):  # alternating, each a fresh process; the baseline's after ours in each round
+            for what in ("forward", "generate"):
+                record = _child(what, 5, args.seed, extra=extra)
+                first[f"{what}@5"]["wall"].append(record["wall_s"])
+                first[f"{what}@5"]["cpu"].append(record["cpu_s"])
+            if args.baseline is not None:
+                for what in ("forward", "generate"):
+                    theirs[what].append(_child(what, 5, args.seed, root=args.baseline, extra=extra)["wall_s"])
         for label in ("forward@5", "generate@5"):
             print(f"first call {label:11s} ({rounds} fresh processes): wall {_spread(first[label]['wall'])}; "
                   f"CPU {_spread(first[label]['cpu'])}")
         med = {k: {m: statistics.median(v[m]) for m in ("wall", "cpu")} for k, v in first.items()}
         print(f"{_generate_ratio(med)}; jax {jax.__version__} on {jax.devices()[0].platform}")
+        if args.baseline is not None:
+            _report_first_against_baseline({"generate": first["generate@5"]["wall"],
+                                            "forward": first["forward@5"]["wall"]}, theirs, args.baseline)
         return 0
     if args.phases:
         env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}

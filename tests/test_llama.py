@@ -725,6 +725,23 @@ def test_the_llama_benchmarks_random_init_has_the_bundled_models_config_and_shap
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, loaded)
 
 
+def test_the_llama_benchmarks_baseline_first_calls_report_each_quotient_and_the_baselines_own_ratio(capsys):
+    """bench_llama.py --first-generate/--gradient --baseline: ours / the baseline's for each first call (the
+    medians over processes) and the baseline's own ratio, so a ratio target that moved because its
+    denominator did says so."""
+    import runpy
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parent.parent / "experiments" / "bench_llama.py"))
+    bench["_report_first_against_baseline"]({"generate": [1.4, 1.5, 1.8], "forward": [0.6, 0.7, 0.65]},
+                                            {"generate": [2.0, 1.9, 1.7], "forward": [1.1, 1.2, 1.0]}, "DIR")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("first call generate (baseline DIR): wall median 1.90 s (min 1.70, max 2.00)")
+    assert lines[0].endswith(f"ours / baseline's: {1.5 / 1.9:.3f}")
+    assert lines[1].endswith(f"ours / baseline's: {0.65 / 1.1:.3f}")
+    assert lines[2] == f"the baseline's first call generate / its forward: {1.9 / 1.1:.3f}"
+
+
 @pytest.mark.slow
 def test_bundled_model_is_smollm2_135m(smollm2):
     params, config, tokenizer = smollm2

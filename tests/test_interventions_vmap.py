@@ -63,6 +63,25 @@ def test_a_table_under_vmap_and_jit_over_prompts_equals_the_loop(params, clean_z
     np.testing.assert_allclose(np.asarray(jitted), loop, rtol=1e-5, atol=1e-5)
 
 
+def test_a_batched_bound_of_traced_ids_gives_its_concrete_tables(params):
+    """A batched bound whose sequences share a prefix packs them when its ids are concrete; traced by a
+    caller's jit (or vmapped over pairs of prompts), it runs the batch unpacked, to the same tables."""
+    pairs = np.stack([IDS[:2], np.stack([IDS[1], IDS[1]])])  # [2 pairs, 2 sequences, T]; the second shares a prefix
+    pairs[1, 1, 5:] = IDS[0, 5:]
+    masks = np.ones_like(pairs)
+    pair_metric = lambda out: out.logits[0, -1, 5] - out.logits[1, -1, 7]  # noqa: E731
+    tables = {"ablation": lambda b: I.ablation_effects(b, pair_metric),
+              "patch": lambda b: I.patching_effects(b, pair_metric, b(capture=("z",)).captured["z"][::-1])}
+    for name, table in tables.items():
+        over = lambda p, ids, m: table(I.bind(llama, p, CONFIG, ids, attention_mask=m))  # noqa: E731
+        loop = np.stack([np.asarray(over(params, ids, m)) for ids, m in zip(pairs, masks)])
+        assert np.abs(loop).max() > 1e-4, name  # the heads move the metric
+        np.testing.assert_allclose(np.asarray(jax.jit(over)(params, pairs[1], masks[1])), loop[1],
+                                   rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(np.asarray(jax.vmap(over, in_axes=(None, 0, 0))(params, pairs, masks)), loop,
+                                   rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_bind_checks_traced_ids_by_dtype_and_shape(params):
     with pytest.raises(TypeError, match=r"input_ids must be integer token ids"):
         jax.vmap(lambda x: I.bind(llama, params, CONFIG, x).args["ids"])(IDS.astype(np.float32))

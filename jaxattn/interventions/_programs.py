@@ -242,6 +242,8 @@ def _packing(bound: Bound, kind: str, name: str | None, extra: Any) -> Packing |
     and a patch value that agrees over the prefix), else ``None``."""
     if bound.batch is None or bound.resume is None or not bound.spec.causal:
         return None
+    if any(isinstance(a, jax.core.Tracer) for a in (bound.args["ids"], bound.args["mask"])):
+        return None  # traced by a caller's jit or vmap: the plan reads the values; the batch runs unpacked
     pk = plan(bound.args["ids"], bound.args["mask"])
     if pk is None or kind == "gate":
         return pk

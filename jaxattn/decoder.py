@@ -533,11 +533,14 @@ def resume(family: Family, params: Any, config: Any, resid_pre: Any, layer: Any,
 _WARNED_CLOSED_OVER = []  # a warning once per process
 
 
-def warn_if_params_closed_over(params: Any, input_ids: Any, fn: str) -> None:
+def warn_if_params_closed_over(params: Any, input_ids: Any, fn: str, *, call: str | None = None,
+                               stacklevel: int = 4) -> None:
     """Warn, once, when ``fn`` is traced by ``jax.jit`` with its ids traced but its params concrete arrays:
     the caller's ``jit`` closed over the weights, which makes every weight a constant of the compiled
     program for XLA to fold (tens of seconds on a 135M model). Nothing is changed; only ``jit`` tracing
-    counts (``vmap`` or ``grad`` over a closure compile nothing of the weights)."""
+    counts (``vmap`` or ``grad`` over a closure compile nothing of the weights). ``call`` is the call the
+    message suggests, with ``p`` for the params (default ``fn(p, config, ids)``); ``stacklevel`` is
+    :func:`warnings.warn`'s, counted from this function (4: the caller of a model module's function)."""
     if _WARNED_CLOSED_OVER or not isinstance(input_ids, jax.core.Tracer):
         return
     from jax._src import core as _core  # the one query of whether a jit trace is running
@@ -554,8 +557,8 @@ def warn_if_params_closed_over(params: Any, input_ids: Any, fn: str) -> None:
             f"{fn} is being traced by jax.jit with the ids traced but the params as concrete arrays: the "
             f"jitted function closes over the weights, so each becomes a constant of the compiled program "
             f"and XLA constant-folds them (slow to compile). Pass params as an argument instead: "
-            f"jax.jit(lambda p, ids: {fn}(p, config, ids))(params, ids). (Shown once.)",
-            stacklevel=4,
+            f"jax.jit(lambda p, ids: {call or f'{fn}(p, config, ids)'})(params, ids). (Shown once.)",
+            stacklevel=stacklevel,
         )
 
 

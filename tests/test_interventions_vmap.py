@@ -82,6 +82,26 @@ def test_a_batched_bound_of_traced_ids_gives_its_concrete_tables(params):
                                    rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_a_table_warns_once_when_a_jit_closes_over_the_params(params, monkeypatch):
+    """The tables' own jit hands the forward traced params, so ``bind`` itself warns when the caller's jit
+    closes over concrete ones (each weight a constant of the compiled program); not with params as an
+    argument, not under vmap alone."""
+    import warnings
+
+    from jaxattn import decoder
+
+    monkeypatch.setattr(decoder, "_WARNED_CLOSED_OVER", [])
+    table = lambda p, ids: I.ablation_effects(I.bind(llama, p, CONFIG, ids), metric)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(table).lower(params, IDS[0])  # params as an argument
+        jax.vmap(lambda ids: table(params, ids))(IDS[:2])  # vmap compiles no closure
+    with pytest.warns(UserWarning, match=r"jaxattn\.interventions\.bind is being traced by jax\.jit with the ids "
+                                         r"traced but the params as concrete arrays.*jax\.jit\(lambda p, ids: "
+                                         r"jaxattn\.interventions\.bind\(module, p, config, ids\)\)\(params, ids\)"):
+        jax.jit(lambda ids: table(params, ids)).lower(IDS[0])
+
+
 def test_bind_checks_traced_ids_by_dtype_and_shape(params):
     with pytest.raises(TypeError, match=r"input_ids must be integer token ids"):
         jax.vmap(lambda x: I.bind(llama, params, CONFIG, x).args["ids"])(IDS.astype(np.float32))

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxattn._inputs import batch_ids, batch_mask, check_id_values, check_mask_values
 from jaxattn._sites import CAPTURE_NAMES
+from jaxattn.decoder import warn_if_params_closed_over
 from jaxattn.models import ModelSpec, bucket_length, spec
 
 Array = jax.Array
@@ -180,6 +181,9 @@ def bind(module: Any, params: Any, config: Any, input_ids: Any, *, attention_mas
       the tables of a :class:`~jaxattn.interventions.RowMetric` run: a new prompt length inside a bucket
       compiles nothing new for them.
     """
+    # the tables' own jit would hide weights closed over by the caller's (they reach the forward traced)
+    warn_if_params_closed_over(params, input_ids, "jaxattn.interventions.bind",
+                               call="jaxattn.interventions.bind(module, p, config, ids)", stacklevel=3)
     declared = spec(module)
     # concrete arrays whole on one device are read on the host, as NumPy ones (nothing compiled per length);
     # the tables' programs put them where the params are

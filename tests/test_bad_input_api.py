@@ -116,6 +116,29 @@ def test_effect_table_arguments_are_refused_by_name(tiny):
     assert interventions.patching_effects(tiny["two"], batch_metric, z3[:2]).shape == (2, 2)  # B = 2: accepted
 
 
+def test_a_patch_value_of_another_length_is_refused_before_anything_compiles(tiny):
+    """patching_effects, joint_patching_effect and attribution_patching check the value against the
+    captured tensor's shape (from the model's sizes) before compiling or running the model."""
+    import jax
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda e, d, **k: compiles.append(e) if e == "/jax/core/compile/backend_compile_duration" else None)
+    z = tiny["one"](capture=("z",)).captured["z"]  # [L, T, N, H] = (2, 5, 2, 8)
+    short = np.zeros((2, T - 1, 2, 8), np.float32)
+    tables = (lambda: interventions.patching_effects(tiny["one"], logit, short),
+              lambda: interventions.patching_effects(tiny["one"], logit, short, resume=False),
+              lambda: interventions.joint_patching_effect(tiny["one"], logit, short, "all"),
+              lambda: interventions.attribution_patching(tiny["one"], logit, short))
+    for table in tables:
+        before = len(compiles)
+        with pytest.raises(ValueError, match=r"^value must have the shape of the captured z, \(2, 5, 2, 8\) \(or 1 "
+                                             r"along an axis; a batched bound's may lead with B\), received \(2, 4, 2, 8\)"):
+            table()
+        assert len(compiles) == before
+    assert interventions.patching_effects(tiny["one"], logit, z[:, :1]).shape == (2, 2)  # size 1: broadcast
+
+
 def test_evaluate_refuses_empty_and_malformed_pairs():
     pairs = interventions.parse_pairs({"pairs": [PAIR]})
     score = lambda context, continuation: -1.0

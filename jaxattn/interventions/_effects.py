@@ -224,6 +224,24 @@ def _value_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
     return tuple(value.shape)
 
 
+def _captured_shape(bound: Bound, name: str) -> tuple[int, ...]:
+    """The captured ``name``'s shape ``[L, ...]`` for one input at the bound's length, from the model's
+    sizes (nothing traced)."""
+    s = bound.spec.sizes(bound.config)
+    T = bound.args["ids"].shape[-1]
+    return (s.layers, *site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)[name])
+
+
+def _check_value_shape(bound: Bound, name: str, value: Array) -> None:
+    """Refuse a value that does not broadcast to the captured ``name`` at the bound's length, before any
+    program is compiled or run."""
+    shape = _value_shape(bound, name, value)  # per input: a batch axis checked and set aside
+    captured = _captured_shape(bound, name)
+    if not _broadcasts(shape, captured):
+        raise ValueError(f"value must have the shape of the captured {name}, {captured} (or 1 along an axis; "
+                         f"a batched bound's may lead with B), received {tuple(value.shape)}")
+
+
 def _check_value(name: str, value: Any, sites: tuple[str, ...] = HEAD_SITES) -> Array:
     if name not in sites:
         if sites == HEAD_SITES:
@@ -283,8 +301,7 @@ def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]
         if a in "TS" and n not in (T, 1):
             raise ValueError(f"value must have T = {T} (the bound's tokens) or 1 along its {a} axis (the captured "
                              f"{name} is [{', '.join(axes)}]), received shape {tuple(value.shape)}")
-    s = bound.spec.sizes(bound.config)
-    captured = (s.layers, *site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)[name])
+    captured = _captured_shape(bound, name)
     if not _broadcasts(tuple(value.shape), captured):  # checked here, at the prompt's length
         raise ValueError(f"value must have the shape of the captured {name}, {captured} (or 1 along an "
                          f"axis), received {tuple(value.shape)}")
@@ -336,6 +353,7 @@ def patching_effects(bound: Bound, metric: Metric, value: Any, *, name: str = "z
     if mesh is not None:
         _mesh.check(mesh, data_axis)
     value = _every_layer(bound, name, _check_value(name, value, HEAD_SITES + POSITION_SITES))
+    _check_value_shape(bound, name, value)
     shape = _where_shape(bound, name, value)
     fast = resume and resumable(bound)
     padded = fast and _bucketed(bound, metric)  # a RowMetric's table runs at the bucket's length
@@ -391,6 +409,7 @@ def joint_patching_effect(bound: Bound, metric: Metric, value: Any, heads: Any, 
     """
     _check_bound(bound), _check_metric(metric)
     value = _every_layer(bound, name, _check_value(name, value))
+    _check_value_shape(bound, name, value)
     shape = _where_shape(bound, name, value)
     if _bucketed(bound, metric):  # a RowMetric's effect runs at the bucket's length, the value padded alike
         value, shape = _pad_to_bucket(bound, name, value, shape)
@@ -554,7 +573,7 @@ def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str 
     """
     _check_bound(bound)
     value = _check_value(name, value)
-    _value_shape(bound, name, value)
+    _check_value_shape(bound, name, value)
     clean, grad, cut = _layer_gradients(bound, metric, name, chunk, mesh, data_axis)
     if mesh is None and _bucketed(bound, metric):  # at the bucket's length: the value padded alike
         T = bound.args["ids"].shape[-1]

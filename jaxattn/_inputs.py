@@ -57,6 +57,13 @@ def check_mask_values(mask: Any, name: str = "attention_mask", *, need_real: boo
         raise ValueError(f"{name} marks no real token ({where}): there is nothing to run the model on")
 
 
+def _sequence(x: Any, name: str) -> np.ndarray:
+    """``x``, a Python sequence (no dtype), as NumPy; an empty one as int32, so that its shape is what gets
+    checked (``np.asarray([])`` is float64, which the dtype checks would refuse first)."""
+    a = _as_numpy(x, name)
+    return a.astype(np.int32) if a.size == 0 and a.dtype == np.float64 else a
+
+
 def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = None, max_length: int | None = None,
               high_name: str = "vocab_size", max_name: str = "n_positions") -> Array:
     """``x`` as int32 ``[T]``; values checked against ``[low, high)`` when concrete (traced ids cannot be).
@@ -65,7 +72,7 @@ def token_ids(x: Any, name: str, *, low: int, high: int, length: int | None = No
     """
     dtype = getattr(x, "dtype", None)
     if dtype is None:
-        x = _as_numpy(x, name)
+        x = _sequence(x, name)
         dtype = x.dtype
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"{name} must be integer token ids [T], received dtype {np.dtype(dtype).name}")
@@ -95,7 +102,7 @@ def attention_mask(mask: Any, T: int) -> Array:
         return jax.device_put(np.ones((T,), bool))  # made on the host: no program per new T
     dtype = getattr(mask, "dtype", None)
     if dtype is None:
-        mask = _as_numpy(mask, "attention_mask")
+        mask = _sequence(mask, "attention_mask")
         dtype = mask.dtype
     if not (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
         raise TypeError(f"attention_mask must have an integer or boolean dtype (1 = token, 0 = padding), received dtype {np.dtype(dtype).name}")
@@ -145,16 +152,16 @@ def float32(x: Any) -> Any:
     return np.float32(x)
 
 
-def _as_array(x: Any) -> Any:
+def _as_array(x: Any, name: str) -> Any:
     """``x`` as it is when it is a JAX array (concrete or traced: ``bind`` under ``jax.vmap``/``jax.jit``
     over prompts), else as a NumPy array; only its dtype and shape are read here."""
-    return x if isinstance(x, (jax.Array, jax.core.Tracer)) else np.asarray(x)
+    return x if isinstance(x, (jax.Array, jax.core.Tracer)) else _sequence(x, name)
 
 
 def batch_ids(x: Any, name: str) -> Any:
     """Token ids ``[T]`` or ``[B, T]`` with ``T >= 1``, as int32 (a NumPy array stays one, a JAX array, traced
     or not, stays one); dtype and shape checked, values left to the model's forward."""
-    a = _as_array(x)
+    a = _as_array(x, name)
     if not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"{name} must be integer token ids [T] or [B, T], received dtype {np.dtype(a.dtype).name}")
     if a.ndim not in (1, 2) or a.shape[-1] == 0:
@@ -167,7 +174,7 @@ def batch_mask(mask: Any, shape: tuple[int, ...], *, like: str = "input_ids") ->
     NumPy or JAX as given; ``None``: all real (NumPy). Dtype and shape checked, values left to the forward."""
     if mask is None:
         return np.ones(shape, bool)
-    mask = _as_array(mask)
+    mask = _as_array(mask, "attention_mask")
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask must have the shape of {like} {tuple(shape)}, received {tuple(mask.shape)}")
     if not (mask.dtype == np.bool_ or np.issubdtype(mask.dtype, np.integer)):

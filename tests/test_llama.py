@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpt2_checkpoints import train_tokenizer
+from jaxattn import interventions as I
 from jaxattn import llama
 from jaxattn.checkpoint import CheckpointError, flatten, unstack_layers
 from llama_checkpoints import (
@@ -488,6 +489,18 @@ def test_forward_rejects_bad_input(small, kwargs, error, match):
         (lambda p, c: llama.log_prob(p, c, np.arange(5), attention_mask=np.array([1, 1, 2, 1, 1])), ValueError,
          r"must hold only 0 and 1, received values \[1, 2\]"),
         (lambda p, c: llama.forward(p, c, [[1, 2], [3]]), TypeError, r"input_ids must be an array \(rectangular"),
+        # an empty list (NumPy makes it float64) is refused for its length, not for its dtype
+        (lambda p, c: llama.forward(p, c, []), ValueError, r"^input_ids must hold 1 to max_position_embeddings=\d+ "
+                                                             r"tokens, received T=0$"),
+        (lambda p, c: llama.log_prob(p, c, []), ValueError, r"^input_ids must hold 1 to .* received T=0$"),
+        (lambda p, c: llama.generate(p, c, [], max_new_tokens=2), ValueError,
+         r"^prompt_ids must hold 1 to .* received T=0$"),
+        (lambda p, c: llama.forward(p, c, [3], attention_mask=[]), ValueError,
+         r"^attention_mask must have shape \[T\] = \(1,\), like input_ids, received shape \(0,\)$"),
+        (lambda p, c: I.bind(llama, p, c, []), ValueError,
+         r"^input_ids must have shape \[T\] or \[B, T\] with T >= 1, received shape \(0,\)$"),
+        (lambda p, c: I.bind(llama, p, c, [3], attention_mask=[]), ValueError,
+         r"^attention_mask must have the shape of input_ids \(1,\), received \(0,\)$"),
         (lambda p, c: llama.generate(p, c, [[1, 2], [3]], max_new_tokens=2), TypeError, r"prompt_ids must be an array"),
         (lambda p, c: llama.forward(p, c, [1, 2, 3], head_mask=[[1, 1, 1, 1], [1]]), TypeError, r"head_mask must be an array"),
         (lambda p, c: llama.log_prob(p, c, np.arange(5), start=np.array([1, 2])), ValueError, r"start must be a scalar"),

@@ -37,6 +37,7 @@ __all__ = [
     "check_layer_count",
     "check_config_fields",
     "check_layer_names",
+    "check_finite_params",
     "check_saveable_tokenizer",
     "check_shapes",
     "flatten",
@@ -223,35 +224,41 @@ def read_safetensors(path: str | os.PathLike, *, lazy: bool = False) -> dict[str
     ``lazy=True`` as :class:`LazyArray` s, each read when it is used.
 
     Raises:
-      CheckpointError: the file is missing, truncated or not a safetensors file (the message names it).
+      CheckpointError: the file is missing, truncated or not a safetensors file (the message names it), or
+        a tensor has a dtype NumPy has none of (FP8: the message names the tensor).
     """
     from safetensors import safe_open
-    from safetensors.numpy import load_file
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: weight file not found")
+    if not lazy:
+        return {name: np.asarray(a) for name, a in read_safetensors(path, lazy=True).items()}
 
     def failed(e: Exception) -> CheckpointError:
         return CheckpointError(f"{path}: cannot read safetensors file, truncated or corrupt? ({e})")
 
     try:
-        if not lazy:
-            return dict(load_file(str(path)))
         handle = safe_open(str(path), framework="numpy")
         dtypes = _safetensors_dtypes()
         out = {}
         for name in handle.keys():
             info = handle.get_slice(name)
+            kind = info.get_dtype()
 
-            def read(name: str = name) -> np.ndarray:
+            def read(name: str = name, kind: str = kind) -> np.ndarray:
+                if kind not in dtypes:  # NumPy has no such dtype (FP8...): refused by name when read
+                    raise CheckpointError(f"{path}: tensor '{name}' has dtype {kind}, which cannot be read here "
+                                          f"(supported: {', '.join(dtypes)})")
                 try:
                     return handle.get_tensor(name)
                 except Exception as e:  # as above
                     raise failed(e) from None
 
-            out[name] = LazyArray(info.get_shape(), dtypes.get(info.get_dtype()), read)
+            out[name] = LazyArray(info.get_shape(), dtypes.get(kind), read)
         return out
+    except CheckpointError:
+        raise
     except Exception as e:  # safetensors raises its own SafetensorError (not exported stably) or OSError
         raise failed(e) from None
 
@@ -500,6 +507,9 @@ def stack_layers(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
         if m is None:
             out[key] = value
         else:
+            if m.group(1) != str(int(m.group(1))):  # "00" or "01": another spelling of a block's index
+                raise ValueError(f"the blocks under '{prefix}' must be numbered 0..L-1 without leading zeros, "
+                                 f"found '{key}'")
             blocks.setdefault(int(m.group(1)), {})[m.group(2)] = value
     if not blocks:
         raise ValueError(f"params hold no block under '{prefix}/0/...' (the per-layer layout stack_layers reads)")
@@ -528,19 +538,24 @@ def stack_layers(params: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 def unstack_layers(params: Mapping[str, Any], prefix: str, layers: int | None = None) -> dict[str, Any]:
     """The inverse of :func:`stack_layers`: each ``[L, ...]`` leaf under ``prefix`` split into blocks
     ``{prefix}/{i}/{name}`` (Hugging Face's per-layer Flax layout, e.g. for ``FlaxLlamaForCausalLM(params=)``
-    or a file). Nested in, nested out (flat in, flat out); ``layers`` checks ``L`` when given."""
+    or a file). Nested in, nested out (flat in, flat out); every leaf under ``prefix`` must hold the same
+    ``L`` blocks, which ``layers`` checks when given (``ValueError`` naming the weight otherwise)."""
     nested = any(isinstance(v, Mapping) for v in params.values())
     flat = flatten(params) if nested else dict(params)
     head = _prefix(prefix)
     out: dict[str, Any] = {}
+    source = None if layers is None else "layers"  # where L comes from: the argument, or the first weight
     for key, value in flat.items():
         if not key.startswith(head):
             out[key] = value
             continue
         L = np.shape(value)[0] if np.ndim(value) else None
         if L is None or (layers is not None and L != layers):
-            raise ValueError(f"weight '{key}' must be stacked [L, ...]" + (f" with L = {layers}" if layers else "")
+            given = "" if source in (None, "layers") else f" (the blocks of '{source}': every weight the same)"
+            raise ValueError(f"weight '{key}' must be stacked [L, ...]" + (f" with L = {layers}{given}" if layers else "")
                              + f", received shape {tuple(np.shape(value))}")
+        if source is None:
+            source, layers = key, L
         for i in range(L):
             out[f"{head}{i}/{key[len(head):]}"] = value[i]
     return unflatten(out) if nested else out
@@ -833,6 +848,17 @@ def _resolve_hub(repo_id: str, required: Sequence[str], any_of: Sequence[Sequenc
 # ----------------------------------------------------------------------------------------------------
 # Tokenizers (the `tokenizers` package; no transformers)
 # ----------------------------------------------------------------------------------------------------
+
+
+def check_finite_params(params: Any) -> None:
+    """``ValueError`` naming the first weight of ``params`` that holds NaN or Inf, raised before a model's
+    ``save`` writes anything: its ``load`` refuses such a file as corrupt."""
+    for key, value in flatten(params).items():
+        a = np.asarray(value)
+        if np.issubdtype(a.dtype, np.inexact) or a.dtype.name == "bfloat16":
+            if not np.all(np.isfinite(a.astype(np.float32))):
+                raise ValueError(f"params['{key}'] holds NaN or Inf values: load refuses a file holding them, so "
+                                 f"nothing is written")
 
 
 def check_saveable_tokenizer(tokenizer: Any) -> None:

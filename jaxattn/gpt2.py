@@ -44,9 +44,9 @@ from jaxattn.decoder import Family
 from jaxattn._extras import require
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
-from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_layer_names,
-    check_saveable_tokenizer, check_shapes, fitting, flatten, read_config, read_msgpack, read_safetensors, resolve,
-    stack_layers, unflatten, unstack_layers)
+from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_finite, check_finite_params,
+    check_layer_names, check_saveable_tokenizer, check_shapes, fitting, flatten, read_config, read_msgpack,
+    read_safetensors, resolve, stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn import models
 from jaxattn.models import ModelOutput, QKWeights, Sizes
@@ -612,14 +612,17 @@ def save(directory: str | Path, params: dict, config: GPT2Config, tokenizer: Tex
     ``config.json``; the weights as ``model.safetensors`` (PyTorch ``GPT2LMHeadModel`` names, Conv1D
     kernels ``(in, out)``) or ``flax_model.msgpack`` (``FlaxGPT2LMHeadModel``, kernels ``(out, in)``),
     in the params' dtype; and, if given, ``tokenizer.json``. Each file is written atomically, and
-    ``load(save(...))`` returns the same params. A folder that already holds ``model.safetensors`` is
-    refused for ``format="msgpack"`` (``ValueError``, before anything is written): :func:`load` reads
-    that file first, so the new weights would not be the ones loaded.
+    ``load(save(...))`` returns the same params when a tokenizer was saved (:func:`load` needs one). A
+    folder that already holds ``model.safetensors`` is refused for ``format="msgpack"`` (``ValueError``,
+    before anything is written): :func:`load` reads that file first, so the new weights would not be the
+    ones loaded. Params holding NaN or Inf are refused by name (``ValueError``, before anything is
+    written): :func:`load` refuses such a file.
     """
     if format not in ("safetensors", "msgpack"):
         raise ValueError(f"format must be 'safetensors' or 'msgpack', received {format!r}")
     decoder.check_config(_FAMILY, config)
     check_params(params, config)
+    check_finite_params(params)
     check_saveable_tokenizer(tokenizer)
     directory = Path(directory)
     if format == "msgpack" and (directory / "model.safetensors").exists():

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import _sharding, decoder
-from jaxattn._checks import as_float_dtype, check_int, check_positive_float32
+from jaxattn._checks import as_float_dtype, check_flag, check_int, check_positive_float32
 from jaxattn._inputs import check_last_axis, check_layer
 from jaxattn.decoder import Family
 from jaxattn._extras import require
@@ -64,8 +64,8 @@ from jaxattn._llamalike import rotation as _rotation
 from jaxattn._nn import init_from_shapes
 from jaxattn._typing import Array, ArrayLike, Bool, Float, Int, Real
 from jaxattn.checkpoint import (CheckpointError, ConfigSchema, TextTokenizer, check_config_fields, check_finite,
-    check_layer_count, check_saveable_tokenizer, check_shapes, fitting, flatten, read_config, read_msgpack,
-    read_safetensors, resolve, stack_layers, unflatten, unstack_layers)
+    check_finite_params, check_layer_count, check_saveable_tokenizer, check_shapes, fitting, flatten, read_config,
+    read_msgpack, read_safetensors, resolve, stack_layers, unflatten, unstack_layers)
 from jaxattn.io import atomic_write
 from jaxattn import models
 from jaxattn.models import QKWeights, Sizes
@@ -447,9 +447,13 @@ def read_llama_config(path: str | Path) -> LlamaConfig:
     """A :class:`LlamaConfig` from a ``config.json`` of model_type llama, mistral, qwen2, qwen3, gemma, gemma2 or
     gemma3_text (``Gemma3ForCausalLM``; its ``layer_types``, or the older ``sliding_window_pattern``).
 
-    A field missing from the file takes the default of the model type's configuration class in transformers
-    (e.g. Gemma 2's ``query_pre_attn_scalar`` 256 and soft caps 50 and 30, Gemma 3's ``rope_theta`` 1e6,
-    Mistral's ``sliding_window`` 4096), so a trimmed config.json reads as transformers reads it. A Gemma's
+    The sizes (``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``,
+    ``num_attention_heads``, ``max_position_embeddings``) must be in the file (a missing one is refused by
+    name; a multimodal gemma3's ``text_config`` takes transformers' defaults for them, as transformers
+    does). Any other field missing from the file takes the default of the model type's configuration class
+    in transformers (e.g. Gemma 2's ``query_pre_attn_scalar`` 256 and soft caps 50 and 30, Gemma 3's
+    ``rope_theta`` 1e6, Mistral's ``sliding_window`` 4096), so a trimmed config.json reads as transformers
+    reads it. A Gemma's
     activation is ``hidden_activation``; absent, the tanh GELU every Gemma was trained with, whatever the
     legacy ``hidden_act`` says ("gelu" in Gemma 1's files; a non-GELU value is refused).
 
@@ -648,7 +652,11 @@ def _from_torch(arrays: Mapping[str, Any], config: LlamaConfig, source: str | Pa
     """:func:`params_from_torch`, each converted weight handed to ``place(key, float32 array)``."""
     arrays = dict(arrays)
     for key in [k for k in arrays if _INV_FREQ.match(k)]:
-        if not np.allclose(np.asarray(arrays.pop(key), np.float64), _inv_freq(config), rtol=1e-5, atol=0):
+        buffer, want = arrays.pop(key), _inv_freq(config)
+        if tuple(np.shape(buffer)) != want.shape:
+            raise CheckpointError(f"{source}: buffer '{key}' has shape {tuple(np.shape(buffer))}, expected "
+                                  f"{want.shape} (head_dim/2 RoPE frequencies, head_dim={config.head_dim})")
+        if not np.allclose(np.asarray(buffer, np.float64), want, rtol=1e-5, atol=0):
             raise CheckpointError(f"{source}: buffer '{key}' does not hold RoPE frequencies for rope_theta="
                                   f"{config.rope_theta}, head_dim={config.head_dim}")
     if config.tie_word_embeddings and "lm_head.weight" in arrays:
@@ -859,7 +867,8 @@ def _load_gguf(path: str | Path, placer: Any) -> tuple[dict, LlamaConfig, TextTo
 
 
 def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, mesh: Any = None,
-         model_axis: str | None = "model", split_vocab: bool = False) -> tuple[dict, LlamaConfig, TextTokenizer]:
+         model_axis: str | None = "model", split_vocab: bool = False,
+         tokenizer: bool = True) -> tuple[dict, LlamaConfig, TextTokenizer | None]:
     """Load a Llama-architecture checkpoint: ``(params, config, tokenizer)``. No PyTorch, no transformers.
 
     Args:
@@ -874,8 +883,8 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
           with pre-tokenizers "smollm" and "gpt-2", or SentencePiece BPE as llama.cpp runs it); another
           architecture is refused from the header, before anything else is read;
         * a directory or Hugging Face hub id with ``config.json`` (model_type llama, mistral, qwen2, qwen3,
-          gemma, gemma2, gemma3_text, or a multimodal gemma3's text part; fields it leaves out take
-          transformers' defaults), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
+          gemma, gemma2, gemma3_text, or a multimodal gemma3's text part; optional fields it leaves out
+          take transformers' defaults: :func:`read_llama_config`), the weights as ``model.safetensors`` or ``model.safetensors.index.json`` with its
           shards (PyTorch or Flax names, :data:`LAYOUTS`), or ``flax_model.msgpack`` or its
           ``flax_model.msgpack.index.json`` and shards (what ``FlaxLlamaForCausalLM.save_pretrained``
           writes), and ``tokenizer.json``.
@@ -886,31 +895,36 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
         (GGUF and safetensors tensors one at a time, so the model is never whole on the host, in float32
         or at all; a msgpack file is read whole first). ``None``: the default device.
       model_axis, split_vocab: as in :func:`shard`, with ``mesh``.
+      tokenizer: ``False``: no tokenizer is read (a directory then needs no ``tokenizer.json``, as
+        :func:`save` writes it without one) and ``None`` is returned in its place.
 
     Returns:
       ``(params, config, tokenizer)``: params in the Flax layout (module docstring), a :class:`LlamaConfig`
-      and a :class:`~jaxattn.checkpoint.TextTokenizer`.
+      and a :class:`~jaxattn.checkpoint.TextTokenizer` (``None`` with ``tokenizer=False``).
 
     Raises:
       CheckpointError (a ``ValueError``): naming the file and the key, tensor or field at fault; the
         bundled model not installed gives one message with the install command.
     """
     _sharding.placer(as_float_dtype(dtype))  # a dtype it cannot cast to is refused before any file is read
+    want_tokenizer = check_flag(tokenizer, "tokenizer")
 
     def placer(config: LlamaConfig, source: Any) -> Any:  # refuses a weight dtype cannot hold (1e5 in float16)
         return fitting(_sharding.placer(dtype, None if mesh is None else _layout(
             config, mesh, model_axis=model_axis, split_vocab=split_vocab, where="jaxattn.llama.load")), dtype, source)
 
-    if name_or_path is None:
-        return _load_gguf(bundled_path(), placer)
-    if name_or_path == GEMMA3_NAME:
-        return _load_gguf(gemma3_path(), placer)
-    if str(name_or_path).endswith(".gguf"):
-        return _load_gguf(name_or_path, placer)
+    if name_or_path is None or name_or_path == GEMMA3_NAME or str(name_or_path).endswith(".gguf"):
+        path = bundled_path() if name_or_path is None else gemma3_path() if name_or_path == GEMMA3_NAME else name_or_path
+        params, config, tok = _load_gguf(path, placer)
+        return params, config, tok if want_tokenizer else None
+    folder = Path(name_or_path).expanduser()
+    if want_tokenizer and (folder / "config.json").is_file() and not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"{folder}: tokenizer.json not found in the checkpoint directory; "
+                              f"load(..., tokenizer=False) reads the weights and config alone")
     files = resolve(
         name_or_path,
         required=["config.json"],
-        any_of=[list(WEIGHT_FILES), ["tokenizer.json"]],
+        any_of=[list(WEIGHT_FILES)] + ([["tokenizer.json"]] if want_tokenizer else []),
     ).files
     source = next(files[f] for f in WEIGHT_FILES if f in files)
     # before the config is read: a claimed depth the weights do not have must not size any table
@@ -925,7 +939,7 @@ def load(name_or_path: str | Path | None = None, *, dtype: Any = jnp.float32, me
         params = _from_flax(arrays, config, source, place)
     else:
         params = _from_arrays(arrays, config, source, place)
-    return params, config, load_tokenizer(files["tokenizer.json"], config)
+    return params, config, load_tokenizer(files["tokenizer.json"], config) if want_tokenizer else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1156,11 +1170,15 @@ def save(directory: str | Path, params: dict, config: LlamaConfig, tokenizer: Te
 
     ``config.json`` (the fields of ``config.model_type``), ``model.safetensors`` (PyTorch names,
     ``nn.Linear`` weights ``[out, in]``, in the params' dtype; a tied head is not stored) and, if given,
-    ``tokenizer.json``. Each file is written atomically; ``load(save(...))`` returns the same params.
+    ``tokenizer.json``. Each file is written atomically; ``load(save(...))`` returns the same params, and
+    ``load(save(..., tokenizer=None), tokenizer=False)`` the same params without a tokenizer (a GGUF's
+    SentencePiece tokenizer, Gemma 3's, has no ``tokenizer.json`` to save). Params holding NaN or Inf are
+    refused by name (``ValueError``, before anything is written): :func:`load` refuses such a file.
     """
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors', received {format!r}")
     check_params(params, config)
+    check_finite_params(params)
     check_saveable_tokenizer(tokenizer)
     from safetensors.numpy import save as save_safetensors
 

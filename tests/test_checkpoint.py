@@ -246,3 +246,21 @@ def test_read_config_missing_file(tmp_path):
 def test_check_shapes_names_dtype():
     with pytest.raises(CheckpointError, match=r"f.bin: weight 'a' has dtype int32, expected a floating dtype"):
         check_shapes({"a": np.zeros(3, np.int32)}, {"a": (3,)}, "f.bin")
+
+
+def test_stack_layers_refuses_a_block_index_spelled_twice_and_unstack_layers_blocks_of_unequal_counts():
+    """``0`` and ``00`` would both be block 0 (one silently overwriting the other); weights of 2 and 3 blocks
+    would unstack to a block 2 holding some weights only."""
+    from jaxattn.checkpoint import stack_layers, unstack_layers
+
+    with pytest.raises(ValueError, match=r"^the blocks under 'm/layers' must be numbered 0\.\.L-1 without leading "
+                                         r"zeros, found 'm/layers/00/w'$"):
+        stack_layers({"m/layers/0/w": np.ones(2), "m/layers/00/w": np.zeros(2), "m/layers/1/w": np.ones(2)}, "m/layers")
+    with pytest.raises(ValueError, match=r"^weight 'm/layers/v' must be stacked \[L, \.\.\.\] with L = 2 \(the blocks "
+                                         r"of 'm/layers/w': every weight the same\), received shape \(3, 3\)$"):
+        unstack_layers({"m/layers/w": np.ones((2, 3)), "m/layers/v": np.ones((3, 3))}, "m/layers")
+    flat = {"m/layers/w": np.arange(6.0).reshape(2, 3), "m/layers/v": np.ones((2, 1)), "m/head": np.zeros(3)}
+    back = stack_layers(unstack_layers(flat, "m/layers"), "m/layers")
+    assert sorted(back) == sorted(flat)
+    for key, value in flat.items():
+        np.testing.assert_array_equal(back[key], value)

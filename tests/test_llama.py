@@ -252,6 +252,28 @@ def test_save_load_round_trip_and_dtype(tok, tmp_path):
     assert tokenizer.encode(text).tolist() == gguf_tok.encode(text).tolist()
     half, _, _ = llama.load(directory, dtype=jnp.bfloat16)
     assert {v.dtype for v in flatten(half).values()} == {jnp.dtype(jnp.bfloat16)}
+    assert llama.load(tmp_path / "m.gguf", tokenizer=False)[2] is None  # a GGUF: its tokenizer not returned
+
+
+def test_save_refuses_non_finite_params_and_a_folder_without_tokenizer_loads_with_tokenizer_false(tok, tmp_path):
+    """``save`` writes nothing for params its ``load`` would refuse (NaN named); saved without a tokenizer
+    (as Gemma 3's SentencePiece one must be), the folder loads back with ``tokenizer=False``."""
+    config = make_config(tok, **CONFIGS["llama-gqa4x2-tied"])
+    params = random_params(0, config)
+    broken = jax.tree.map(lambda a: a, params)
+    broken["model"]["norm"]["weight"] = np.asarray(broken["model"]["norm"]["weight"]).copy()
+    broken["model"]["norm"]["weight"][1] = np.nan
+    with pytest.raises(ValueError, match=r"^params\['model/norm/weight'\] holds NaN or Inf values: load refuses a "
+                                         r"file holding them, so nothing is written$"):
+        llama.save(tmp_path / "nan", broken, config, tok)
+    assert not (tmp_path / "nan").exists()
+    directory = llama.save(tmp_path / "bare", params, config, None)
+    loaded, loaded_config, none = llama.load(directory, tokenizer=False)
+    assert none is None and loaded_config == config
+    for key, value in flatten(params).items():
+        np.testing.assert_array_equal(np.asarray(flatten(loaded)[key]), np.asarray(value), err_msg=key)
+    with pytest.raises(TypeError, match=r"^tokenizer must be a Python bool"):
+        llama.load(directory, tokenizer="no")
 
 
 def test_config_fields_of_each_family_are_read(tok, tmp_path):
@@ -682,8 +704,33 @@ BROKEN_HF = [
      r"weight 'lm_head\.weight' differs from 'model\.embed_tokens\.weight' but tie_word_embeddings is true"),
     ("wrong rotary buffer", "llama", _weights(lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)})),
      r"buffer 'model\.layers\.0\.self_attn\.rotary_emb\.inv_freq' does not hold RoPE frequencies"),
-    ("no tokenizer", "llama", lambda d: (d / "tokenizer.json").unlink(), r"none of tokenizer\.json found"),
+    ("rotary buffer of another length", "llama",
+     _weights(lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(3, np.float32)})),
+     r"buffer 'model\.layers\.0\.self_attn\.rotary_emb\.inv_freq' has shape \(3,\), expected \(4,\)"),
+    ("no tokenizer", "llama", lambda d: (d / "tokenizer.json").unlink(),
+     r"tokenizer\.json not found in the checkpoint directory; load\(\.\.\., tokenizer=False\) reads the weights"),
+    ("fp8 tensor", "llama", lambda d: _fp8_norm(d), r"model\.safetensors: tensor 'model\.norm\.weight' has dtype "
+                                                    r"F8_E4M3, which cannot be read here \(supported: F64, F32"),
 ]
+
+
+def _fp8_norm(directory):
+    """The checkpoint's ``model.norm.weight`` stored as FP8 (one byte each), the file written by hand."""
+    import json
+    import struct
+
+    from safetensors.numpy import load_file
+
+    header, blobs, at = {}, [], 0
+    for key, value in load_file(str(directory / "model.safetensors")).items():
+        raw, kind = ((bytes([0x38]) * value.size, "F8_E4M3") if key == "model.norm.weight"
+                     else (np.ascontiguousarray(value).tobytes(), "F32"))
+        header[key] = {"dtype": kind, "shape": list(value.shape), "data_offsets": [at, at + len(raw)]}
+        blobs.append(raw)
+        at += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
 @pytest.mark.parametrize("name, base, edit, match", BROKEN_HF, ids=[b[0] for b in BROKEN_HF])

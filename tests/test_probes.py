@@ -144,6 +144,28 @@ def test_entropy_keeps_the_largest_weights_term_when_it_rounds_to_one():
         assert float(probes.entropy(half)) == pytest.approx(plain_half, rel=1e-6)
 
 
+def test_entropy_of_a_long_row_is_corrected_only_when_it_is_a_distribution():
+    """S = 32768 keys: a row that does not sum to 1 (a key masked out of a distribution) is summed as it is,
+    ``-Σ p log p`` over the kept keys; a saturated softmax row of that length keeps its largest weight's term."""
+    S = 32768
+    w = np.zeros(S, np.float32)
+    w[:3] = 0.9, 0.085, 0.015
+    keep = np.ones(S, bool)
+    keep[2] = False
+    kept = np.asarray(w[:2], np.float64)
+    plain = -np.sum(kept * np.log(kept))
+    np.testing.assert_allclose(probes.entropy(w, keep), plain, rtol=1e-6)
+    np.testing.assert_allclose(probes.entropy(np.where(keep, w, 0)), plain, rtol=1e-6)
+    np.testing.assert_allclose(probes.row_stats(w, keep)["effective_support"], np.exp(plain), rtol=1e-6)
+    z = np.full(S, -30.0)  # one logit 30 above 32767 others: ε = 32767 e^-30, the largest weight rounds to 1
+    z[0] = 0.0
+    soft = jax.nn.softmax(jnp.asarray(z, jnp.float32))
+    assert float(soft[0]) == 1.0
+    eps = (S - 1) * np.exp(-30.0)
+    exact = np.log1p(eps) + eps / (1 + eps) * 30.0
+    np.testing.assert_allclose(probes.entropy(soft), exact, rtol=1e-4)
+
+
 def test_head_entropy_causal_mask_matches_numpy(rng):
     L, N, T = 2, 3, 5
     logits = rng.standard_normal((L, N, T, T)).astype(np.float32)

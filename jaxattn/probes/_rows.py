@@ -62,7 +62,7 @@ def _entropy(p: Array, keep: Array | None, ulp: float | None = None) -> Array:
     ``p_max log p_max`` to 0, while the other weights still carry entropy: their sum ε is exactly the
     lost ``1 - p_max``, and the lost term ``-p_max log p_max ≈ ε`` is a fraction ``1/(1 + gap)`` of the
     entropy (5% at a logit gap of 20 in float32). For a row that sums to 1 (within one ``ulp`` of the
-    dtype the weights came in, plus ``4·S`` ulps of ``p``'s) whose
+    dtype the weights came in, plus ``4·(1 + S·ε)`` ulps of ``p``'s) whose
     largest weight exceeds 1/2, that term is computed as ``p_max · log1p(-ε)`` with ε summed from the
     other weights (no cancellation); any other row is summed as it is. The derivative is always that of
     the plain sum, ``-(log p_s + 1)`` (the correction enters through ``stop_gradient``).
@@ -82,9 +82,11 @@ def _entropy_of_numbers(p: Array, ulp: float | None) -> Array:
     complement, is_max = _complement(p)  # [..., S]: 1 - p_s, with 1 - p_max summed from the others
     others = jnp.sum(jnp.where(is_max, complement, 0.0), axis=-1, keepdims=True)  # [..., 1], ε
     p_max = jnp.max(p, axis=-1, keepdims=True)  # [..., 1]
-    # Rounding a distribution to its dtype moves its sum by at most ulp/2; computing it (softmax, sums) in
-    # p's dtype by a few ulps per key.
-    tolerance = (0.0 if ulp is None else ulp) + 4 * S * float(jnp.finfo(p.dtype).eps)
+    # Rounding a distribution to its dtype moves its sum by at most ulp/2; computing it (softmax) in p's
+    # dtype by a few ulps of the sum, and summing the S - 1 others a few ulps of ε per key: S enters
+    # through ε alone, so a long row that does not sum to 1 is not taken for one.
+    eps = float(jnp.finfo(p.dtype).eps)
+    tolerance = (0.0 if ulp is None else ulp) + 4 * eps * (1.0 + S * others)  # [..., 1]
     use = (jnp.abs(p_max + others - 1.0) <= tolerance) & (others < 0.5)  # [..., 1]
     safe = jnp.where(use, others, 0.0)  # log1p(-ε) finite, with a finite gradient, wherever it is not used
     plain = -jnp.sum(terms, axis=-1)

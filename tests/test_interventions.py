@@ -278,3 +278,10 @@ def test_bad_input_raises_before_tracing(tiny):
         probes.entropy_lower_bound(np.ones((3, 4)), np.ones((4, 2)), np.ones((4, 3)))
     with pytest.raises(ValueError, match="mask must have shape"):
         probes.entropy_lower_bound(np.ones((3, 4)), np.ones((4, 2)), np.ones((4, 2)), mask=np.ones((2, 2), bool))
+    # a query that keeps no key (padding) has a floor of 0, as one with a single key; the others theirs
+    x, w = np.random.default_rng(0).normal(size=(3, 4)), np.random.default_rng(1).normal(size=(4, 2))
+    padded = np.array([[1, 1, 0], [1, 1, 0], [0, 0, 0]], bool)
+    floor = np.asarray(probes.entropy_lower_bound(x, w, w[::-1], mask=padded))
+    assert floor[2] == 0.0 and np.all(floor[:2] > 0)
+    np.testing.assert_array_equal(floor[:2], np.asarray(probes.entropy_lower_bound(x, w, w[::-1], mask=padded | (
+        np.arange(3) == 0)[None, :] & (np.arange(3) == 2)[:, None]))[:2])

@@ -276,4 +276,5 @@ def entropy_lower_bound(x: Float[ArrayLike, "T D"], w_q: Float[ArrayLike, "D H"]
     """
     beta = logit_spread_bound(x, w_q, w_k, **options)  # [T]
     T = beta.shape[0]
-    return entropy_floor(beta, jnp.sum(_keep_mask(options.get("mask"), T), axis=1), max_keys=T)
+    n = jnp.sum(_keep_mask(options.get("mask"), T), axis=1)  # [T]; 0 for a row that keeps no key (padding)
+    return entropy_floor(beta, jnp.maximum(n, 1), max_keys=T)  # a floor of 0 at one key or none

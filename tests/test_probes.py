@@ -412,8 +412,28 @@ def test_vmapped_sweep_equals_the_single_trial_function(small_sweep):
             atol = 1e-6 * float(np.max(np.abs(expected))) if mode == 1 else 1e-30
             np.testing.assert_allclose(one[name], expected, rtol=rtol, atol=atol, err_msg=f"{name}, mode {mode}")
     assert probes.sweep_trial_fn(8) is probes.sweep_trial_fn(8, num_queries=16)  # compiled once per configuration
-    with pytest.raises(ValueError, match="head_dims"):
+    with pytest.raises(ValueError, match=r"^head_dim must be a positive int \(d_k\), received 0$"):
         probes.sweep_trial_fn(0)
+
+
+def test_a_bfloat16_sweeps_entropy_is_probes_entropy_of_its_own_map():
+    """The sweep's row statistics read the map in the dtype it was made in, as ``probes.entropy`` does: a
+    bfloat16 map's saturated rows keep the largest weight's term (cast to float32 first, they lost up to
+    12% at d_k = 256, unscaled)."""
+    T = S = V = 16
+    H = 256
+    key = jax.random.split(jax.random.key(0), (1, 1))[0, 0]  # the sweep's trial (0, 0) key
+    trial = probes.sweep_trial_fn(H, dtype=jnp.bfloat16)(key, False)  # unscaled
+    z = jax.random.normal(key, ((T + S) * (H + V),)).reshape(T + S, H + V)  # the trial's draws
+    q, k, v, r = (z[:T, :H].astype(jnp.bfloat16), z[T:, :H].astype(jnp.bfloat16), z[T:, H:].astype(jnp.bfloat16),
+                  (z[:T, H:] / math.sqrt(V)).astype(jnp.bfloat16))
+    weights = probes.attention_grads(q, k, v, r, scale=1.0)["weights"]
+    np.testing.assert_array_equal(trial["entropy"], probes.entropy(weights))
+    x = np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    exact = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=-1)
+    np.testing.assert_allclose(trial["entropy"], exact, rtol=5e-3)
 
 
 def test_one_trial_against_float64_numpy():
@@ -658,6 +678,12 @@ def test_grad_norms_against_numpy_on_known_gradients():
         np.testing.assert_allclose(norms[name], expected, rtol=1e-6, atol=0, err_msg=name)
     assert np.asarray(norms["logits_zero"]).tolist() == [True, False, False, False]
     assert np.asarray(norms["q_zero"]).tolist() == [False, False, False, True]
+    # float32 rows of entries whose squares underflow (1e-27² is 0): their norms, not 0; inf and NaN kept
+    tiny = np.array([[0.0, -8.756511e-27], [3e-30, 4e-30], [np.inf, 1.0], [np.nan, 1.0]], np.float32)
+    norms = probes.grad_norms({"logits": tiny, "q": tiny, "k": tiny, "v": tiny})
+    np.testing.assert_allclose(norms["logits"][:2], [8.756511e-27, 5e-30], rtol=1e-6)
+    assert np.isinf(norms["q"][2]) and np.isnan(norms["k"][3])
+    assert np.asarray(norms["logits_zero"]).tolist() == [False, False, False, False]
     # A real underflow row: query 0 sees a logit gap of 100 > 87.3 (its row of ∂L/∂logits and ∂L/∂q is
     # exactly 0 in float32), query 1 a gap of 2. v's gradient is pᵀ r, alive for both.
     q = np.array([[1.0, 0.0], [0.02, 0.0]], np.float32)

@@ -81,17 +81,28 @@ def _attention_grads(q, k, v, cotangent, bias, mask, scale, is_causal, cap=None)
     return {"logits": dz, "q": dq, "k": dk, "v": dv, "weights": weights, "loss": value}
 
 
+def _row_norm(g: Array) -> Array:
+    """The Euclidean norm over the last axis, in float32 or wider, each row divided by its largest
+    magnitude first: float32 squares of entries below about 1e-19 are 0, so a plain norm of a saturated
+    row's gradient came out 0 where the row is not. 0 for an all-zero row; inf or NaN as the row holds."""
+    g = g.astype(softmax_dtype(g.dtype))
+    m = jnp.max(jnp.abs(g), axis=-1)  # [...]
+    safe = jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+    scaled = safe * jnp.sqrt(jnp.sum(jnp.square(g / safe[..., None]), axis=-1))
+    return jnp.where(m == 0, 0.0, jnp.where(jnp.isfinite(m), scaled, m))
+
+
 def grad_norms(grads: dict[str, Float[ArrayLike, "..."]]) -> dict[str, Float[Array, "..."] | Bool[Array, "..."]]:
     """Per-row Euclidean norms of :func:`attention_grads`' gradients, and which rows are exactly zero.
 
     Returns:
-      dict: ``logits [T]``, ``q [T]``, ``k [S]``, ``v [S]`` (norms, float32 or wider), and
+      dict: ``logits [T]``, ``q [T]``, ``k [S]``, ``v [S]`` (norms, float32 or wider, each row scaled by its
+      largest entry first, so that a row of tiny entries (a saturated softmax's) has its norm, not 0), and
       ``logits_zero [T]``, ``q_zero [T]`` (bool: every entry of the row is exactly 0 in its dtype).
     """
     out = {}
     for name in ("logits", "q", "k", "v"):
-        g = grads[name]
-        out[name] = jnp.linalg.norm(g.astype(softmax_dtype(g.dtype)), axis=-1)
+        out[name] = _row_norm(jnp.asarray(grads[name]))
     out["logits_zero"] = jnp.all(grads["logits"] == 0, axis=-1)
     out["q_zero"] = jnp.all(grads["q"] == 0, axis=-1)
     return out

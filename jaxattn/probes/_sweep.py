@@ -22,7 +22,7 @@ from jaxattn._attention import _masked_softmax, attention_logits
 from jaxattn._checks import as_key, check_float_dtype, check_int, check_logit_cap, softmax_dtype
 from jaxattn._logits import soft_cap
 from jaxattn.probes._bound import logit_cap_bounds
-from jaxattn.probes._grads import _attention_grads
+from jaxattn.probes._grads import _attention_grads, _row_norm
 from jaxattn.probes._jacobian import _cap_slope, _jacobian_norms
 from jaxattn.probes._remedies import Remedy, parse_remedies, remedy_scale, rms_normalize, sigma_reparam_qk
 from jaxattn.probes._rows import row_stats
@@ -124,10 +124,12 @@ def _width_probes(q, k, v, r, scale, cap=None):
     dots = logits / scale  # [T, S], q·k
     return {
         "logits": logits,
-        "weights": grads["weights"].astype(acc),  # [T, S], the map the output was computed from
+        # [T, S], the map the output was computed from, in its own dtype: row_stats reads a half-precision
+        # map's saturated rows as probes.entropy does (cast to float32 first, they lost up to 12%)
+        "weights": grads["weights"],
         "logit_grad": grads["logits"],  # [T, S], ∂L/∂logits in the input dtype
-        "q_grad_norm": jnp.linalg.norm(grads["q"].astype(acc), axis=-1),  # [T]
-        "k_grad_norm": jnp.linalg.norm(grads["k"].astype(acc), axis=-1),  # [S]
+        "q_grad_norm": _row_norm(grads["q"].astype(acc)),  # [T]
+        "k_grad_norm": _row_norm(grads["k"].astype(acc)),  # [S]
         "q_grad_zero": jnp.all(grads["q"] == 0, axis=-1),  # [T]
         "dot_sq": jnp.mean(dots * dots),  # E[(q·k)²] over this trial's T·S pairs (the mean is 0)
         "dot_mean": jnp.mean(dots),
@@ -149,7 +151,7 @@ def _row_probes(logits, weights, logit_grad, cap=None, **reduced):
         "normalized_entropy": stats["normalized_entropy"],
         "max_weight": stats["max_weight"],
         "jacobian_norm": jac,
-        "logit_grad_norm": jnp.linalg.norm(logit_grad.astype(softmax_dtype(logit_grad.dtype)), axis=-1),
+        "logit_grad_norm": _row_norm(logit_grad),
         "logit_grad_zero": jnp.all(logit_grad == 0, axis=-1),
         "jacobian_zero": jac == 0,
         **reduced,
@@ -320,7 +322,7 @@ def sweep_trial_fn(
     runs the same compiled program). The same arguments return the same object. For benchmarks (a
     Python loop over it against :func:`saturation_sweep`) and for debugging one trial.
     """
-    (head_dim,) = _check_head_dims((head_dim,))
+    head_dim = check_int(head_dim, "head_dim", what="d_k")
     T = check_int(num_queries, "num_queries")
     S = check_int(num_keys, "num_keys", 2)
     V = check_int(value_dim, "value_dim")

@@ -109,9 +109,20 @@ def kept_nonfinite(mask: Array | None, causal: int | None, T: int, S: int, bad: 
     product each): nothing when every value is finite, and no ``[T, S]`` buffer. ``window``: ``(left,
     right, offset)``, key ``j`` visible to query ``i`` iff ``i + offset - left <= j <= i + offset + right``
     (as well): an any over each query's range of keys from log2(range) doublings of an any over shifted
-    rows (a sparse table), O((T + S)·C·log(range)) and only when some value is bad.
+    rows (a sparse table), O((T + S)·C·log(range)) and only when some value is bad. Under a mesh with
+    Explicit axes a general mask takes one ``[T, S] @ [S, C]`` product instead of the loop (see there).
     """
     t, s = (1, 1) if mask is None else mask.shape
+    if t > 1 and s > 1 and jax.sharding.get_abstract_mesh().explicit_axes:
+        # Under a mesh with Explicit axes, JAX (0.10) cannot vmap a loop of traced length over a batch split
+        # on them ("Resource axis ... not found in mesh"): one product over every key instead, O(T·S·C).
+        keep = jnp.broadcast_to(mask, (T, S))
+        if causal is not None:
+            keep = jnp.logical_and(keep, jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + causal)
+        if window is not None:
+            d = jnp.arange(S)[None, :] - jnp.arange(T)[:, None] - window[2]  # [T, S]
+            keep = jnp.logical_and(keep, jnp.logical_and(d >= -window[0], d <= window[1]))
+        return jnp.einsum("TS,SC->TC", keep.astype(jnp.float32), bad.astype(jnp.float32)) > 0.0
     if t > 1 and s > 1:  # a general mask
         B = min(32, S)
         key_bad = jnp.any(bad, axis=1)  # [S]

@@ -252,6 +252,9 @@ def ring_attention(
     is_causal = check_flag(is_causal, "is_causal")
     block_q = check_int(block_q, "block_q", what="rows per tile")
     block_k = check_int(block_k, "block_k", what="rows per tile")
+    if not isinstance(axis_name, str):  # None means "not split" for sharded_attention's axes, not here
+        raise TypeError(f"axis_name must be the name (a str) of the mesh axis the sequence is split over, "
+                        f"received {axis_name!r}")
     P = _mesh_axis_size(mesh, axis_name, "axis_name")
     T, S = q.shape[0], k.shape[0]
     if T % P or S % P:

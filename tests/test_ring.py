@@ -108,6 +108,20 @@ def test_ring_attention_shard_refuses_an_axis_it_cannot_use(kwargs, error, messa
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("axis_name", [None, 1])
+def test_ring_attention_refuses_an_axis_name_that_is_not_a_str(axis_name):
+    """None means "not split" for sharded_attention's axes; ring_attention needs the axis it splits over."""
+    import jax
+
+    import jaxattn
+
+    q = np.zeros((4, 2, 4), np.float32)
+    mesh = jax.make_mesh((1,), ("seq",), devices=jax.devices()[:1])
+    with pytest.raises(TypeError, match=r"^axis_name must be the name \(a str\) of the mesh axis the sequence is "
+                                        rf"split over, received {axis_name!r}$"):
+        jaxattn.ring_attention(q, q, q, mesh=mesh, axis_name=axis_name)
+
+
 @pytest.mark.parametrize(
     "kwargs, k_len, message",
     [

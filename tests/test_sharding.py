@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-FAST = ["llama_explicit_forward"]
+FAST = ["llama_explicit_forward", "core_general_mask_explicit"]
 SLOW = [
     "llama_explicit_forward_log_prob_generate",
     "gpt2_explicit_forward_log_prob",
@@ -452,6 +452,37 @@ def _main(group):  # pragma: no cover - runs in the subprocess
         expect_param_specs(sharded, {"model/layers/self_attn/k_proj/kernel": (None, None, "model"),
                                      "model/layers/mlp/down_proj/kernel": (None, "model", None),
                                      "model/embed_tokens/embedding": (None, None)})
+        return errs
+
+    def core_general_mask_explicit():
+        """The attention core under a caller's vmap over a batch split on an Explicit axis, with a general
+        [T, S] keep-mask and a NaN in a value (JAX cannot vmap a loop of traced length there; the core's
+        bookkeeping of kept non-finite values takes one product instead): equal to one device, the NaN in
+        exactly the rows that keep its key."""
+        import jaxattn
+
+        m = mesh((4, 1), AxisType.Explicit)
+        q, k, v = (rng.standard_normal((4, 6, 2, 8)).astype(np.float32) for _ in range(3))
+        keep = rng.random((4, 1, 6, 6)) > 0.3
+        keep[..., 0] = True
+        v[1, 3, 0, 2] = np.nan
+        calls = {"multi_head_attention": lambda q, k, v, m: jaxattn.multi_head_attention(q, k, v, mask=m)[0],
+                 "multi_head_blockwise_attention": lambda q, k, v, m: jaxattn.multi_head_blockwise_attention(
+                     q, k, v, mask=m, block_q=2, block_k=2)[0],
+                 "attention": lambda q, k, v, m: jaxattn.attention(q[:, 0], k[:, 0], v[:, 0], mask=m[0])[0][:, None]}
+        errs = {}
+        for name, call in calls.items():
+            f = jax.jit(jax.vmap(call))
+            ref = np.asarray(f(q, k, v, keep))
+            with jax.set_mesh(m):
+                out = f(*(jax.device_put(x, NamedSharding(m, P("data"))) for x in (q, k, v, keep)))
+            expect_spec(out, ("data", None, None, None), name)
+            out = np.asarray(out)
+            if not np.array_equal(np.isnan(out), np.isnan(ref)):
+                raise AssertionError(f"{name}: NaN in other entries than on one device")
+            errs[name] = rel(np.nan_to_num(out), np.nan_to_num(ref), name)
+        if not np.isnan(ref[1, keep[1, 0, :, 3], 0, 2]).all() or np.isnan(ref[1, ~keep[1, 0, :, 3]]).any():
+            raise AssertionError("the NaN value reaches exactly the rows that keep its key")
         return errs
 
     def llama_auto_forward_log_prob_generate():

@@ -694,44 +694,57 @@ def _derived(report: dict) -> list[str]:
     return out
 
 
+def _fraction(text: str) -> float:
+    """An argparse ``type=``: a number in (0, 1] (else a usage error, exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], received {text!r}")
+    return value
+
+
 def main() -> None:
-    from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder
+    from jaxattn.io import OutputFolderError, atomic_write, int_at_least, positive_float, prepare_output_folder
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench-output", help="output folder (default: bench-output)")
-    parser.add_argument("--quick", action="store_true", help="small shapes, few rounds (a smoke run of a minute or two)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small shapes, few rounds (a smoke run of a minute or two): sets --gpt2-T 256, "
+                             "--long-T 2048, --min-rounds 3, --max-rounds 3, --seconds-per-config 3, whatever is given")
     parser.add_argument("--gpu", action="store_true", help="require a GPU (bf16, adds cuDNN); detected automatically otherwise")
     parser.add_argument("--resume", action="store_true", help="keep configurations already in the JSON file")
     parser.add_argument("--only", default="", help="run only configurations whose key contains this text")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these implementations (default: all the backend's); ratios need xla")
-    parser.add_argument("--gpt2-T", type=int, default=1024)
+    parser.add_argument("--gpt2-T", type=int_at_least(1), default=1024)
     parser.add_argument("--skip-gpt2", action="store_true", help="only the long configurations")
-    parser.add_argument("--long-T", type=int, nargs="*", default=[4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--long-N", type=int, default=1, help="heads of the long configurations (default 1)")
+    parser.add_argument("--long-T", type=int_at_least(1), nargs="*", default=[4096, 8192, 16384, 32768, 65536])
+    parser.add_argument("--long-N", type=int_at_least(1), default=1, help="heads of the long configurations (default 1)")
     parser.add_argument("--modes", nargs="*", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    parser.add_argument("--peak-tflops", type=float, default=None,
+    parser.add_argument("--peak-tflops", type=positive_float, default=None,
                         help="the device's peak TFLOP/s in the benchmark's dtype (H200 bf16 dense: 989), for the share of peak")
-    parser.add_argument("--block-q", type=int, default=512)
-    parser.add_argument("--block-k", type=int, default=512)
-    parser.add_argument("--matmul-n", type=int, default=2048, help="side of the ceiling matmul")
+    parser.add_argument("--block-q", type=int_at_least(1), default=512)
+    parser.add_argument("--block-k", type=int_at_least(1), default=512)
+    parser.add_argument("--matmul-n", type=int_at_least(1), default=2048, help="side of the ceiling matmul")
     parser.add_argument("--min-rounds", type=int_at_least(3), default=3, help="timed rounds per configuration, at least")
     parser.add_argument("--max-rounds", type=int_at_least(3), default=7)
-    parser.add_argument("--seconds-per-config", type=float, default=12.0, help="time budget for the timed rounds")
-    parser.add_argument("--memory-fraction", type=float, default=0.5,
+    parser.add_argument("--seconds-per-config", type=positive_float, default=12.0, help="time budget for the timed rounds")
+    parser.add_argument("--memory-fraction", type=_fraction, default=0.5,
                         help="skip a materialising implementation whose [T, S] buffers need more than this "
                              "fraction of the available memory")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-configuration peak-memory subprocesses")
-    parser.add_argument("--memory-timeout", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--memory-timeout", type=positive_float, default=600.0)
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--windows", action="store_true",
                         help="measure the sliding window and causal skipping instead (bench_windows.json/.md)")
-    parser.add_argument("--window", type=int, default=512, help="--windows: W, keys in each causal window")
-    parser.add_argument("--window-block", type=int, default=128, help="--windows: the windowed kernel's block_q = block_k")
-    parser.add_argument("--window-T", type=int, nargs="*", default=[16384])
-    parser.add_argument("--causal-T", type=int, nargs="*", default=[8192, 16384])
-    parser.add_argument("--window-memory-T", type=int, default=65536, help="--windows: T of the memory run (0: none)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--window", type=int_at_least(1), default=512, help="--windows: W, keys in each causal window")
+    parser.add_argument("--window-block", type=int_at_least(1), default=128, help="--windows: the windowed kernel's block_q = block_k")
+    parser.add_argument("--window-T", type=int_at_least(1), nargs="*", default=[16384])
+    parser.add_argument("--causal-T", type=int_at_least(1), nargs="*", default=[8192, 16384])
+    parser.add_argument("--window-memory-T", type=int_at_least(0), default=65536, help="--windows: T of the memory run (0: none)")
+    parser.add_argument("--rounds", type=int_at_least(3), default=5,
                         help="--windows: interleaved timed rounds; --baseline: processes of each side (>= 3)")
     parser.add_argument("--baseline", default=None, metavar="DIR",
                         help="another checkout: the GPT-2 configurations' dense/xla and blockwise/xla against its")

@@ -76,6 +76,12 @@ from jaxattn import checkpoint
 from jaxattn.checkpoint import flatten, unflatten
 from jaxattn.io import OutputFolderError, int_at_least, prepare_output_folder, write_json
 
+if os.environ.get("JAXATTN_BENCH_ROOT") and (Path(llama.__file__).resolve().parents[1]
+                                             != Path(os.environ["JAXATTN_BENCH_ROOT"]).resolve()):
+    # an installed jaxattn found instead of the baseline's: its times would be ours, compared with ours
+    raise SystemExit(f"JAXATTN_BENCH_ROOT={os.environ['JAXATTN_BENCH_ROOT']} holds no jaxattn of its own: "
+                     f"imported {llama.__file__}")
+
 
 def _timed(fn) -> float:
     t = time.perf_counter()
@@ -316,22 +322,24 @@ def main(argv: list[str] | None = None) -> int:
                         help=argparse.SUPPRESS)
     parser.add_argument("--phases", action="store_true", help="only split each forward's first call into its phases")
     parser.add_argument("--gradient", action="store_true", help="only the gradient's first call and steady time")
-    parser.add_argument("--grad-T", type=int, default=128, help="tokens of the gradient's input")
+    parser.add_argument("--grad-T", type=int_at_least(1), default=128, help="tokens of the gradient's input")
     parser.add_argument("--generate", action="store_true",
                         help="only generate's steady time against --baseline's (prompts of --generate-T tokens)")
-    parser.add_argument("--generate-T", type=int, nargs="*", default=[5, 40], help="prompt lengths for --generate")
+    parser.add_argument("--generate-T", type=int_at_least(1), nargs="+", default=[5, 40], help="prompt lengths for --generate")
     parser.add_argument("--first-generate", action="store_true",
                         help="only generate's first call against the forward's (5-token prompt), without Flax")
     parser.add_argument("--random-init", action="store_true",
                         help="random weights of the bundled checkpoint's shapes instead of the checkpoint")
     parser.add_argument("--baseline", default=None, help="a checkout whose jaxattn is the baseline (--gradient, --generate, --first-generate)")
-    parser.add_argument("--T", type=int, default=512)
+    parser.add_argument("--T", type=int_at_least(1), default=512)
     parser.add_argument("--repeats", type=int_at_least(3), default=5, help="steady calls timed (a median of at least 3)")
     parser.add_argument("--load-repeats", type=int_at_least(1), default=3,
                         help="loads timed (reported, not a target: 1 is printed as one load)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--out", default="lab-output/bench_llama")
     args = parser.parse_args(argv)
+    if args.baseline is not None and not (Path(args.baseline) / "jaxattn" / "__init__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: expected a checkout with jaxattn/__init__.py in it")
     extra = ("--random-init",) if args.random_init else ()  # what every child process is told
     if args.child:
         _first_call(args.child, args.T, args.seed, args.repeats, args.random_init)

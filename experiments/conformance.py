@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import jax
 
 import jaxattn
-from jaxattn.io import OutputFolderError, atomic_write, prepare_output_folder, write_json
+from jaxattn.io import OutputFolderError, atomic_write, int_at_least, prepare_output_folder, write_json
 
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "blockwise")
 
@@ -41,8 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="conformance-output", help="output folder (conformance.md, conformance.json)")
     parser.add_argument("--quick", action="store_true", help="float32 and bfloat16, odd lengths only")
-    parser.add_argument("--implementations", nargs="*", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS,
+                        help="the implementations checked (at least one; default: all)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
     args = parser.parse_args()
     try:  # before any work: nothing wasted, nothing half-written
         prepare_output_folder(args.out, ("conformance.md", "conformance.json"), create=False)

@@ -477,6 +477,7 @@ def bound_part(module, params, config, tok, name, out):
     if module.qk_weights(params, config).qk_norm:
         print(f"entropy bound: not computed for {name}: it normalises each head's q and k (RMSNorm) before the "
               f"logits, so they are not linear in the attention input, which the bound needs; bound.json not written")
+        _remove_earlier(out / "bound.json")
         return
     ids, _ = interventions.encode_with_offsets(tok, BIG)
     summary = interventions.bound_summary(interventions.entropy_bounds(module, params, config, ids))
@@ -485,18 +486,37 @@ def bound_part(module, params, config, tok, name, out):
     write_json(out / "bound.json", {"model": name, "sentence": BIG, **summary})
 
 
+def _remove_earlier(path):
+    """An earlier run's file of a part this model skips, of another model: never left beside these results."""
+    if path.exists():
+        path.unlink()
+        print(f"removed {path}: an earlier run's file (this model has none)")
+
+
 def start_ids(module, tok):
     """The ids the tokenizer puts before any text (Gemma's ``<bos>``; none for SmolLM2 and GPT-2)."""
     return np.asarray(tok.encode(""), np.int32) if module.CAUSAL else np.zeros(0, np.int32)
 
 
-def scores_part(module, params, config, tok, name, args, out):
-    """Each head's score of every kind of :data:`interventions.HEAD_KINDS` on random tokens repeated once."""
+def score_tokens(module, config, tok, args):
+    """``(ids, low, high)``: ``--repeat`` random ids in ``[low, high)`` twice, after the start ids; ``SystemExit``
+    naming --repeat when the model takes fewer tokens."""
     sizes = module.sizes(config)
     high = min(40000, sizes.vocab)
     low = min(1000, high // 4)
     half = np.random.default_rng(args.seed).integers(low, high, args.repeat).astype(np.int32)
     ids = np.concatenate([start_ids(module, tok), half, half])
+    if len(ids) > sizes.max_length:
+        raise SystemExit(f"error: --repeat {args.repeat}: the scores' input of {len(ids)} tokens (twice --repeat"
+                         f"{', after the start token' if len(ids) > 2 * args.repeat else ''}) is longer than the "
+                         f"{sizes.max_length} the model takes")
+    return ids, low, high
+
+
+def scores_part(module, params, config, tok, name, args, out):
+    """Each head's score of every kind of :data:`interventions.HEAD_KINDS` on random tokens repeated once."""
+    sizes = module.sizes(config)
+    ids, low, high = score_tokens(module, config, tok, args)
     maps = module.forward(params, config, ids).attentions
     tables = {kind: np.asarray(interventions.head_scores(maps, ids, kind), np.float64) for kind in interventions.HEAD_KINDS}
     lines = [f"# Head scores: {name} ({sizes.layers} layers x {sizes.heads} heads)", "",
@@ -519,6 +539,7 @@ def lens_part(module, params, config, tok, name, args, out):
     """The rank (0 = top) of ``--target``'s first token after ``--prompt`` in each row of the logit lens."""
     if not module.CAUSAL:
         print(f"logit lens: not computed for {name}: it has no language-model head; lens.json not written")
+        _remove_earlier(out / "lens.json")
         return
     ids, target = lens_tokens(tok, args)
     lens = np.asarray(interventions.logit_lens(interventions.bind(module, params, config, ids), positions=[-1]))[:, 0]
@@ -560,7 +581,8 @@ def window_tokens(module, config, tok, name, args):
         raise SystemExit(f"error: --length {length}: the text has {len(ids)} tokens and {name} takes at most "
                          f"{sizes.max_length}")
     windows = sizes.layer_windows or (sizes.window,) * sizes.layers
-    W = args.distance or max((w for w in windows if w is not None), default=DEFAULT_DISTANCE)
+    # a model without a window: DEFAULT_DISTANCE, or half the input when that is shorter (MiniLM takes 512)
+    W = args.distance or max((w for w in windows if w is not None), default=min(DEFAULT_DISTANCE, length // 2))
     if W >= length:
         raise SystemExit(f"error: --length {length} must exceed the distance {W} (--distance, or the largest window)")
     return ids, W
@@ -629,7 +651,7 @@ def main(argv=None) -> int:
                         help=f"window: tokens of the long input (default {DEFAULT_LENGTH}, or the model's longest input)")
     parser.add_argument("--distance", type=int_at_least(1), default=None,
                         help=f"window: the distance counted (default: the model's largest sliding window, or "
-                             f"{DEFAULT_DISTANCE} for a model without one)")
+                             f"{DEFAULT_DISTANCE} (at most half of --length) for a model without one)")
     args = parser.parse_args(argv)
     if args.random_gpt2 is not None and args.model is not None:
         parser.error("--model and --random-gpt2 name two models: give one")
@@ -661,6 +683,8 @@ def main(argv=None) -> int:
         lens_tokens(tok, args)
     if "window" in parts:
         window_tokens(module, config, tok, name, args)
+    if "scores" in parts:
+        score_tokens(module, config, tok, args)
     if "bench" in parts:  # first: every way then compiles from nothing
         bench_part(module, params, config, tok, args, out, name)
     if "effects" in parts:

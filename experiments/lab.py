@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's jaxattn, whatever is installed
 
-from jaxattn import gpt2, lab, probes
+from jaxattn import checkpoint, gpt2, lab, probes
 from jaxattn.io import NO_CACHE_VARIABLE, OutputFolderError, int_at_least, use_compilation_cache, write_json
 from jaxattn.io import prepare_output_folder as prepare_folder
 from jaxattn.progress import ProgressBar, step
@@ -88,14 +88,19 @@ def run_part2(args) -> dict:
     return data
 
 
-def run_parts34(args) -> int:
+def _trophy_script():
+    """experiments/trophy.py (beside this script), which runs parts 3-4."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trophy.py")  # beside this script
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trophy.py")
     spec = importlib.util.spec_from_file_location("trophy_experiment", path)
     trophy_experiment = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trophy_experiment)
+    return trophy_experiment
 
+
+def run_parts34(args) -> int:
+    trophy_experiment = _trophy_script()
     argv = ["--out", os.path.join(args.out, "trophy")] + ([] if args.cache else ["--no-cache"])
     if args.model is not None:
         argv += ["--model", args.model]
@@ -181,6 +186,14 @@ def main(argv=None) -> None:
     if ({3, 4} & set(args.parts) and model is not None and args.random_gpt2 is None
             and model.startswith((os.sep, ".", "~")) and not os.path.isdir(os.path.expanduser(model))):
         parser.error(f"argument --model: no such directory {model!r} (parts 3-4 read a checkpoint folder there)")
+    if {3, 4} & set(args.parts) and model is not None and args.random_gpt2 is None and not os.path.isdir(
+            os.path.expanduser(model)):
+        names = _trophy_script()
+        if model not in (names.CAUSAL, names.ENCODER, *names.GEMMA3_NAMES):  # a hub id: its config looked up now
+            try:  # (the local cache when offline), so that a mistyped one fails before parts 1-2 run
+                checkpoint.resolve(model, required=["config.json"], any_of=[])
+            except checkpoint.CheckpointError as e:
+                parser.error(f"argument --model: {e}")
     try:
         prepare_output_folder(args.out, args.parts)  # before any part runs: no compute wasted, nothing half-written
     except OutputFolderError as e:

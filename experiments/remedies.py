@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vmap this many trials of each d_k at a time inside the one program (bounds the memory of "
                         "σReparam's d_k × d_k projections; default 4)")
     p.add_argument("--quick", action="store_true",
-                   help=f"smoke run: d_k {' '.join(map(str, QUICK['head_dims']))}, {QUICK['trials']} trials")
+                   help=f"smoke run: d_k {' '.join(map(str, QUICK['head_dims']))}, {QUICK['trials']} trials "
+                        f"(in place of --head-dims and --trials, whatever they say)")
     p.add_argument("--no-cache", dest="cache", action="store_false",
                    help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
                         f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="loss (nats) for 'steps to threshold' (default: recall 0.1, text 2.5)")
     p.add_argument("--out", default="train-scale-output", help="output folder (created)")
     p.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 2 remedies (or those given), "
-                   "seed 0, lr 3e-3, 4 steps")
+                   "seed 0, lr 3e-3, 4 steps (in place of the sizes, seeds, learning rates and steps given)")
     p.add_argument("--no-cache", dest="cache", action="store_false",
                    help="do not keep compiled programs across runs (default: kept in $XDG_CACHE_HOME/jaxattn, "
                         f"else ~/.cache/jaxattn; {NO_CACHE_VARIABLE}=1 does the same)")

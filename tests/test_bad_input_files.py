@@ -634,11 +634,13 @@ BAD_FLAGS = [
     ("trophy.py", ["--random-gpt2", "tiny", "--model", "minilm"], r"--model and --random-gpt2 name two models"),
     ("heads.py", ["--random-gpt2", "tiny", "--model", "minilm"], r"--model and --random-gpt2 name two models"),
     ("lab.py", ["--parts", "3", "--random-gpt2", "tiny", "--model", "minilm"], r"--model and --random-gpt2 name two models"),
+    # a hub id neither cached nor reachable (the hub switched off here): refused before parts 1-2 run
+    ("lab.py", ["--parts", "1,3", "--model", "smolm2"], r"argument --model: cannot fetch 'smolm2' from the Hugging Face hub"),
 ]
 
 
 @pytest.mark.parametrize("script, argv, says", BAD_FLAGS, ids=[f"{s} {' '.join(a[-2:])}" for s, a, _ in BAD_FLAGS])
-def test_a_bad_flag_is_refused_by_name_before_any_work(tmp_path, monkeypatch, capsys, script, argv, says):
+def test_a_bad_flag_is_refused_by_name_before_any_work(tmp_path, monkeypatch, capsys, offline_hub, script, argv, says):
     monkeypatch.chdir(tmp_path)
     code = _run_script(script, [*argv, "--out", str(tmp_path / "out")], monkeypatch)
     assert code == 2

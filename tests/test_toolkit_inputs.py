@@ -2,6 +2,7 @@
 arguments refused by name before any work, workers that are stopped when a multi-process run times out."""
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -387,3 +388,41 @@ def test_multihost_script_timeout_exits_1_with_a_message_and_leaves_no_worker():
     for pid in left:  # do not leave them running if the check fails
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+def test_heads_script_checks_repeat_before_any_part_and_removes_an_earlier_runs_file_it_does_not_write(tmp_path, capsys):
+    """A --repeat the model cannot take is refused, naming it, before the effects run (nothing written); a
+    model without a language-model head removes an earlier run's lens.json instead of leaving it beside
+    its own results; a model without a window counts a distance its input can hold by default."""
+    heads = _script("heads.py")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"^error: --repeat 100: the scores' input of 200 tokens \(twice --repeat\) is "
+                                         r"longer than the 128 the model takes$"):
+        heads.main(["--random-gpt2", "tiny", "--parts", "effects,scores", "--repeat", "100", "--out", str(out)])
+    assert _tree(tmp_path) == []
+    out.mkdir()
+    (out / "lens.json").write_text('{"model": "another"}')
+    assert heads.main(["--model", "minilm", "--parts", "lens", "--out", str(out)]) == 0
+    assert "removed" in capsys.readouterr().out and _tree(out) == []
+    assert heads.main(["--random-gpt2", "tiny", "--parts", "window", "--out", str(out)]) == 0
+    record = json.loads((out / "window.json").read_text())
+    assert (record["length"], record["distance"]) == (128, 64)
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("conformance.py", ["--seed", "-1"], "argument --seed: must be an int >= 0, received '-1'"),
+    ("conformance.py", ["--implementations"], "argument --implementations: expected at least one argument"),
+    ("bench_attention.py", ["--gpt2-T", "-5"], "argument --gpt2-T: must be a positive int, received '-5'"),
+    ("bench_attention.py", ["--memory-fraction", "2"], "argument --memory-fraction: must be a number in (0, 1], "
+                                                        "received '2'"),
+    ("bench_llama.py", ["--T", "-1"], "argument --T: must be a positive int, received '-1'"),
+    ("bench_llama.py", ["--baseline", "/nonexistent", "--gradient"],
+     "--baseline /nonexistent: expected a checkout with jaxattn/__init__.py in it"),
+])
+def test_benchmark_and_conformance_scripts_refuse_bad_sizes_by_name(tmp_path, capsys, monkeypatch, script, argv, says):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [script, *argv, "--out", str(tmp_path / "out")])
+    module = _script(script)
+    err = _usage_error(capsys, lambda: module.main(sys.argv[1:]) if script == "bench_llama.py" else module.main())
+    assert says in err and "Traceback" not in err, err
+    assert _tree(tmp_path) == []

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn._checks import check_int
 from jaxattn.checkpoint import unflatten
 
 Array = jax.Array
@@ -24,8 +25,9 @@ def layer_norm(x: Array, scale: Array, bias: Array, eps: float) -> Array:
 
 def init_from_shapes(seed: int, shapes: dict[str, tuple[int, ...]], *, ones: tuple[str, ...]) -> dict:
     """Random float32 params from ``{"a/b/kernel": shape}``: ``kernel``/``embedding`` leaves ``N(0, 0.02²)``,
-    leaves ending in one of ``ones`` (norm scales) 1, the rest (biases) 0; drawn with NumPy, compiling nothing."""
-    rng = np.random.default_rng(seed)
+    leaves ending in one of ``ones`` (norm scales) 1, the rest (biases) 0; drawn with NumPy, compiling nothing.
+    ``seed``: an int >= 0 (``ValueError`` naming it otherwise)."""
+    rng = np.random.default_rng(check_int(seed, "seed", 0))
     flat = {}
     for name, shape in shapes.items():
         if name.endswith(("kernel", "embedding")):

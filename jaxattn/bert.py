@@ -44,7 +44,7 @@ from jaxattn import _sharding
 from jaxattn._attention import attention_logits, merge_heads, multi_head_attention, split_heads
 from jaxattn._checks import as_float_dtype, check_depth, check_positive_float32, check_scale
 from jaxattn._extras import require
-from jaxattn._inputs import attention_mask as attention_mask_
+from jaxattn._inputs import keep_mask
 from jaxattn._inputs import check_last_axis, check_layer, token_ids
 from jaxattn._inputs import head_mask as head_mask_
 from jaxattn._nn import embed_ids, init_from_shapes, layer_norm
@@ -493,7 +493,7 @@ def forward(
     ids = token_ids(input_ids, "input_ids", low=0, high=config.vocab_size,
                     max_length=config.max_position_embeddings, max_name="max_position_embeddings")
     T = ids.shape[0]
-    keep = attention_mask_(attention_mask, T)  # [T]
+    keep = keep_mask(attention_mask, T)  # [T]; a concrete mask with no real token refused
     if token_type_ids is None:
         types = jnp.zeros((T,), jnp.int32)  # [T]
     else:

@@ -58,7 +58,8 @@ from jaxattn._attention import attention_logits, init_attention_params, merge_he
 from jaxattn._checks import as_key, check_int, check_scale
 from jaxattn._extras import require
 from jaxattn._masks import causal_mask
-from jaxattn._nn import layer_norm
+from jaxattn._inputs import check_id_values
+from jaxattn._nn import embed_ids, layer_norm
 from jaxattn.probes import Remedy, head_entropy, softmax_jacobian_norms
 
 require("train", "jaxattn.train", "optax")
@@ -529,6 +530,7 @@ def forward(
         raise TypeError(f"tokens must be an integer array [T], received dtype {tokens.dtype.name}")
     if tokens.ndim != 1 or not 0 < tokens.shape[0] <= config.n_ctx:
         raise ValueError(f"tokens must have shape [T] with 0 < T <= n_ctx={config.n_ctx}, received {tuple(tokens.shape)}")
+    check_id_values(tokens, "tokens", 0, params["wte"].shape[0], "n_vocab")  # concrete ids; traced: NaN rows below
     T, L, N = tokens.shape[0], config.num_layers, config.num_heads
     if logit_bias is None:
         logit_bias = jnp.zeros((L, N, T, T), jnp.float32)
@@ -536,7 +538,7 @@ def forward(
         raise ValueError(f"logit_bias must have shape [L, N, T, T] = {(L, N, T, T)}, received {tuple(jnp.shape(logit_bias))}")
     if len(params["blocks"]) != L:
         raise ValueError(f"params has {len(params['blocks'])} blocks, config.num_layers is {L}")
-    x = params["wte"][tokens] + params["wpe"][:T]  # [T, D]
+    x = embed_ids(params["wte"], tokens) + params["wpe"][:T]  # [T, D]: an id out of range a NaN row, not another's
     maps, logits = [], []
     for layer, p in enumerate(params["blocks"]):
         x, w, z = _block(p, x, logit_bias[layer], config=config, scale=scale, logit_cap=logit_cap)  # [T, D], [N, T, T] ×2

@@ -310,3 +310,27 @@ def test_nnx_decode_past_the_cache_is_refused_eagerly_and_nan_under_jit():
     step = nnx.jit(lambda module, x: module(x))
     outs = [np.asarray(step(traced, x)) for _ in range(4)]
     assert all(np.all(np.isfinite(o)) for o in outs[:3]) and np.all(np.isnan(outs[3]))
+
+
+def test_ids_masks_and_seeds_the_models_would_misread_are_refused_by_name():
+    """train.forward: an id outside [0, n_vocab) refused when concrete, a NaN row (not another token's)
+    when traced; bert.forward: a concrete mask with no real token refused, as the decoders do; a seed
+    NumPy would refuse in its own words is named."""
+    import jax
+
+    from jaxattn import bert, train
+
+    cfg = train.ModelConfig(n_vocab=80, n_ctx=15, d_model=16, num_heads=2, head_dim=8, num_layers=1)
+    p = train.init_params(0, cfg)
+    with pytest.raises(ValueError, match=r"^tokens must lie in \[0, n_vocab=80\), received values in \[1, 99\]$"):
+        train.forward(p, np.array([1, 2, 99]), config=cfg)
+    traced = jax.jit(lambda t: train.forward(p, t, config=cfg)[0])(jnp.array([1, 2, 99]))
+    assert np.all(np.isnan(np.asarray(traced)[2])) and np.all(np.isfinite(np.asarray(traced)[:2]))
+    config = bert.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=32, max_position_embeddings=8, type_vocab_size=2, layer_norm_eps=1e-12)
+    params = bert.init_params(0, config)
+    with pytest.raises(ValueError, match=r"^attention_mask marks no real token \(all 3 entries are 0\)"):
+        bert.forward(params, config, np.array([1, 2, 3]), attention_mask=np.zeros(3, np.int32))
+    for seed, kind in ((-1, "-1"), (1.5, "1.5")):
+        with pytest.raises(ValueError, match=rf"^seed must be an int >= 0, received {kind}$"):
+            gpt2.init_params(seed, gpt2.GPT2Config.make(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))

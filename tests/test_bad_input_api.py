@@ -257,6 +257,15 @@ def test_png_draws_dollar_signs_in_tokens_literally():
         viz.grid_png(m, MATH_TOKENS, title=3)
 
 
+def test_png_cuts_a_long_token_label_as_the_page_does():
+    """A 2,000-character token is drawn as its first 19 characters and "…": the figure keeps its size."""
+    long = ["a", "x" * 2000, "c"]
+    fig = viz.grid_figure(_maps(), long)
+    texts = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert "1 " + "x" * 19 + "\u2026" in texts and max(map(len, texts)) <= 22
+    assert len(viz.grid_png(_maps(), long)) < 10 * len(viz.grid_png(_maps(), ["a", "b", "c"]))
+
+
 def test_html_replaces_lone_surrogates_so_the_page_encodes():
     tokens = ["\udc80", "a\ud800b", "ok"]
     page = viz.html(_maps(), tokens, title="t\udcff", names=("A\udc80", "B"))

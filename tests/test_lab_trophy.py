@@ -205,6 +205,12 @@ def test_render_ascii_numbers_columns_past_nine_downwards():
     assert wide[0].endswith(" 1") and wide[1].endswith(" 0") and wide[2].endswith(" 0")  # column 100, three lines
     with pytest.raises(ValueError, match=r"labels must have one entry per query row \(T=2\), received 1"):
         trophy.render_ascii(np.zeros((2, 2)), ["a"])
+    with pytest.raises(ValueError, match=r"^weights must be finite \(a weight in \[0, 1\] per cell\), received nan at "
+                                         r"row 1, column 0$"):
+        trophy.render_ascii(np.array([[1.0, 0.0], [np.nan, 0.5]]), ["a", "b"])
+    rows = trophy.render_ascii(np.full((101, 2), 0.5), [f"t{i}" for i in range(101)]).splitlines()
+    cells = {line.index("'  ") + 3 for line in rows[1:-1]}  # rows 0 .. 100: the cells start in one column
+    assert len(cells) == 1 and rows[0].index("0") == cells.pop() + 1  # column 0's digit on its cell's right
 
 
 def test_render_ascii_closed_form():

@@ -170,12 +170,17 @@ def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "")
     T, S = w.shape
     if len(labels) != T:
         raise ValueError(f"labels must have one entry per query row (T={T}), received {len(labels)}")
+    if not np.all(np.isfinite(w)):
+        i, j = np.argwhere(~np.isfinite(w))[0]
+        raise ValueError(f"weights must be finite (a weight in [0, 1] per cell), received {w[i, j]} at row {i}, "
+                         f"column {j}")
     width = max(len(repr(x)) for x in labels) if labels else 0
+    index = max(2, len(str(max(T - 1, 0))))  # the row numbers' width: row 100 as wide as row 0
     lines = [title] if title else []
     digits = len(str(max(S - 1, 0)))
     for place in range(digits - 1, -1, -1):  # the highest place first; a number's leading zeros blank
         cells = "".join(f" {j // 10**place % 10}" if j >= 10**place or place == 0 else "  " for j in range(S))
-        lines.append(" " * (width + 5) + cells)
+        lines.append(" " * (width + index + 3) + cells)
     for i in range(T):
         cells = []
         for j in range(S):
@@ -184,7 +189,7 @@ def render_ascii(weights: np.ndarray, labels: Sequence[str], *, title: str = "")
             else:
                 c = SHADES[min(int(w[i, j] * len(SHADES)), len(SHADES) - 1)]
                 cells.append(c * 2)
-        lines.append(f"{i:>2d} {labels[i]!r:>{width}}  " + "".join(cells))
+        lines.append(f"{i:>{index}d} {labels[i]!r:>{width}}  " + "".join(cells))
     lines.append("scale: ' ' < 0.1 <= '.' < 0.2 ... '@' >= 0.9; ' ·' = weight exactly 0 (masked)")
     return "\n".join(lines)
 

@@ -72,11 +72,20 @@ def _title(title: Any) -> str:
     return text_label(title)
 
 
+LABEL_CHARS = 20  # a token label longer than this ends in "…", as on the page (a long token must not size the figure)
+
+
+def _short(label: str) -> str:
+    return label if len(label) <= LABEL_CHARS else label[: LABEL_CHARS - 1] + "\u2026"
+
+
 def _ticks(labels: Sequence[str]) -> tuple[list[int], list[str]]:
-    """Tick positions and texts: every token by name, or an index every few tokens on a long axis."""
+    """Tick positions and texts: every token by name (cut to :data:`LABEL_CHARS` characters), or an index
+    every few tokens on a long axis."""
     n = len(labels)
     if n <= MAX_NAMED_TOKENS:
-        return list(range(n)), [f"{i} {x!r}" if x.strip() != x or not x else f"{i} {x}" for i, x in enumerate(labels)]
+        return list(range(n)), [f"{i} {_short(x)!r}" if x.strip() != x or not x else f"{i} {_short(x)}"
+                                for i, x in enumerate(labels)]
     every = -(-n // 16)
     return list(range(0, n, every)), [str(i) for i in range(0, n, every)]
 
@@ -115,7 +124,8 @@ def grid_figure(maps: Any, tokens: Any, *, title: str = "", difference: bool = F
     Args:
       maps: ``[L, N, T, S]``, weights in [0, 1] (or differences in [-1, 1] with ``difference=True``).
       tokens: the S key labels (queries the same when T == S), or ``(query_labels, key_labels)``; drawn
-        literally (``$`` included), a lone surrogate as U+FFFD.
+        literally (``$`` included), a lone surrogate as U+FFFD, one longer than :data:`LABEL_CHARS`
+        characters cut, ending in ``…``.
       title: shown above, literally.
 
     Returns:
@@ -170,7 +180,8 @@ def pair_figure(a: Any, b: Any, tokens_a: Any, tokens_b: Any, *, names: Sequence
 
     Args:
       a, b: ``[T, S]`` attention weights in [0, 1], the same shape.
-      tokens_a, tokens_b: their labels (S keys, or ``(query_labels, key_labels)``), drawn literally.
+      tokens_a, tokens_b: their labels (S keys, or ``(query_labels, key_labels)``), drawn literally (one
+        longer than :data:`LABEL_CHARS` characters cut, ending in ``…``).
       names: the two inputs' names.
       title: shown above, literally.
 

@@ -97,9 +97,8 @@ def _page(tmp_path, L, N, T=8, **tables):
     return path, values
 
 
-@pytest.mark.parametrize("N", [9, 12])
-def test_every_layer_and_head_is_labelled_without_overlap_and_the_name_is_whole_at_1280_by_800(browser, tmp_path, N):
-    L = 30
+@pytest.mark.parametrize("L, N", [(30, 9), (30, 12), (12, 40), (40, 40)])  # 40 heads: each grid 9 px a head
+def test_every_layer_and_head_is_labelled_without_overlap_and_the_name_is_whole_at_1280_by_800(browser, tmp_path, L, N):
     path, _ = _page(tmp_path, L, N)
     browser.set_window_size(1280, 800)
     try:

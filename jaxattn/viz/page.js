@@ -237,7 +237,7 @@
       var y0 = GRID_Y0, cell = 0, lab = null;
       for (var i = 0; i < 2; i++) {  // the head labels' height depends on the cell, the cell on their height
         cell = Math.floor((height - head - y0 - 2 - LEGEND_H) / L);
-        cell = clamp(Math.min(cell, Math.floor(300 / N)), MIN_GRID_CELL, MAX_GRID_CELL);
+        cell = clamp(Math.min(cell, Math.max(Math.floor(300 / N), MIN_LABEL_FONT + 3)), MIN_GRID_CELL, MAX_GRID_CELL);
         lab = gridLabels(L, N, cell);
         y0 = lab.y0;
       }

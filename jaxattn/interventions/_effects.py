@@ -224,19 +224,12 @@ def _value_shape(bound: Bound, name: str, value: Array) -> tuple[int, ...]:
     return tuple(value.shape)
 
 
-def _captured_shape(bound: Bound, name: str) -> tuple[int, ...]:
-    """The captured ``name``'s shape ``[L, ...]`` for one input at the bound's length, from the model's
-    sizes (nothing traced)."""
-    s = bound.spec.sizes(bound.config)
-    T = bound.args["ids"].shape[-1]
-    return (s.layers, *site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)[name])
-
-
 def _check_value_shape(bound: Bound, name: str, value: Array) -> None:
     """Refuse a value that does not broadcast to the captured ``name`` at the bound's length, before any
-    program is compiled or run."""
+    program is compiled or run: the shape comes from the model's sizes (nothing traced)."""
     shape = _value_shape(bound, name, value)  # per input: a batch axis checked and set aside
-    captured = _captured_shape(bound, name)
+    s, T = bound.spec.sizes(bound.config), bound.args["ids"].shape[-1]
+    captured = (s.layers, *site_shapes(T=T, S=T, N=s.heads, K=s.kv_heads, H=s.head_dim, D=s.width)[name])
     if not _broadcasts(shape, captured):
         raise ValueError(f"value must have the shape of the captured {name}, {captured} (or 1 along an axis; "
                          f"a batched bound's may lead with B), received {tuple(value.shape)}")
@@ -294,17 +287,10 @@ def _position_pairs(L: int, T: int, positions: Any) -> tuple[np.ndarray, int]:
 
 def _pad_to_bucket(bound: Bound, name: str, value: Array, shape: tuple[int, ...]) -> tuple[Array, tuple[int, ...]]:
     """A patch value ``[L, ...]`` of the bound's T tokens, and its full shape, at the bucket's length
-    (:func:`jaxattn._sites.pad_site`; on the host for a concrete value, nothing compiled per length)."""
+    (:func:`jaxattn._sites.pad_site`; on the host for a concrete value, nothing compiled per length). The
+    value was checked at the prompt's length first (:func:`_check_value_shape`)."""
     T, B = bound.args["ids"].shape[-1], bound.bucket["ids"].shape[-1]
     axes = ["L", *CAPTURE_NAMES[name][0].split()]
-    for a, n in zip(axes, value.shape):
-        if a in "TS" and n not in (T, 1):
-            raise ValueError(f"value must have T = {T} (the bound's tokens) or 1 along its {a} axis (the captured "
-                             f"{name} is [{', '.join(axes)}]), received shape {tuple(value.shape)}")
-    captured = _captured_shape(bound, name)
-    if not _broadcasts(tuple(value.shape), captured):  # checked here, at the prompt's length
-        raise ValueError(f"value must have the shape of the captured {name}, {captured} (or 1 along an "
-                         f"axis), received {tuple(value.shape)}")
     padded = pad_site(name, value, T, B) if isinstance(value, jax.core.Tracer) else \
         on_device(pad_site(name, np.asarray(value), T, B, np))
     return padded, tuple(B if a in "TS" else n for a, n in zip(axes, shape))
@@ -578,9 +564,6 @@ def attribution_patching(bound: Bound, metric: Metric, value: Any, *, name: str 
     if mesh is None and _bucketed(bound, metric):  # at the bucket's length: the value padded alike
         T = bound.args["ids"].shape[-1]
         shape = tuple(T if a in "TS" else n for a, n in zip(["L", *CAPTURE_NAMES[name][0].split()], clean.shape))
-        if not _broadcasts(value.shape, shape):
-            raise ValueError(f"value must have the shape of the captured {name}, {shape} (or 1 along an axis), "
-                             f"received {tuple(value.shape)}")
         value, _ = _pad_to_bucket(bound, name, value, shape)
     if not _broadcasts(value.shape, clean.shape):
         raise ValueError(f"value must have the shape of the captured {name}, {tuple(clean.shape)} (or 1 along an "
